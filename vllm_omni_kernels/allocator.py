@@ -1,0 +1,71 @@
+"""Buddy allocator over a fixed arena, in units of frames.
+
+Regions are powers of two times ``min_frames``; freeing merges buddies back, so a pool that served
+many short requests can still hand one long request a large region. Purely host-side bookkeeping:
+it never touches device memory.
+"""
+
+from __future__ import annotations
+
+
+class BuddyAllocator:
+    """Hands out ``(offset, frames)`` regions of a ``total_frames`` arena.
+
+    ``total_frames`` is rounded down to ``min_frames * 2**k``. ``alloc`` returns None when no region
+    of the requested class is free; ``free`` takes exactly what ``alloc`` returned.
+    """
+
+    def __init__(self, total_frames: int, min_frames: int):
+        if min_frames <= 0 or min_frames & (min_frames - 1):
+            raise ValueError(f"min_frames must be a positive power of two, got {min_frames}")
+        if total_frames < min_frames:
+            raise ValueError(f"arena of {total_frames} frames is smaller than one block ({min_frames})")
+        self.min_frames = min_frames
+        self.max_order = (total_frames // min_frames).bit_length() - 1
+        self.total_frames = min_frames << self.max_order
+        self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
+        self._free[self.max_order].add(0)
+        self._live: dict[int, int] = {}  # offset -> order
+        self.used_frames = 0
+
+    def order_for(self, frames: int) -> int:
+        """The smallest order whose region holds ``frames`` (may exceed max_order)."""
+        blocks = max(1, -(-frames // self.min_frames))
+        return (blocks - 1).bit_length()
+
+    def frames_of(self, order: int) -> int:
+        return self.min_frames << order
+
+    def alloc(self, frames: int) -> tuple[int, int] | None:
+        order = self.order_for(frames)
+        if order > self.max_order:
+            return None
+        k = order
+        while k <= self.max_order and not self._free[k]:
+            k += 1
+        if k > self.max_order:
+            return None
+        offset = min(self._free[k])  # lowest address first keeps the arena compact
+        self._free[k].remove(offset)
+        while k > order:  # split, keeping the lower half
+            k -= 1
+            self._free[k].add(offset + self.frames_of(k))
+        self._live[offset] = order
+        self.used_frames += self.frames_of(order)
+        return offset, self.frames_of(order)
+
+    def free(self, offset: int) -> None:
+        order = self._live.pop(offset)  # KeyError on a region not handed out: a caller bug
+        self.used_frames -= self.frames_of(order)
+        while order < self.max_order:
+            buddy = offset ^ self.frames_of(order)
+            if buddy not in self._free[order]:
+                break
+            self._free[order].remove(buddy)
+            offset = min(offset, buddy)
+            order += 1
+        self._free[order].add(offset)
+
+    @property
+    def live_regions(self) -> int:
+        return len(self._live)

@@ -1,0 +1,88 @@
+"""Backend selection for the kernel ops.
+
+``VLLM_OMNI_KERNELS_BACKEND=auto|cuda|cupy|triton|torch`` (default auto). For CPU tensors every op
+uses the torch reference, except that ``triton`` with ``TRITON_INTERPRET=1`` runs the Triton kernels
+on the CPU (that is how CI tests them). For CUDA tensors ``auto`` takes the first available of
+cuda (the compiled extension), cupy (the same sources through NVRTC), triton, torch.
+``describe()`` reports the choice per device and why.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("auto", "cuda", "cupy", "triton", "torch")
+_ENV = "VLLM_OMNI_KERNELS_BACKEND"
+
+
+class BackendUnavailableError(RuntimeError):
+    """The backend named in the environment cannot run here."""
+
+
+def requested() -> str:
+    value = os.environ.get(_ENV, "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise BackendUnavailableError(f"{_ENV}={value!r} is not one of {BACKENDS}")
+    return value
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _availability() -> dict[str, str | None]:
+    """backend -> None when usable on CUDA tensors, else the reason it is not."""
+    reasons: dict[str, str | None] = {}
+    # cuda and cupy backends are not part of this build yet: reported, never chosen.
+    reasons["cuda"] = "compiled extension not built in this package version"
+    reasons["cupy"] = "CuPy backend not part of this package version"
+    if importlib.util.find_spec("triton") is None:
+        reasons["triton"] = "triton is not installed (pip install 'vllm-omni-kernels[triton]')"
+    elif not torch.cuda.is_available() and not triton_interpreted():
+        reasons["triton"] = "no CUDA device (set TRITON_INTERPRET=1 to run Triton kernels on CPU)"
+    else:
+        reasons["triton"] = None
+    reasons["torch"] = None
+    return reasons
+
+
+def select(device: torch.device) -> tuple[str, str]:
+    """(backend, why) for tensors on ``device``.
+
+    Raises:
+        BackendUnavailableError: the environment names a backend that cannot run here.
+    """
+    want = requested()
+    avail = _availability()
+    if want != "auto":
+        if want == "torch":
+            return "torch", f"{_ENV}=torch"
+        if want == "triton" and device.type == "cpu" and not triton_interpreted():
+            raise BackendUnavailableError(f"{_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1")
+        if avail[want] is not None:
+            raise BackendUnavailableError(f"{_ENV}={want} but {avail[want]}")
+        return want, f"{_ENV}={want}"
+    if device.type != "cuda":
+        return "torch", f"auto: {device.type} tensors use the torch reference"
+    for name in ("cuda", "cupy", "triton"):
+        if avail[name] is None:
+            return name, f"auto: first available for CUDA ({', '.join(f'{k}: {v}' for k, v in avail.items() if v and k != 'torch') or 'all available'})"
+    return "torch", f"auto: no kernel backend available ({avail})"
+
+
+def describe() -> dict[str, dict[str, str]]:
+    """Which backend each device class would use, and why, plus every backend's availability."""
+    out = {"requested": {"value": requested()}, "availability": {
+        k: ("available" if v is None else v) for k, v in _availability().items()}}
+    for dev in ("cpu", "cuda"):
+        try:
+            name, why = select(torch.device(dev))
+            out[dev] = {"backend": name, "why": why}
+        except BackendUnavailableError as exc:
+            out[dev] = {"backend": "error", "why": str(exc)}
+    return out

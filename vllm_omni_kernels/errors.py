@@ -1,0 +1,34 @@
+"""Typed errors of the multimodal output layer.
+
+``TensorAccumulationError`` is recoverable: the caller logs it, skips that step's tensor for that
+request and counts it. ``TensorConsolidationError`` fails the request visibly. Both name the request
+and the key so an operator can find the offending producer; no other request is affected by either.
+"""
+
+from __future__ import annotations
+
+
+class MultimodalOutputError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+    def __init__(self, message: str, *, request_id: str | None = None, key: str | None = None):
+        self.request_id = request_id
+        self.key = key
+        where = []
+        if request_id is not None:
+            where.append(f"request {request_id!r}")
+        if key is not None:
+            where.append(f"key {key!r}")
+        prefix = f"[{', '.join(where)}] " if where else ""
+        super().__init__(prefix + message)
+
+
+class TensorAccumulationError(MultimodalOutputError):
+    """A step's tensor could not be accumulated (bad dtype/shape/device, unknown slot, overflow).
+
+    Nothing of that request's step was written; its earlier data and every other request are intact.
+    """
+
+
+class TensorConsolidationError(MultimodalOutputError):
+    """A request's accumulated output cannot be produced; the request must fail visibly."""

@@ -1,0 +1,53 @@
+"""Pure-torch ring copies: the semantics oracle, and the path for CPU tensors.
+
+Both functions take exactly what the kernels take (see ``layout.py``) and loop over rows in Python,
+so they read the metadata back to the host. That is fine on the CPU and for tests; the GPU paths
+never do it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import BASE, CAP, HEAD, LIN_OFF, LIN_STRIDE, N, POS, SLOT
+
+
+def _ring_index(pos: int, n: int, cap: int, device: torch.device) -> torch.Tensor:
+    return (pos + torch.arange(n, device=device, dtype=torch.int64)) % cap
+
+
+def _views(arena, lin, row, frame_elems, last):
+    n, base, cap = row[N], row[BASE], row[CAP]
+    region = arena[base : base + cap * frame_elems]
+    if last:
+        ring = region.view(frame_elems, cap)
+        flat = torch.as_strided(lin, (frame_elems, n), (row[LIN_STRIDE], 1), row[LIN_OFF])
+    else:
+        ring = region.view(cap, frame_elems)
+        flat = torch.as_strided(lin, (n, frame_elems), (row[LIN_STRIDE], 1), row[LIN_OFF])
+    return ring, flat
+
+
+def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool) -> None:
+    """Copy each row's chunk from ``src`` into its ring region at the head; advance the head."""
+    for row in meta[:rows].tolist():
+        n, cap = row[N], row[CAP]
+        pos = row[POS] if row[POS] >= 0 else int(state[row[SLOT], HEAD])
+        if n:
+            ring, flat = _views(arena, src, row, frame_elems, last)
+            idx = _ring_index(pos, n, cap, arena.device)
+            if last:
+                ring[:, idx] = flat
+            else:
+                ring[idx] = flat
+        state[row[SLOT], HEAD] = (pos + n) % cap
+
+
+def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool) -> None:
+    """Copy each row's ring span starting at POS into ``out`` at LIN_OFF (contiguous per row)."""
+    for row in meta[:rows].tolist():
+        n = row[N]
+        if n:
+            ring, flat = _views(arena, out, row, frame_elems, last)
+            idx = _ring_index(row[POS], n, row[CAP], arena.device)
+            flat.copy_(ring[:, idx] if last else ring[idx])

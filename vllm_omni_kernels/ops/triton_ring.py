@@ -1,0 +1,115 @@
+"""Triton ring copies: one launch moves every request's chunk of a step (see ``layout.py``).
+
+Grid: ``(rows, blocks)``; program ``(r, b)`` copies elements ``[b*BLOCK, (b+1)*BLOCK)`` of row r's
+``N*F`` elements. All rows get the same number of programs (from the largest row) so the grid is
+fixed for a fixed step shape, which is what CUDA-graph replay needs.
+
+The write kernel publishes the new head itself: every program of a row reads the head before it
+takes a ticket (an acq_rel atomic), and the program that takes the last ticket stores
+``(head + N) % CAP`` and resets the ticket. Nothing else reads the head in that launch, so a captured
+graph can be replayed step after step with the head advancing on the device.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .layout import META_COLS
+
+BLOCK = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _ring_offsets(meta_row, e, pos, F, LAST: tl.constexpr, MONO: tl.constexpr):
+    n = tl.load(meta_row + 2)
+    base = tl.load(meta_row + 3)
+    cap = tl.load(meta_row + 4)
+    lin_off = tl.load(meta_row + 1)
+    lin_stride = tl.load(meta_row + 6)
+    mask = e < n * F
+    if LAST:
+        if MONO:
+            outer = tl.zeros_like(e)
+            inner = e
+        else:
+            n_safe = tl.maximum(n, 1).to(tl.int32)
+            outer = e // n_safe
+            inner = e - outer * n_safe
+        t = pos + inner
+        t = tl.where(t >= cap, t - cap, t)
+        ring = base + outer.to(tl.int64) * cap + t
+        lin = lin_off + outer.to(tl.int64) * lin_stride + inner
+    else:
+        outer = e // F
+        inner = e - outer * F
+        t = pos + outer
+        t = tl.where(t >= cap, t - cap, t)
+        ring = base + t * F + inner
+        lin = lin_off + outer.to(tl.int64) * lin_stride + inner
+    return ring, lin, mask
+
+
+@triton.jit
+def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F,
+                       LAST: tl.constexpr, MONO: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    meta_row = meta_ptr + row * 8
+    slot = tl.load(meta_row + 0)
+    pos = tl.load(meta_row + 5)
+    if pos < 0:
+        pos = tl.load(state_ptr + slot * 2)
+    e = blk * BLOCK + tl.arange(0, BLOCK)
+    ring, lin, mask = _ring_offsets(meta_row, e, pos, F, LAST, MONO)
+    vals = tl.load(src_ptr + lin, mask=mask)
+    tl.store(arena_ptr + ring, vals, mask=mask)
+    ticket = tl.atomic_add(state_ptr + slot * 2 + 1, 1, sem="acq_rel")
+    if ticket == tl.num_programs(1) - 1:
+        n = tl.load(meta_row + 2)
+        cap = tl.load(meta_row + 4)
+        head = pos + n
+        head = tl.where(head >= cap, head - cap, head)
+        tl.store(state_ptr + slot * 2, head)
+        tl.store(state_ptr + slot * 2 + 1, 0)
+
+
+@triton.jit
+def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
+                      LAST: tl.constexpr, MONO: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    meta_row = meta_ptr + row * 8
+    pos = tl.load(meta_row + 5)
+    e = blk * BLOCK + tl.arange(0, BLOCK)
+    ring, lin, mask = _ring_offsets(meta_row, e, pos, F, LAST, MONO)
+    vals = tl.load(arena_ptr + ring, mask=mask)
+    tl.store(out_ptr + lin, vals, mask=mask)
+
+
+assert META_COLS == 8  # the kernels hard-code the row pitch
+
+
+def _grid(rows: int, max_elems: int) -> tuple[int, int]:
+    return rows, max(1, triton.cdiv(max_elems, BLOCK))
+
+
+def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:
+    """Launch the write kernel over ``rows`` rows; see ``reference.ring_write`` for the semantics."""
+    if rows == 0:
+        return
+    _ring_write_kernel[_grid(rows, max_elems)](
+        arena, state, meta, src, frame_elems,
+        LAST=last, MONO=last and frame_elems == 1, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )
+
+
+def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
+    """Launch the read kernel over ``rows`` rows; see ``reference.ring_read`` for the semantics."""
+    if rows == 0:
+        return
+    _ring_read_kernel[_grid(rows, max_elems)](
+        arena, meta, out, frame_elems,
+        LAST=last, MONO=last and frame_elems == 1, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )

@@ -1,0 +1,565 @@
+"""Per-request ring buffers in one preallocated arena: ``RingPool``.
+
+A pool serves one (key, dtype, frame shape, device) and one concatenating strategy. Each request
+owns a slot: a region of the arena (a buddy-allocator block) used as a ring of frames, plus a device
+head. ``append`` writes every request's chunk of a step in one kernel launch; ``drain`` returns the
+unread span and advances the tail (DELTA); ``consolidate`` returns everything retained without
+advancing (FINAL_ONLY / CUMULATIVE); ``free`` returns the slot.
+
+Frames: CONCAT_DIM0 chunks are ``[n, *frame_shape]`` (n frames); CONCAT_LAST chunks are
+``[*frame_shape, n]`` (n samples of every channel). Capacity is in frames.
+
+Host mirrors: every head, tail, unread size and capacity lives in numpy arrays on the host, so all
+validation (dtype, shape, device, unknown slot, overflow) and growth decisions happen before a launch
+and never read the device. A step costs one metadata upload (pinned ring, non-blocking) and one
+kernel launch; the device heads are written by the kernel itself, so a ``StaticAppend`` can be
+captured in a CUDA graph and replayed step after step.
+
+Overflow: when a chunk would overwrite unread data the slot grows to the next size class that fits
+(at least double), copying its unread span on the device; with growth off, or the budget spent, that
+request gets a ``TensorAccumulationError`` and nothing of it is written, while the other requests of
+the step go through.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import ops
+from .allocator import BuddyAllocator
+from .errors import TensorAccumulationError, TensorConsolidationError
+from .modality import TensorAccumulationStrategy as Strategy
+from .ops.layout import BASE, CAP, HEAD, LIN_OFF, LIN_STRIDE, META_COLS, N, POS, SLOT
+from .profiling import nvtx_range
+
+_INT32_MAX = 2**31 - 1
+_STAGING_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """One step's chunks for a batch of requests as one tensor, with per-request lengths.
+
+    ``data``: CONCAT_DIM0 ``[B, n_max, *frame]``; CONCAT_LAST ``[B, *lead, T_max]``. Row ``b`` holds
+    ``lengths[b]`` valid frames at the start of its append axis; the rest is padding and never read.
+    ``lengths`` must be host values (list, numpy array or CPU tensor): reading device lengths would
+    sync the host with the device every step.
+    """
+
+    data: torch.Tensor
+    lengths: Sequence[int] | np.ndarray | torch.Tensor
+
+
+@dataclass
+class AppendResult:
+    """What an append did: rows launched, and one error per request that was skipped."""
+
+    appended: int = 0
+    errors: list[TensorAccumulationError] = field(default_factory=list)
+
+
+@dataclass
+class PoolStats:
+    slots_used: int
+    slots_capacity: int
+    bytes_used: int
+    bytes_reserved: int
+    high_water_bytes: int
+    unread_bytes: int
+    growths: int
+    rejected: int
+
+
+class _Staging:
+    """A ring of pinned host buffers for metadata uploads, reused once their copy has run."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.device = device
+        self.rows = rows
+        pinned = device.type == "cuda"
+        self._host = [torch.zeros(rows, META_COLS, dtype=torch.int64, pin_memory=pinned)
+                      for _ in range(_STAGING_DEPTH if pinned else 1)]
+        self._np = [h.numpy() for h in self._host]
+        self._events = [None] * len(self._host) if pinned else None
+        self._next = 0
+
+    def host(self) -> tuple[int, np.ndarray]:
+        i = self._next
+        self._next = (i + 1) % len(self._host)
+        if self._events is not None and self._events[i] is not None:
+            # Only waits when the GPU is _STAGING_DEPTH uploads behind (back-pressure, not a per-step sync).
+            self._events[i].synchronize()
+        return i, self._np[i]
+
+    def upload(self, i: int, rows: int, dst: torch.Tensor) -> torch.Tensor:
+        """Copy the first ``rows`` rows of host buffer ``i`` into ``dst`` (device) and return ``dst``."""
+        if self._events is None:
+            return self._host[i]  # CPU pool: the host buffer is the metadata
+        dst[:rows].copy_(self._host[i][:rows], non_blocking=True)
+        ev = self._events[i]
+        if ev is None:
+            ev = self._events[i] = torch.cuda.Event()
+        ev.record()
+        return dst
+
+
+class RingPool:
+    """Slots of ring buffers for one key/dtype/frame shape/device; see the module docstring.
+
+    Args:
+        key: the output key this pool serves (used in error messages).
+        dtype, frame_shape, device: what every chunk must match.
+        strategy: CONCAT_DIM0 or CONCAT_LAST.
+        budget_bytes: the arena size; preallocated at construction, never exceeded.
+        initial_frames: capacity of a new slot (rounded up to a power of two); also the smallest block.
+        max_slots: how many requests may hold a slot at once.
+        growth: grow a slot on overflow (else raise for that request).
+        max_rows: initial metadata rows (grows, rarely, when a larger step arrives).
+    """
+
+    def __init__(self, key: str, dtype: torch.dtype, frame_shape: Sequence[int], device: torch.device | str,
+                 strategy: Strategy, *, budget_bytes: int, initial_frames: int = 4096, max_slots: int = 1024,
+                 growth: bool = True, max_rows: int = 256):
+        if not strategy.uses_ring:
+            raise ValueError(f"RingPool serves CONCAT_DIM0/CONCAT_LAST, not {strategy}")
+        self.key = key
+        self.dtype = dtype
+        self.frame_shape = tuple(int(s) for s in frame_shape)
+        self.frame_elems = math.prod(self.frame_shape)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.strategy = strategy
+        self.last = strategy is Strategy.CONCAT_LAST
+        self.growth = growth
+        self.max_slots = max_slots
+        self.frame_bytes = self.frame_elems * torch.empty((), dtype=dtype).element_size()
+        min_frames = 1 << max(0, int(initial_frames) - 1).bit_length()
+        self.allocator = BuddyAllocator(max(budget_bytes // self.frame_bytes, min_frames), min_frames)
+        self.arena = torch.empty(self.allocator.total_frames * self.frame_elems, dtype=dtype, device=self.device)
+        self.state = torch.zeros(max_slots, 2, dtype=torch.int64, device=self.device)
+
+        # Host mirrors, one entry per slot.
+        self._base = np.zeros(max_slots, np.int64)   # element offset of the region
+        self._cap = np.zeros(max_slots, np.int64)    # frames
+        self._head = np.zeros(max_slots, np.int64)   # next frame to write
+        self._tail = np.zeros(max_slots, np.int64)   # next frame to read
+        self._size = np.zeros(max_slots, np.int64)   # unread frames
+        self._drained = np.zeros(max_slots, np.int64)
+        self._layout = np.zeros(max_slots, np.int64)  # bumped when base/cap/head move outside a kernel
+        self._owner: dict[str, int] = {}
+        self._slot_owner: list[str | None] = [None] * max_slots
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+
+        self._staging = _Staging(max_rows, self.device)
+        self._meta = torch.zeros(max_rows, META_COLS, dtype=torch.int64, device=self.device)
+        self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
+        self._arange = np.arange(max_rows, dtype=np.int64)
+        self.growths = 0
+        self.rejected = 0
+        self.high_water_bytes = 0
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._owner
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def alloc(self, request_id: str) -> int:
+        """Give ``request_id`` a slot with ``initial_frames`` of capacity; returns the slot index."""
+        if request_id in self._owner:
+            raise TensorAccumulationError("already holds a slot in this pool", request_id=request_id, key=self.key)
+        if not self._free_slots:
+            raise TensorAccumulationError(f"all {self.max_slots} slots of the pool are in use",
+                                          request_id=request_id, key=self.key)
+        region = self.allocator.alloc(self.allocator.min_frames)
+        if region is None:
+            raise TensorAccumulationError(f"pool budget of {self.arena.numel() * self.arena.element_size()} "
+                                          "bytes is spent", request_id=request_id, key=self.key)
+        slot = self._free_slots.pop()
+        self._owner[request_id] = slot
+        self._slot_owner[slot] = request_id
+        offset, frames = region
+        self._base[slot] = offset * self.frame_elems
+        self._cap[slot] = frames
+        self._head[slot] = self._tail[slot] = self._size[slot] = self._drained[slot] = 0
+        self._layout[slot] += 1
+        self._note_usage()
+        return slot
+
+    def free(self, request_id: str) -> None:
+        """Return the request's slot and region. Unknown or already freed → TensorAccumulationError."""
+        slot = self._owner.pop(request_id, None)
+        if slot is None:
+            raise TensorAccumulationError("free of a slot that is unknown or already freed",
+                                          request_id=request_id, key=self.key)
+        self.allocator.free(int(self._base[slot] // self.frame_elems))
+        self._slot_owner[slot] = None
+        self._cap[slot] = self._size[slot] = 0
+        self._free_slots.append(slot)
+
+    def slot_of(self, request_id: str) -> int:
+        slot = self._owner.get(request_id)
+        if slot is None:
+            raise TensorAccumulationError("no slot: unknown or already freed", request_id=request_id, key=self.key)
+        return slot
+
+    def unread_frames(self, request_id: str) -> int:
+        return int(self._size[self.slot_of(request_id)])
+
+    def capacity_frames(self, request_id: str) -> int:
+        return int(self._cap[self.slot_of(request_id)])
+
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            slots_used=len(self._owner), slots_capacity=self.max_slots,
+            bytes_used=self.allocator.used_frames * self.frame_bytes,
+            bytes_reserved=self.arena.numel() * self.arena.element_size(),
+            high_water_bytes=self.high_water_bytes,
+            unread_bytes=int(self._size.sum()) * self.frame_bytes,
+            growths=self.growths, rejected=self.rejected)
+
+    def _note_usage(self) -> None:
+        self.high_water_bytes = max(self.high_water_bytes, self.allocator.used_frames * self.frame_bytes)
+
+    # ----------------------------------------------------------------- validation
+
+    def _chunk_frames(self, t: torch.Tensor, request_id: str) -> int:
+        """Validate one chunk against the pool; return its frame count."""
+        if not isinstance(t, torch.Tensor):
+            raise TensorAccumulationError(f"expected a tensor, got {type(t).__name__}",
+                                          request_id=request_id, key=self.key)
+        if t.device != self.device:
+            raise TensorAccumulationError(f"tensor on {t.device} but the pool is on {self.device}",
+                                          request_id=request_id, key=self.key)
+        if t.dtype != self.dtype:
+            raise TensorAccumulationError(f"dtype {t.dtype} but the slot holds {self.dtype}",
+                                          request_id=request_id, key=self.key)
+        frame = tuple(t.shape[1:]) if not self.last else tuple(t.shape[:-1])
+        if t.dim() != len(self.frame_shape) + 1 or frame != self.frame_shape:
+            axis = "[*frame, n]" if self.last else "[n, *frame]"
+            raise TensorAccumulationError(
+                f"shape {tuple(t.shape)} does not match the slot's frame shape {self.frame_shape} (chunks are {axis})",
+                request_id=request_id, key=self.key)
+        return int(t.shape[-1] if self.last else t.shape[0])
+
+    def _check_fit(self, slots: np.ndarray, n: np.ndarray, ids: Sequence[str]) -> np.ndarray:
+        """Grow slots that would overflow; return a keep-mask (False rows got an error recorded)."""
+        keep = np.ones(len(slots), dtype=bool)
+        over = np.flatnonzero(self._size[slots] + n > self._cap[slots])
+        too_big = np.flatnonzero(n * self.frame_elems > _INT32_MAX)
+        for i in too_big:
+            keep[i] = False
+            self._errors.append(TensorAccumulationError(
+                f"chunk of {int(n[i])} frames exceeds the per-step limit of {_INT32_MAX // self.frame_elems}",
+                request_id=ids[i], key=self.key))
+        for i in over:
+            if keep[i]:
+                keep[i] = self._grow(int(slots[i]), int(self._size[slots[i]] + n[i]), ids[i])
+        return keep
+
+    def _grow(self, slot: int, needed: int, request_id: str) -> bool:
+        cap = int(self._cap[slot])
+        if not self.growth:
+            self._errors.append(TensorAccumulationError(
+                f"append of {needed - int(self._size[slot])} frames would overwrite unread data "
+                f"(capacity {cap}, unread {int(self._size[slot])}) and growth is off",
+                request_id=request_id, key=self.key))
+            return False
+        region = self.allocator.alloc(max(needed, 2 * cap))
+        if region is None:
+            self._errors.append(TensorAccumulationError(
+                f"cannot grow to {needed} frames: pool budget of "
+                f"{self.arena.numel() * self.arena.element_size()} bytes is spent",
+                request_id=request_id, key=self.key))
+            return False
+        offset, frames = region
+        new_base = offset * self.frame_elems
+        size = int(self._size[slot])
+        if size:
+            i, host = self._staging.host()
+            host[0, :] = 0
+            host[0, SLOT], host[0, LIN_OFF], host[0, N] = slot, new_base, size
+            host[0, BASE], host[0, CAP], host[0, POS] = self._base[slot], cap, self._tail[slot]
+            host[0, LIN_STRIDE] = frames if self.last else self.frame_elems
+            meta = self._staging.upload(i, 1, self._meta)
+            ops.ring_read(self.arena, meta, self.arena, rows=1, frame_elems=self.frame_elems, last=self.last,
+                          max_elems=size * self.frame_elems)
+        self.allocator.free(int(self._base[slot] // self.frame_elems))
+        self._base[slot], self._cap[slot] = new_base, frames
+        self._tail[slot], self._head[slot] = 0, size % frames
+        self._layout[slot] += 1
+        self.growths += 1
+        self._note_usage()
+        return True
+
+    # ----------------------------------------------------------------- append
+
+    def append(self, request_ids: Sequence[str], chunks: PaddedBatch | Sequence[torch.Tensor | None]) -> AppendResult:
+        """Append one step's chunks for ``request_ids`` (aligned; a None chunk skips that request).
+
+        ``chunks`` is a ``PaddedBatch`` (the fast path: no copy besides the kernel) or a list of
+        per-request tensors (packed into a persistent scratch buffer with one ``torch.cat`` first).
+        Requests must hold a slot (``alloc``). Invalid requests are skipped with a
+        ``TensorAccumulationError`` each in the result; the valid ones are written by one launch.
+        """
+        self._errors: list[TensorAccumulationError] = []
+        with nvtx_range(f"ring.append[{self.key}]"):
+            if isinstance(chunks, PaddedBatch):
+                rows = self._rows_from_batch(request_ids, chunks)
+            else:
+                rows = self._rows_from_list(request_ids, chunks)
+            appended = self._launch_append(*rows) if rows is not None else 0
+        self.rejected += len(self._errors)
+        return AppendResult(appended=appended, errors=self._errors)
+
+    def _lookup(self, request_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Slots of the requests (-1 where unknown, with an error recorded) and a keep-mask."""
+        owner = self._owner
+        slots = np.fromiter((owner.get(r, -1) for r in request_ids), np.int64, len(request_ids))
+        keep = slots >= 0
+        for i in np.flatnonzero(~keep):
+            self._errors.append(TensorAccumulationError("no slot: unknown or already freed request",
+                                                        request_id=request_ids[i], key=self.key))
+        if len(set(request_ids)) != len(request_ids):
+            seen: set[str] = set()
+            for i, r in enumerate(request_ids):
+                if r in seen and keep[i]:
+                    keep[i] = False
+                    self._errors.append(TensorAccumulationError("appears twice in one step; second chunk skipped",
+                                                                request_id=r, key=self.key))
+                seen.add(r)
+        return slots, keep
+
+    def _rows_from_batch(self, request_ids, batch: PaddedBatch):
+        data = batch.data
+        B = len(request_ids)
+        lengths = batch.lengths
+        if isinstance(lengths, torch.Tensor):
+            if lengths.device.type != "cpu":
+                raise TypeError("PaddedBatch.lengths must be host values; a device tensor would sync every step")
+            lengths = lengths.numpy()
+        n = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if data.dim() < 1 or data.shape[0] != B or n.shape[0] != B:
+            raise ValueError(f"PaddedBatch for key {self.key!r}: data batch {tuple(data.shape[:1])}, "
+                             f"{n.shape[0]} lengths, {B} request ids")
+        slots, keep = self._lookup(request_ids)
+        try:
+            axis_len = self._chunk_frames(data[0] if B else data.new_empty(()), "<batch>") if B else 0
+        except TensorAccumulationError as exc:
+            for i in np.flatnonzero(keep):
+                self._errors.append(TensorAccumulationError(str(exc).split("] ", 1)[-1],
+                                                            request_id=request_ids[i], key=self.key))
+            return None
+        bad = np.flatnonzero(keep & ((n < 0) | (n > axis_len)))
+        for i in bad:
+            keep[i] = False
+            self._errors.append(TensorAccumulationError(
+                f"length {int(n[i])} outside [0, {axis_len}] of the padded batch", request_id=request_ids[i],
+                key=self.key))
+        # Rows of the batch as [B, L, T] (CONCAT_LAST) or [B, n, F] (CONCAT_DIM0), without copying.
+        if self.last:
+            view = data.reshape(B, self.frame_elems, axis_len)
+        else:
+            view = data.reshape(B, axis_len, self.frame_elems)
+        if view.stride(2) != 1 or (view.data_ptr() != data.data_ptr()):
+            view = view.contiguous()
+        if keep.all():
+            idx = None
+        else:
+            idx = np.flatnonzero(keep)
+            slots, n = slots[idx], n[idx]
+            request_ids = [request_ids[i] for i in idx]
+        fit = self._check_fit(slots, n, request_ids)
+        if not fit.all():
+            sel = np.flatnonzero(fit)
+            idx = sel if idx is None else idx[sel]
+            slots, n = slots[sel], n[sel]
+        rows = self._arange[:B] if idx is None else idx
+        lin_off = rows * view.stride(0)
+        return view, slots, n, lin_off, np.full(len(slots), view.stride(1), np.int64)
+
+    def _rows_from_list(self, request_ids, chunks):
+        if len(chunks) != len(request_ids):
+            raise ValueError(f"{len(chunks)} chunks for {len(request_ids)} request ids (key {self.key!r})")
+        slots, keep = self._lookup(request_ids)
+        n = np.zeros(len(chunks), np.int64)
+        for i, t in enumerate(chunks):
+            if t is None:
+                keep[i] = False
+            elif keep[i]:
+                try:
+                    n[i] = self._chunk_frames(t, request_ids[i])
+                except TensorAccumulationError as exc:
+                    keep[i] = False
+                    self._errors.append(exc)
+        idx = np.flatnonzero(keep)
+        ids = [request_ids[i] for i in idx]
+        slots, n = slots[idx], n[idx]
+        fit = self._check_fit(slots, n, ids)
+        idx, slots, n = idx[fit], slots[fit], n[fit]
+        if len(idx) == 0:
+            return None
+        total = int(n.sum())
+        F = self.frame_elems
+        if self._scratch.numel() < total * F:
+            self._scratch = torch.empty(max(total * F, 2 * self._scratch.numel()), dtype=self.dtype, device=self.device)
+        parts = [chunks[i] for i in idx]
+        starts = np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64)
+        if self.last:
+            packed = self._scratch[: total * F].view(F, total)
+            torch.cat([p.reshape(F, -1) for p in parts], dim=1, out=packed)
+            return packed, slots, n, starts, np.full(len(idx), total, np.int64)
+        packed = self._scratch[: total * F].view(total, F)
+        torch.cat([p.reshape(-1, F) for p in parts], dim=0, out=packed)
+        return packed, slots, n, starts * F, np.full(len(idx), F, np.int64)
+
+    def _ensure_rows(self, rows: int) -> None:
+        if rows > self._meta.shape[0]:
+            new = 1 << (rows - 1).bit_length()
+            self._staging = _Staging(new, self.device)
+            self._meta = torch.zeros(new, META_COLS, dtype=torch.int64, device=self.device)
+            self._arange = np.arange(new, dtype=np.int64)
+
+    def _launch_append(self, src, slots, n, lin_off, lin_stride) -> int:
+        rows = len(slots)
+        if rows == 0:
+            return 0
+        self._ensure_rows(rows)
+        head = self._head[slots]
+        cap = self._cap[slots]
+        i, host = self._staging.host()
+        m = host[:rows]
+        m[:, SLOT] = slots
+        m[:, LIN_OFF] = lin_off
+        m[:, N] = n
+        m[:, BASE] = self._base[slots]
+        m[:, CAP] = cap
+        m[:, POS] = head
+        m[:, LIN_STRIDE] = lin_stride
+        meta = self._staging.upload(i, rows, self._meta)
+        ops.ring_write(self.arena, self.state, meta, src, rows=rows, frame_elems=self.frame_elems,
+                       last=self.last, max_elems=int(n.max()) * self.frame_elems)
+        self._head[slots] = (head + n) % cap
+        self._size[slots] += n
+        return rows
+
+    # ----------------------------------------------------------------- read out
+
+    def drain(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
+        """The unread span of each request (DELTA), as views into one new tensor; advances the tails."""
+        with nvtx_range(f"ring.drain[{self.key}]"):
+            out = self._read(request_ids)
+            slots = np.fromiter((self._owner[r] for r in request_ids), np.int64, len(request_ids))
+            size = self._size[slots]
+            self._tail[slots] = (self._tail[slots] + size) % np.maximum(self._cap[slots], 1)
+            self._drained[slots] += size
+            self._size[slots] = 0
+        return out
+
+    def consolidate(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
+        """Everything each request appended, as views into one new tensor; nothing is advanced.
+
+        Raises:
+            TensorConsolidationError: part of a request's data was already drained, so "everything
+                appended" no longer exists (the request mixed DELTA and FINAL_ONLY reads).
+        """
+        for r in request_ids:
+            if self._drained[self.slot_of(r)]:
+                raise TensorConsolidationError(
+                    f"{int(self._drained[self._owner[r]])} frames were already drained; cannot consolidate",
+                    request_id=r, key=self.key)
+        with nvtx_range(f"ring.consolidate[{self.key}]"):
+            return self._read(request_ids)
+
+    def _read(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
+        slots = np.fromiter((self.slot_of(r) for r in request_ids), np.int64, len(request_ids))
+        rows = len(slots)
+        n = self._size[slots]
+        F = self.frame_elems
+        starts = np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64) * F
+        out = torch.empty(int(n.sum()) * F, dtype=self.dtype, device=self.device)
+        if rows and n.any():
+            self._ensure_rows(rows)
+            i, host = self._staging.host()
+            m = host[:rows]
+            m[:, SLOT] = slots
+            m[:, LIN_OFF] = starts
+            m[:, N] = n
+            m[:, BASE] = self._base[slots]
+            m[:, CAP] = self._cap[slots]
+            m[:, POS] = self._tail[slots]
+            m[:, LIN_STRIDE] = n if self.last else F
+            meta = self._staging.upload(i, rows, self._meta)
+            ops.ring_read(self.arena, meta, out, rows=rows, frame_elems=F, last=self.last,
+                          max_elems=int(n.max()) * F)
+        views = []
+        for s, k in zip(starts.tolist(), n.tolist()):
+            flat = out[s : s + k * F]
+            views.append(flat.view(*self.frame_shape, k) if self.last else flat.view(k, *self.frame_shape))
+        return views
+
+    # ----------------------------------------------------------------- CUDA graphs
+
+    def static_append(self, request_ids: Sequence[str], src: torch.Tensor, lengths: Sequence[int]) -> "StaticAppend":
+        """A fixed-shape append (same requests, source buffer and lengths every step) for graph capture."""
+        return StaticAppend(self, request_ids, src, lengths)
+
+
+class StaticAppend:
+    """The append of a fixed step shape, with its metadata resident on the device.
+
+    ``launch()`` is exactly one kernel that reads heads from the device and advances them, so it can
+    be captured in a CUDA graph; ``prepare(steps)`` must run on the host before each launch or replay
+    of a graph holding ``steps`` launches: it grows slots that would overflow, refreshes the resident
+    metadata and device heads if a slot moved, and advances the host mirrors.
+    """
+
+    def __init__(self, pool: RingPool, request_ids: Sequence[str], src: PaddedBatch | torch.Tensor,
+                 lengths: Sequence[int] | None = None):
+        if isinstance(src, PaddedBatch):
+            src, lengths = src.data, src.lengths
+        self.pool = pool
+        self.request_ids = list(request_ids)
+        pool._errors = []
+        rows = pool._rows_from_batch(self.request_ids, PaddedBatch(src, lengths))
+        if pool._errors or rows is None:
+            raise pool._errors[0] if pool._errors else ValueError("empty static append")
+        self.src, self.slots, self.n, self.lin_off, self.lin_stride = rows
+        self.meta = torch.zeros(len(self.slots), META_COLS, dtype=torch.int64, device=pool.device)
+        self._layout_seen = None
+        self.max_elems = int(self.n.max()) * pool.frame_elems
+
+    def prepare(self, steps: int = 1) -> None:
+        """Host work before ``steps`` launches: capacity, resident metadata, heads, mirrors."""
+        pool = self.pool
+        pool._errors = []
+        fit = pool._check_fit(self.slots, self.n * steps, self.request_ids)
+        if not fit.all():
+            raise pool._errors[0]
+        layout = pool._layout[self.slots]
+        if self._layout_seen is None or not np.array_equal(layout, self._layout_seen):
+            m = np.zeros((len(self.slots), META_COLS), np.int64)
+            m[:, SLOT], m[:, LIN_OFF], m[:, N] = self.slots, self.lin_off, self.n
+            m[:, BASE], m[:, CAP], m[:, POS] = pool._base[self.slots], pool._cap[self.slots], -1
+            m[:, LIN_STRIDE] = self.lin_stride
+            self.meta.copy_(torch.from_numpy(m))
+            heads = torch.from_numpy(pool._head[self.slots].copy()).to(pool.device)
+            pool.state[torch.from_numpy(self.slots).to(pool.device), HEAD] = heads
+            self._layout_seen = layout.copy()
+        cap = pool._cap[self.slots]
+        pool._head[self.slots] = (pool._head[self.slots] + self.n * steps) % cap
+        pool._size[self.slots] += self.n * steps
+
+    def launch(self) -> None:
+        """One kernel: append every request's chunk at its device head and advance the head."""
+        p = self.pool
+        ops.ring_write(p.arena, p.state, self.meta, self.src, rows=len(self.slots), frame_elems=p.frame_elems,
+                       last=p.last, max_elems=self.max_elems)
