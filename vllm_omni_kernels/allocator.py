@@ -11,8 +11,10 @@ from __future__ import annotations
 class BuddyAllocator:
     """Hands out ``(offset, frames)`` regions of a ``total_frames`` arena.
 
-    ``total_frames`` is rounded down to ``min_frames * 2**k``. ``alloc`` returns None when no region
-    of the requested class is free; ``free`` takes exactly what ``alloc`` returned.
+    ``total_frames`` is rounded down to a multiple of ``min_frames``; the arena starts as a forest of
+    power-of-two blocks (its blocks count in binary, largest first, each aligned to its size, so no
+    merge can cross a tree). ``alloc`` returns None when no region of the requested class is free;
+    ``free`` takes exactly what ``alloc`` returned.
     """
 
     def __init__(self, total_frames: int, min_frames: int):
@@ -21,10 +23,15 @@ class BuddyAllocator:
         if total_frames < min_frames:
             raise ValueError(f"arena of {total_frames} frames is smaller than one block ({min_frames})")
         self.min_frames = min_frames
-        self.max_order = (total_frames // min_frames).bit_length() - 1
-        self.total_frames = min_frames << self.max_order
+        blocks = total_frames // min_frames
+        self.max_order = blocks.bit_length() - 1
+        self.total_frames = blocks * min_frames
         self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
-        self._free[self.max_order].add(0)
+        offset = 0
+        for order in range(self.max_order, -1, -1):
+            if blocks >> order & 1:
+                self._free[order].add(offset)
+                offset += min_frames << order
         self._live: dict[int, int] = {}  # offset -> order
         self.used_frames = 0
 

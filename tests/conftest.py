@@ -1,0 +1,41 @@
+"""Test set-up: on machines without CUDA, Triton kernels run under the interpreter.
+
+TRITON_INTERPRET must be set before triton decorates the kernels, so it is set here, at import.
+Fixtures give each test the backends it should compare against the torch reference.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64]
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def use_backend(monkeypatch):
+    """Call with a backend name to route every op through it for the rest of the test."""
+
+    def _use(name: str) -> None:
+        monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", name)
+
+    return _use
+
+
+def random_tensor(shape, dtype, device="cpu", generator=None):
+    """Values that are never all zero, so an unwritten output cannot pass for a written one."""
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype).to(device)
+    return torch.randint(-(2**30), 2**30, shape, generator=generator, dtype=torch.int64).to(dtype).to(device)

@@ -1,0 +1,102 @@
+"""Random ring-copy cases shared by the CPU (interpreter) and GPU kernel tests.
+
+A case is everything the ops take: an arena with non-overlapping slot regions, a state table with
+random device heads, metadata rows (distinct slots, random positions incl. -1 = device head, lengths
+0..capacity) and a linear tensor. ``run_case`` runs one backend on private copies; tests compare the
+results of a kernel backend with the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+import torch
+
+from conftest import random_tensor
+from vllm_omni_kernels import ops
+from vllm_omni_kernels.ops.layout import BASE, CAP, HEAD, LIN_OFF, LIN_STRIDE, META_COLS, N, POS, SLOT
+
+
+@dataclasses.dataclass
+class Case:
+    arena: torch.Tensor
+    state: torch.Tensor
+    meta: torch.Tensor
+    lin: torch.Tensor
+    rows: int
+    frame_elems: int
+    last: bool
+    max_elems: int
+
+
+def make_case(rng: np.random.Generator, *, dtype, last: bool, frame_shape=(), rows=4, max_cap=24,
+              device="cpu", read=False, use_device_head=True) -> Case:
+    F = math.prod(frame_shape)
+    slots_total = rows + 2
+    caps = rng.integers(1, max_cap + 1, size=rows)
+    slot_ids = rng.permutation(slots_total)[:rows]
+    bases = np.concatenate(([0], np.cumsum(caps)[:-1])) * F
+    arena_elems = int(caps.sum()) * F + 7 * F  # trailing elements nobody may touch
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    arena = random_tensor((arena_elems,), dtype, generator=gen)
+    state = torch.zeros(slots_total, 2, dtype=torch.int64)
+    state[:, HEAD] = torch.from_numpy(rng.integers(0, max_cap, size=slots_total))
+    n = np.array([int(rng.integers(0, c + 1)) for c in caps], dtype=np.int64)
+    meta = torch.zeros(rows + 3, META_COLS, dtype=torch.int64)  # extra rows beyond `rows` are ignored
+    meta[rows:] = 999
+    lin_off, off = [], 0
+    strides = []
+    for i in range(rows):
+        pad = int(rng.integers(0, 3))
+        stride = (int(n[i]) + pad) if last else F + 0
+        strides.append(stride)
+        lin_off.append(off + pad)
+        off += pad + stride * (F if last else int(n[i])) + 1
+    lin = random_tensor((off + 1,), dtype, generator=gen)
+    for i in range(rows):
+        cap = int(caps[i])
+        head = int(state[slot_ids[i], HEAD]) % cap
+        state[slot_ids[i], HEAD] = head
+        pos = int(rng.integers(0, cap))
+        if not read and use_device_head and rng.random() < 0.5:
+            pos = -1
+        meta[i, SLOT], meta[i, LIN_OFF], meta[i, N] = int(slot_ids[i]), lin_off[i], int(n[i])
+        meta[i, BASE], meta[i, CAP], meta[i, POS], meta[i, LIN_STRIDE] = int(bases[i]), cap, pos, strides[i]
+    max_elems = int(n.max()) * F if rows else 0
+    dev = torch.device(device)
+    return Case(arena.to(dev), state.to(dev), meta.to(dev), lin.to(dev), rows, F, last, max_elems)
+
+
+def run_case(case: Case, backend: str, *, read: bool):
+    """Run one backend on copies of the case; return (arena, state, lin) after the op."""
+    arena, state, lin = case.arena.clone(), case.state.clone(), case.lin.clone()
+    old = os.environ.get("VLLM_OMNI_KERNELS_BACKEND")
+    os.environ["VLLM_OMNI_KERNELS_BACKEND"] = backend
+    try:
+        if read:
+            ops.ring_read(arena, case.meta, lin, rows=case.rows, frame_elems=case.frame_elems, last=case.last,
+                          max_elems=case.max_elems)
+        else:
+            ops.ring_write(arena, state, case.meta, lin, rows=case.rows, frame_elems=case.frame_elems,
+                           last=case.last, max_elems=case.max_elems)
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_OMNI_KERNELS_BACKEND")
+        else:
+            os.environ["VLLM_OMNI_KERNELS_BACKEND"] = old
+    if arena.is_cuda:
+        torch.cuda.synchronize()
+    return arena.cpu(), state.cpu(), lin.cpu()
+
+
+def assert_same(case: Case, backend: str, *, read: bool) -> None:
+    ref = run_case(case, "torch", read=read)
+    got = run_case(case, backend, read=read)
+    for name, r, g in zip(("arena", "state", "linear"), ref, got):
+        assert torch.equal(r.view(torch.uint8) if r.dtype.itemsize else r, g.view(torch.uint8)), \
+            f"{backend} differs from the reference in {name}"
+    if not read:
+        assert int(got[1][:, 1].abs().sum()) == 0, "tickets must be reset to 0 after a launch"

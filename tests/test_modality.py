@@ -1,0 +1,70 @@
+import pytest
+import torch
+
+from vllm_omni_kernels.modality import (
+    OutputModality as M,
+    TensorAccumulationStrategy as S,
+    default_strategy,
+    parse_strategy,
+    resolve_strategy,
+)
+from vllm_omni_kernels.payload import MultimodalPayload
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("text", M.TEXT), ("image", M.IMAGE), ("images", M.IMAGE), ("audio", M.AUDIO), ("speech", M.AUDIO),
+    ("latent", M.LATENT), ("latents", M.LATENT), ("text+image", M.TEXT | M.IMAGE),
+    ("image,text", M.TEXT | M.IMAGE), ("image+text", M.TEXT | M.IMAGE), (" Text + SPEECH ", M.TEXT | M.AUDIO),
+    ("text+audio+image", M.TEXT | M.AUDIO | M.IMAGE), ("", M.TEXT), (None, M.TEXT), ("   ", M.TEXT),
+])
+def test_from_string_normalizes_aliases_and_combinations(text, expected):
+    assert M.from_string(text) == expected
+
+
+@pytest.mark.parametrize("text", ["video", "text+smell", "text++image", "pooling"])
+def test_from_string_rejects_unknown_parts_naming_supported(text):
+    with pytest.raises(ValueError, match="supported") as info:
+        M.from_string(text)
+    assert "audio" in str(info.value)
+
+
+def test_has_text_and_has_multimodal():
+    assert M.TEXT.has_text and not M.TEXT.has_multimodal
+    assert (M.TEXT | M.IMAGE).has_text and (M.TEXT | M.IMAGE).has_multimodal
+    assert not M.AUDIO.has_text and M.AUDIO.has_multimodal
+
+
+def test_default_strategy_audio_wins_then_rows():
+    assert default_strategy(M.AUDIO) is S.CONCAT_LAST
+    assert default_strategy(M.AUDIO | M.IMAGE) is S.CONCAT_LAST
+    assert default_strategy(M.IMAGE) is S.CONCAT_DIM0
+    assert default_strategy(M.LATENT) is S.CONCAT_DIM0
+    assert default_strategy(M.TEXT) is S.CONCAT_DIM0
+
+
+def test_resolve_strategy_metadata_declared_then_default():
+    t = torch.zeros(4, 2)
+    assert resolve_strategy("sr", 24000, M.AUDIO) is S.REPLACE
+    assert resolve_strategy("sr", torch.tensor(24000), M.AUDIO) is S.REPLACE
+    assert resolve_strategy("sr", torch.tensor(24000), M.AUDIO, {"sr": S.CONCAT_LAST}) is S.REPLACE
+    assert resolve_strategy("codes", t, M.AUDIO, {"codes": S.CONCAT_DIM0}) is S.CONCAT_DIM0
+    assert resolve_strategy("audio", t, M.AUDIO) is S.CONCAT_LAST
+    assert resolve_strategy("image", t, M.IMAGE) is S.CONCAT_DIM0
+
+
+def test_parse_strategy_accepts_names_and_values():
+    assert parse_strategy("concat_last") is S.CONCAT_LAST
+    assert parse_strategy("APPEND_LIST") is S.APPEND_LIST
+    assert parse_strategy(S.REPLACE) is S.REPLACE
+    with pytest.raises(ValueError, match="supported"):
+        parse_strategy("stack")
+
+
+def test_payload_primary_tensor_and_access():
+    p = MultimodalPayload()
+    assert p.primary_tensor is None and not p
+    a, b = torch.ones(3), torch.zeros(2)
+    p = MultimodalPayload(tensors={"audio": a, "codes": b}, metadata={"sr": 24000})
+    assert p.primary_tensor is a and p
+    assert p.get("codes") is b and p.get("sr") == 24000 and p.get("missing", 7) == 7
+    assert MultimodalPayload(tensors={"l": [a]}, metadata={}).primary_tensor is None

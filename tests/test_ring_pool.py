@@ -1,0 +1,236 @@
+"""RingPool semantics on CPU, for the reference and the Triton (interpreted) backends alike."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import ALL_DTYPES, random_tensor
+from vllm_omni_kernels.errors import TensorAccumulationError, TensorConsolidationError
+from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
+from vllm_omni_kernels.ring import PaddedBatch, RingPool
+
+BACKENDS = ["torch", "triton"]
+
+
+def make_pool(strategy=S.CONCAT_LAST, frame=(), dtype=torch.float32, **kw):
+    kw.setdefault("budget_bytes", 1 << 16)
+    kw.setdefault("initial_frames", 8)
+    return RingPool("audio", dtype, frame, "cpu", strategy, **kw)
+
+
+def cat(chunks, last):
+    return torch.cat(chunks, dim=-1 if last else 0)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, use_backend):
+    use_backend(request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("strategy, frame", [(S.CONCAT_LAST, ()), (S.CONCAT_LAST, (2,)), (S.CONCAT_DIM0, (3,)),
+                                             (S.CONCAT_DIM0, (2, 2))])
+def test_append_drain_consolidate_with_wrap_and_zero_lengths(backend, strategy, frame):
+    last = strategy is S.CONCAT_LAST
+    pool = make_pool(strategy, frame, growth=False)
+    ids = ["a", "b"]
+    for r in ids:
+        pool.alloc(r)
+    g = torch.Generator().manual_seed(1)
+    kept, streamed = [], []
+    # b drains every step with lengths that wrap its 8-frame ring many times; a keeps everything.
+    for step in range(10):
+        lens = [step % 2, [0, 3, 5, 7][step % 4]]
+        shape = (2, *frame, 7) if last else (2, 7, *frame)
+        data = random_tensor(shape, torch.float32, generator=g)
+        res = pool.append(ids, PaddedBatch(data, lens))
+        assert res.errors == [] and res.appended == 2
+        kept.append(data[0][..., : lens[0]] if last else data[0][: lens[0]])
+        expect_b = data[1][..., : lens[1]] if last else data[1][: lens[1]]
+        (got_b,) = pool.drain(["b"])
+        assert torch.equal(got_b, expect_b)
+        assert pool.unread_frames("b") == 0
+    (got_a,) = pool.consolidate(["a"])
+    assert torch.equal(got_a, cat(kept, last))
+    assert torch.equal(pool.consolidate(["a"])[0], got_a), "consolidate must not advance"
+
+
+def test_list_input_packs_and_matches(backend):
+    pool = make_pool(S.CONCAT_DIM0, (4,), dtype=torch.int64)
+    for r in "xyz":
+        pool.alloc(r)
+    g = torch.Generator().manual_seed(2)
+    chunks = [random_tensor((n, 4), torch.int64, generator=g) for n in (3, 0, 5)]
+    res = pool.append(list("xyz"), chunks)
+    assert res.errors == []
+    more = [random_tensor((2, 4), torch.int64, generator=g), None, random_tensor((1, 4), torch.int64, generator=g)]
+    pool.append(list("xyz"), more)
+    x, y, z = pool.consolidate(list("xyz"))
+    assert torch.equal(x, torch.cat([chunks[0], more[0]])) and y.shape == (0, 4)
+    assert torch.equal(z, torch.cat([chunks[2], more[2]]))
+
+
+def test_growth_keeps_unread_data_across_wrap(backend):
+    pool = make_pool(S.CONCAT_LAST, (), initial_frames=4)
+    pool.alloc("r")
+    pool.append(["r"], [torch.arange(3.0)])
+    pool.drain(["r"])  # tail now at 3: the next append wraps
+    pool.append(["r"], [torch.arange(3.0, 6.0)])
+    assert pool.capacity_frames("r") == 4
+    pool.append(["r"], [torch.arange(6.0, 13.0)])  # 3 unread + 7 > 4: grows, copying the wrapped span
+    assert pool.capacity_frames("r") >= 10 and pool.stats().growths == 1
+    (out,) = pool.drain(["r"])
+    assert torch.equal(out, torch.arange(3.0, 13.0))
+
+
+def _other_intact(pool, ids, expected):
+    outs = pool.drain(ids)
+    for o, e in zip(outs, expected):
+        assert torch.equal(o, e)
+
+
+def test_errors_name_request_and_key_and_leave_others_intact(backend):
+    pool = make_pool(S.CONCAT_LAST, (2,), growth=False)
+    for r in ("good", "bad"):
+        pool.alloc(r)
+    good = torch.randn(2, 3)
+    cases = [
+        (torch.randn(2, 3, dtype=torch.float64), "dtype"),
+        (torch.randn(3, 3), "frame shape"),
+        (torch.randn(2, 3, device="meta"), "pool is on cpu"),
+        ("not a tensor", "expected a tensor"),
+        (torch.randn(2, 9), "overwrite unread data"),
+    ]
+    expected_good = []
+    for bad_value, message in cases:
+        res = pool.append(["good", "bad"], [good, bad_value])
+        expected_good.append(good)
+        assert len(res.errors) == 1, message
+        err = res.errors[0]
+        assert isinstance(err, TensorAccumulationError) and err.request_id == "bad" and err.key == "audio"
+        assert message in str(err) and "'bad'" in str(err)
+        assert pool.unread_frames("bad") == 0
+        pool.drain(["good"])
+    res = pool.append(["good", "ghost"], [good, good])
+    assert [e.request_id for e in res.errors] == ["ghost"] and "unknown" in str(res.errors[0])
+    res = pool.append(["good", "good"], [good, good])
+    assert len(res.errors) == 1 and "twice" in str(res.errors[0])
+    _other_intact(pool, ["good"], [torch.cat([good, good], dim=-1)])
+    assert pool.stats().rejected == 7
+
+
+def test_padded_batch_errors_per_request(backend):
+    pool = make_pool(S.CONCAT_LAST, (), growth=False)
+    for r in "abc":
+        pool.alloc(r)
+    data = torch.randn(3, 6)
+    res = pool.append(list("abc"), PaddedBatch(data, [2, 7, -1]))
+    assert sorted(e.request_id for e in res.errors) == ["b", "c"]
+    assert torch.equal(pool.consolidate(["a"])[0], data[0, :2])
+    res = pool.append(list("abc"), PaddedBatch(data.double(), [1, 1, 1]))
+    assert len(res.errors) == 3 and all("dtype" in str(e) for e in res.errors)
+    with pytest.raises(TypeError):
+        pool.append(["a"], PaddedBatch(data[:1], torch.ones(1, dtype=torch.int64, device="meta")))
+    with pytest.raises(ValueError):
+        pool.append(["a", "b"], PaddedBatch(data, [1, 1, 1]))
+
+
+def test_free_double_free_and_freed_slot(backend):
+    pool = make_pool()
+    pool.alloc("a")
+    pool.alloc("b")
+    pool.append(["a", "b"], [torch.ones(3), torch.full((2,), 2.0)])
+    pool.free("a")
+    with pytest.raises(TensorAccumulationError, match="already freed") as info:
+        pool.free("a")
+    assert info.value.request_id == "a" and info.value.key == "audio"
+    res = pool.append(["a", "b"], [torch.ones(1), torch.full((1,), 3.0)])
+    assert [e.request_id for e in res.errors] == ["a"]
+    with pytest.raises(TensorAccumulationError):
+        pool.drain(["a"])
+    assert torch.equal(pool.consolidate(["b"])[0], torch.tensor([2.0, 2.0, 3.0]))
+    with pytest.raises(TensorAccumulationError, match="already holds"):
+        pool.alloc("b")
+
+
+def test_budget_spent_and_slot_limit():
+    pool = make_pool(budget_bytes=8 * 4 * 2, initial_frames=8, max_slots=4)
+    pool.alloc("a")
+    pool.alloc("b")
+    with pytest.raises(TensorAccumulationError, match="budget"):
+        pool.alloc("c")
+    res = pool.append(["a", "b"], [torch.ones(9), torch.ones(2)])
+    assert [e.request_id for e in res.errors] == ["a"] and "budget" in str(res.errors[0])
+    assert pool.unread_frames("a") == 0 and pool.unread_frames("b") == 2
+    small = make_pool(max_slots=1)
+    small.alloc("x")
+    with pytest.raises(TensorAccumulationError, match="slots"):
+        small.alloc("y")
+
+
+def test_consolidate_after_drain_is_a_consolidation_error():
+    pool = make_pool()
+    pool.alloc("a")
+    pool.append(["a"], [torch.ones(2)])
+    pool.drain(["a"])
+    with pytest.raises(TensorConsolidationError) as info:
+        pool.consolidate(["a"])
+    assert info.value.request_id == "a"
+
+
+def test_slots_are_reused_and_stats_track_high_water():
+    pool = make_pool(initial_frames=8)
+    for i in range(50):
+        pool.alloc(f"r{i}")
+        pool.append([f"r{i}"], [torch.ones(20)])
+        pool.free(f"r{i}")
+    st = pool.stats()
+    assert st.slots_used == 0 and st.bytes_used == 0 and st.unread_bytes == 0
+    assert st.high_water_bytes == 32 * 4 and st.growths == 50
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31), dtype=st.sampled_from(ALL_DTYPES),
+       layout=st.sampled_from([(S.CONCAT_LAST, ()), (S.CONCAT_LAST, (2,)), (S.CONCAT_DIM0, (3,))]),
+       growth=st.booleans())
+def test_property_pool_matches_python_lists(backend, seed, dtype, layout, growth):
+    """Random lifecycles: appends of random lengths (0 included), drains, frees vs a list model."""
+    strategy, frame = layout
+    last = strategy is S.CONCAT_LAST
+    rng = np.random.default_rng(seed)
+    pool = RingPool("k", dtype, frame, "cpu", strategy, budget_bytes=4096 * 8, initial_frames=4, growth=growth)
+    model: dict[str, list] = {}
+    g = torch.Generator().manual_seed(seed)
+    for step in range(6):
+        if len(model) < 4:
+            rid = f"r{step}"
+            pool.alloc(rid)
+            model[rid] = []
+        ids = list(model)
+        lens = rng.integers(0, 7, size=len(ids))
+        shape = (len(ids), *frame, 6) if last else (len(ids), 6, *frame)
+        data = random_tensor(shape, dtype, generator=g)
+        res = pool.append(ids, PaddedBatch(data, lens))
+        failed = {e.request_id for e in res.errors}
+        assert growth is False or not failed
+        for b, rid in enumerate(ids):
+            if rid not in failed:
+                model[rid].append(data[b][..., : lens[b]] if last else data[b][: lens[b]])
+        action = rng.integers(0, 3)
+        rid = ids[int(rng.integers(0, len(ids)))]
+        if action == 0:
+            (out,) = pool.drain([rid])
+            assert torch.equal(out, cat(model[rid], last) if model[rid] else out)
+            model[rid] = []
+        elif action == 1:
+            pool.free(rid)
+            del model[rid]
+    if model:
+        outs = pool.drain(list(model))
+        for rid, out in zip(model, outs):
+            if model[rid]:
+                assert torch.equal(out, cat(model[rid], last))
+            else:
+                assert out.numel() == 0
