@@ -33,3 +33,13 @@ def test_property_random_batches_lengths_and_wrap(seed, rows, max_cap, dtype, la
     case = make_case(np.random.default_rng(seed), dtype=dtype, last=last, frame_shape=frame_shape, rows=rows,
                      max_cap=max_cap, read=read)
     assert_same(case, "triton", read=read)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("frame_shape, last", [((), True), ((2,), True), ((700,), False)])
+def test_triton_multi_program_rows_advance_head_once(seed, frame_shape, last):
+    """Rows longer than one program's block: several programs per row, the last ticket publishes."""
+    rng = np.random.default_rng(seed)
+    case = make_case(rng, dtype=ALL_DTYPES[0], last=last, frame_shape=frame_shape, rows=2, max_cap=6000)
+    assert_same(case, "triton", read=False)
+    assert_same(case, "triton", read=True)

@@ -38,6 +38,7 @@ from .ops.layout import BASE, CAP, HEAD, LIN_OFF, LIN_STRIDE, META_COLS, N, POS,
 from .profiling import nvtx_range
 
 _INT32_MAX = 2**31 - 1
+_SIZE = META_COLS - 1  # the metadata column no kernel reads holds the host mirror of unread frames
 _STAGING_DEPTH = 8
 
 
@@ -144,12 +145,18 @@ class RingPool:
         self.arena = torch.empty(self.allocator.total_frames * self.frame_elems, dtype=dtype, device=self.device)
         self.state = torch.zeros(max_slots, 2, dtype=torch.int64, device=self.device)
 
-        # Host mirrors, one entry per slot.
-        self._base = np.zeros(max_slots, np.int64)   # element offset of the region
-        self._cap = np.zeros(max_slots, np.int64)    # frames
-        self._head = np.zeros(max_slots, np.int64)   # next frame to write
+        # Host mirrors, one entry per slot. ``_table`` is laid out like a metadata row (SLOT, BASE,
+        # CAP, POS) so a step's metadata starts as one gather of it. POS is -1 ("the kernel reads the
+        # device head") except for slots in ``_stale`` whose device head must be overridden once
+        # (new slot: 0; grown slot: its unread size); the head itself is (tail + size) % cap.
+        self._table = np.zeros((max_slots, META_COLS), np.int64)
+        self._table[:, SLOT] = np.arange(max_slots)
+        self._base = self._table[:, BASE]  # element offset of the region (a view: writes go to _table)
+        self._cap = self._table[:, CAP]    # frames
+        self._table[:, POS] = -1
+        self._stale: set[int] = set()
+        self._size = self._table[:, _SIZE]  # unread frames (the kernels ignore this column)
         self._tail = np.zeros(max_slots, np.int64)   # next frame to read
-        self._size = np.zeros(max_slots, np.int64)   # unread frames
         self._drained = np.zeros(max_slots, np.int64)
         self._layout = np.zeros(max_slots, np.int64)  # bumped when base/cap/head move outside a kernel
         self._owner: dict[str, int] = {}
@@ -159,10 +166,12 @@ class RingPool:
         self._staging = _Staging(max_rows, self.device)
         self._meta = torch.zeros(max_rows, META_COLS, dtype=torch.int64, device=self.device)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
+        self._ids_cache: tuple | None = None
         self._arange = np.arange(max_rows, dtype=np.int64)
         self.growths = 0
         self.rejected = 0
         self.high_water_bytes = 0
+        self.version = 0  # bumped by alloc/free/growth: cached slot lookups are stale after it moves
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -189,8 +198,11 @@ class RingPool:
         offset, frames = region
         self._base[slot] = offset * self.frame_elems
         self._cap[slot] = frames
-        self._head[slot] = self._tail[slot] = self._size[slot] = self._drained[slot] = 0
+        self._tail[slot] = self._size[slot] = self._drained[slot] = 0
+        self._table[slot, POS] = 0
+        self._stale.add(slot)
         self._layout[slot] += 1
+        self.version += 1
         self._note_usage()
         return slot
 
@@ -204,6 +216,7 @@ class RingPool:
         self._slot_owner[slot] = None
         self._cap[slot] = self._size[slot] = 0
         self._free_slots.append(slot)
+        self.version += 1
 
     def slot_of(self, request_id: str) -> int:
         slot = self._owner.get(request_id)
@@ -294,8 +307,11 @@ class RingPool:
                           max_elems=size * self.frame_elems)
         self.allocator.free(int(self._base[slot] // self.frame_elems))
         self._base[slot], self._cap[slot] = new_base, frames
-        self._tail[slot], self._head[slot] = 0, size % frames
+        self._tail[slot] = 0
+        self._table[slot, POS] = size % frames
+        self._stale.add(slot)
         self._layout[slot] += 1
+        self.version += 1
         self.growths += 1
         self._note_usage()
         return True
@@ -312,6 +328,9 @@ class RingPool:
         """
         self._errors: list[TensorAccumulationError] = []
         with nvtx_range(f"ring.append[{self.key}]"):
+            done = self._fast_append(request_ids, chunks) if isinstance(chunks, PaddedBatch) else None
+            if done is not None:
+                return AppendResult(appended=done, errors=self._errors)
             if isinstance(chunks, PaddedBatch):
                 rows = self._rows_from_batch(request_ids, chunks)
             else:
@@ -319,6 +338,66 @@ class RingPool:
             appended = self._launch_append(*rows) if rows is not None else 0
         self.rejected += len(self._errors)
         return AppendResult(appended=appended, errors=self._errors)
+
+    def _fast_append(self, request_ids, batch: PaddedBatch) -> int | None:
+        """The common step in few host operations: every request known and distinct, a contiguous
+        batch of the pool's dtype and frame shape, lengths in range, no overflow. Returns the rows
+        launched, or None (nothing done) to send the step to the general path, which finds and
+        reports whatever is off. Slot lookups are cached while the request list and pool are unchanged.
+        """
+        data = batch.data
+        if data.dtype != self.dtype or data.device != self.device or not data.is_contiguous():
+            return None
+        shape = data.shape
+        if len(shape) != len(self.frame_shape) + 2 or \
+                (shape[1:-1] if self.last else shape[2:]) != self.frame_shape:
+            return None
+        ids = tuple(request_ids)
+        cached = self._ids_cache
+        if cached is not None and cached[1] == self.version and cached[0] == ids:
+            slots, lin_off = cached[2], cached[3]
+        else:
+            owner = self._owner
+            try:
+                slots = np.array([owner[r] for r in ids], np.int64)
+            except KeyError:
+                return None
+            if len(set(ids)) != len(ids):
+                return None
+            lin_off = None
+            self._ids_cache = (ids, self.version, slots, None)
+        B = len(slots)
+        n = batch.lengths
+        if not isinstance(n, np.ndarray) or n.dtype != np.int64:
+            if isinstance(n, torch.Tensor):
+                return None
+            n = np.asarray(n, dtype=np.int64)
+        axis_len = shape[-1] if self.last else shape[1]
+        # One reduction checks 0 <= n <= axis_len: negative lengths are huge as unsigned.
+        if shape[0] != B or n.shape != (B,) or B == 0 or n.view(np.uint64).max() > axis_len \
+                or axis_len * self.frame_elems > _INT32_MAX:
+            return None
+        self._ensure_rows(B)
+        row_elems = axis_len * self.frame_elems
+        if lin_off is None or lin_off[1] != row_elems:
+            lin_off = (self._arange[:B] * row_elems, row_elems)
+            self._ids_cache = self._ids_cache[:3] + (lin_off,)
+        i, host = self._staging.host()
+        m = host[:B]
+        np.take(self._table, slots, axis=0, out=m)  # SLOT, BASE, CAP, POS, SIZE
+        size = m[:, _SIZE]
+        if (n > m[:, CAP] - size).any():
+            return None
+        m[:, LIN_OFF] = lin_off[0]
+        m[:, N] = n
+        m[:, LIN_STRIDE] = axis_len if self.last else self.frame_elems
+        meta = self._staging.upload(i, B, self._meta)
+        ops.ring_write(self.arena, self.state, meta, data, rows=B, frame_elems=self.frame_elems,
+                       last=self.last, max_elems=int(n.max()) * self.frame_elems)
+        self._table[slots, _SIZE] = size + n
+        if self._stale:
+            self._unstale(slots)
+        return B
 
     def _lookup(self, request_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Slots of the requests (-1 where unknown, with an error recorded) and a keep-mask."""
@@ -433,23 +512,32 @@ class RingPool:
         if rows == 0:
             return 0
         self._ensure_rows(rows)
-        head = self._head[slots]
-        cap = self._cap[slots]
         i, host = self._staging.host()
         m = host[:rows]
-        m[:, SLOT] = slots
+        np.take(self._table, slots, axis=0, out=m)  # SLOT, BASE, CAP, POS (= head)
         m[:, LIN_OFF] = lin_off
         m[:, N] = n
-        m[:, BASE] = self._base[slots]
-        m[:, CAP] = cap
-        m[:, POS] = head
         m[:, LIN_STRIDE] = lin_stride
         meta = self._staging.upload(i, rows, self._meta)
         ops.ring_write(self.arena, self.state, meta, src, rows=rows, frame_elems=self.frame_elems,
                        last=self.last, max_elems=int(n.max()) * self.frame_elems)
-        self._head[slots] = (head + n) % cap
         self._size[slots] += n
+        if self._stale:
+            self._unstale(slots)
         return rows
+
+    def _unstale(self, slots: np.ndarray) -> None:
+        """After a write launch, the device heads of these slots are current again."""
+        hit = self._stale.intersection(slots.tolist())
+        if hit:
+            idx = list(hit)
+            self._table[idx, POS] = -1
+            self._stale.difference_update(hit)
+
+    def head_frame(self, request_id: str) -> int:
+        """The next ring frame the request's chunk goes to (host view)."""
+        slot = self.slot_of(request_id)
+        return int((self._tail[slot] + self._size[slot]) % self._cap[slot])
 
     # ----------------------------------------------------------------- read out
 
@@ -535,28 +623,51 @@ class StaticAppend:
         self.src, self.slots, self.n, self.lin_off, self.lin_stride = rows
         self.meta = torch.zeros(len(self.slots), META_COLS, dtype=torch.int64, device=pool.device)
         self._layout_seen = None
+        self._version_seen = -1
         self.max_elems = int(self.n.max()) * pool.frame_elems
 
     def prepare(self, steps: int = 1) -> None:
-        """Host work before ``steps`` launches: capacity, resident metadata, heads, mirrors."""
+        """Host work before ``steps`` launches: capacity, resident metadata, heads, mirrors.
+
+        Raises:
+            TensorAccumulationError: a request no longer holds a slot, or a slot cannot grow.
+        """
         pool = self.pool
-        pool._errors = []
-        fit = pool._check_fit(self.slots, self.n * steps, self.request_ids)
-        if not fit.all():
-            raise pool._errors[0]
-        layout = pool._layout[self.slots]
+        if pool.version != self._version_seen:
+            self.slots = np.array([pool.slot_of(r) for r in self.request_ids], np.int64)
+        grow = pool._size[self.slots] + self.n * steps > pool._cap[self.slots]
+        if grow.any():
+            pool._errors = []
+            if not pool._check_fit(self.slots, self.n * steps, self.request_ids).all():
+                raise pool._errors[0]
+        if pool.version != self._version_seen:
+            self._refresh()
+        if pool._stale:
+            self._write_stale_heads()
+        pool._size[self.slots] += self.n * steps
+
+    def _refresh(self) -> None:
+        """Re-upload the resident metadata and device heads if any of our slots moved."""
+        pool = self.pool
+        self._version_seen = pool.version
+        layout = np.concatenate((self.slots, pool._layout[self.slots]))
         if self._layout_seen is None or not np.array_equal(layout, self._layout_seen):
             m = np.zeros((len(self.slots), META_COLS), np.int64)
             m[:, SLOT], m[:, LIN_OFF], m[:, N] = self.slots, self.lin_off, self.n
             m[:, BASE], m[:, CAP], m[:, POS] = pool._base[self.slots], pool._cap[self.slots], -1
             m[:, LIN_STRIDE] = self.lin_stride
             self.meta.copy_(torch.from_numpy(m))
-            heads = torch.from_numpy(pool._head[self.slots].copy()).to(pool.device)
-            pool.state[torch.from_numpy(self.slots).to(pool.device), HEAD] = heads
             self._layout_seen = layout.copy()
-        cap = pool._cap[self.slots]
-        pool._head[self.slots] = (pool._head[self.slots] + self.n * steps) % cap
-        pool._size[self.slots] += self.n * steps
+
+    def _write_stale_heads(self) -> None:
+        """Set the device heads the kernel will read for our slots whose head is overridden."""
+        pool = self.pool
+        hit = pool._stale.intersection(self.slots.tolist())
+        if hit:
+            idx = np.array(sorted(hit), np.int64)
+            heads = torch.from_numpy(pool._table[idx, POS].copy()).to(pool.device)
+            pool.state[torch.from_numpy(idx).to(pool.device), HEAD] = heads
+            pool._unstale(idx)
 
     def launch(self) -> None:
         """One kernel: append every request's chunk at its device head and advance the head."""

@@ -26,5 +26,5 @@ between launches.
 """
 
 META_COLS = 8
-SLOT, LIN_OFF, N, BASE, CAP, POS, LIN_STRIDE = range(7)
+SLOT, LIN_OFF, N, BASE, CAP, POS, LIN_STRIDE = range(7)  # column 7: not read by kernels
 HEAD, TICKET = 0, 1

@@ -4,10 +4,12 @@ Grid: ``(rows, blocks)``; program ``(r, b)`` copies elements ``[b*BLOCK, (b+1)*B
 ``N*F`` elements. All rows get the same number of programs (from the largest row) so the grid is
 fixed for a fixed step shape, which is what CUDA-graph replay needs.
 
-The write kernel publishes the new head itself: every program of a row reads the head before it
-takes a ticket (an acq_rel atomic), and the program that takes the last ticket stores
-``(head + N) % CAP`` and resets the ticket. Nothing else reads the head in that launch, so a captured
-graph can be replayed step after step with the head advancing on the device.
+The write kernel publishes the new head itself. With one program per row (rows of up to
+``SINGLE_MAX`` elements: the usual decode-step chunk) that program reads the head, copies and stores
+``(head + N) % CAP``. With several programs per row, each reads the head before it takes a ticket
+(an acq_rel atomic) and the program that takes the last ticket stores the new head and resets the
+ticket. Nothing else reads the head in that launch, so a captured graph can be replayed step after
+step with the head advancing on the device.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import triton.language as tl
 
 from .layout import META_COLS
 
-BLOCK = 1024
-NUM_WARPS = 4
+BLOCK = 1024  # elements per program when a row needs several programs
+SINGLE_MAX = 4096  # rows up to this many elements are copied by one program each
 
 
 @triton.jit
@@ -53,7 +55,7 @@ def _ring_offsets(meta_row, e, pos, F, LAST: tl.constexpr, MONO: tl.constexpr):
 
 @triton.jit
 def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F,
-                       LAST: tl.constexpr, MONO: tl.constexpr, BLOCK: tl.constexpr):
+                       LAST: tl.constexpr, MONO: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr):
     row = tl.program_id(0)
     blk = tl.program_id(1)
     meta_row = meta_ptr + row * 8
@@ -65,14 +67,17 @@ def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F,
     ring, lin, mask = _ring_offsets(meta_row, e, pos, F, LAST, MONO)
     vals = tl.load(src_ptr + lin, mask=mask)
     tl.store(arena_ptr + ring, vals, mask=mask)
-    ticket = tl.atomic_add(state_ptr + slot * 2 + 1, 1, sem="acq_rel")
-    if ticket == tl.num_programs(1) - 1:
-        n = tl.load(meta_row + 2)
-        cap = tl.load(meta_row + 4)
-        head = pos + n
-        head = tl.where(head >= cap, head - cap, head)
+    n = tl.load(meta_row + 2)
+    cap = tl.load(meta_row + 4)
+    head = pos + n
+    head = tl.where(head >= cap, head - cap, head)
+    if SINGLE:
         tl.store(state_ptr + slot * 2, head)
-        tl.store(state_ptr + slot * 2 + 1, 0)
+    else:
+        ticket = tl.atomic_add(state_ptr + slot * 2 + 1, 1, sem="acq_rel")
+        if ticket == tl.num_programs(1) - 1:
+            tl.store(state_ptr + slot * 2, head)
+            tl.store(state_ptr + slot * 2 + 1, 0)
 
 
 @triton.jit
@@ -91,17 +96,22 @@ def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
 assert META_COLS == 8  # the kernels hard-code the row pitch
 
 
-def _grid(rows: int, max_elems: int) -> tuple[int, int]:
-    return rows, max(1, triton.cdiv(max_elems, BLOCK))
+def _shape(max_elems: int) -> tuple[int, int, int]:
+    """(programs per row, elements per program, warps) for the largest row of a launch."""
+    if max_elems <= SINGLE_MAX:
+        block = max(128, triton.next_power_of_2(max_elems))
+        return 1, block, 4 if block <= 2048 else 8
+    return triton.cdiv(max_elems, BLOCK), BLOCK, 4
 
 
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:
     """Launch the write kernel over ``rows`` rows; see ``reference.ring_write`` for the semantics."""
     if rows == 0:
         return
-    _ring_write_kernel[_grid(rows, max_elems)](
+    blocks, block, warps = _shape(max_elems)
+    _ring_write_kernel[(rows, blocks)](
         arena, state, meta, src, frame_elems,
-        LAST=last, MONO=last and frame_elems == 1, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        LAST=last, MONO=last and frame_elems == 1, BLOCK=block, SINGLE=blocks == 1, num_warps=warps,
     )
 
 
@@ -109,7 +119,8 @@ def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
     """Launch the read kernel over ``rows`` rows; see ``reference.ring_read`` for the semantics."""
     if rows == 0:
         return
-    _ring_read_kernel[_grid(rows, max_elems)](
+    blocks, block, warps = _shape(max_elems)
+    _ring_read_kernel[(rows, blocks)](
         arena, meta, out, frame_elems,
-        LAST=last, MONO=last and frame_elems == 1, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        LAST=last, MONO=last and frame_elems == 1, BLOCK=block, num_warps=warps,
     )
