@@ -39,7 +39,8 @@ from .profiling import nvtx_range
 
 _INT32_MAX = 2**31 - 1
 _SIZE = META_COLS - 1  # the metadata column no kernel reads holds the host mirror of unread frames
-_STAGING_DEPTH = 8
+_STAGING_DEPTH = 64
+_EVENT_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -77,35 +78,45 @@ class PoolStats:
 
 
 class _Staging:
-    """A ring of pinned host buffers for metadata uploads, reused once their copy has run."""
+    """A ring of pinned host buffers for metadata uploads, reused once their copy has run.
+
+    Uploads are stream-ordered, so one CUDA event recorded every ``_EVENT_EVERY`` uploads covers all
+    uploads before it; a buffer is reused ``_STAGING_DEPTH`` uploads later, after waiting on the
+    first event recorded at or after its last use (normally long complete: no per-step sync, and
+    only one event record per ``_EVENT_EVERY`` steps on the host). Appends of one pool are expected
+    on one stream at a time.
+    """
 
     def __init__(self, rows: int, device: torch.device):
         self.device = device
         self.rows = rows
-        pinned = device.type == "cuda"
-        self._host = [torch.zeros(rows, META_COLS, dtype=torch.int64, pin_memory=pinned)
-                      for _ in range(_STAGING_DEPTH if pinned else 1)]
+        self.pinned = device.type == "cuda"
+        depth = _STAGING_DEPTH if self.pinned else 1
+        self._host = [torch.zeros(rows, META_COLS, dtype=torch.int64, pin_memory=self.pinned) for _ in range(depth)]
         self._np = [h.numpy() for h in self._host]
-        self._events = [None] * len(self._host) if pinned else None
-        self._next = 0
+        self._count = 0  # uploads so far
+        self._events: list[tuple[int, torch.cuda.Event]] = []  # (upload index, event after it)
 
     def host(self) -> tuple[int, np.ndarray]:
-        i = self._next
-        self._next = (i + 1) % len(self._host)
-        if self._events is not None and self._events[i] is not None:
-            # Only waits when the GPU is _STAGING_DEPTH uploads behind (back-pressure, not a per-step sync).
-            self._events[i].synchronize()
+        i = self._count % len(self._host)
+        if self.pinned and self._count >= len(self._host):
+            last_use = self._count - len(self._host)
+            while self._events and self._events[0][0] < last_use:
+                self._events.pop(0)
+            if self._events:
+                self._events[0][1].synchronize()  # a no-op unless the GPU is far behind (back-pressure)
         return i, self._np[i]
 
     def upload(self, i: int, rows: int, dst: torch.Tensor) -> torch.Tensor:
         """Copy the first ``rows`` rows of host buffer ``i`` into ``dst`` (device) and return ``dst``."""
-        if self._events is None:
+        self._count += 1
+        if not self.pinned:
             return self._host[i]  # CPU pool: the host buffer is the metadata
         dst[:rows].copy_(self._host[i][:rows], non_blocking=True)
-        ev = self._events[i]
-        if ev is None:
-            ev = self._events[i] = torch.cuda.Event()
-        ev.record()
+        if self._count % _EVENT_EVERY == 0:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._events.append((self._count - 1, ev))
         return dst
 
 

@@ -1,0 +1,112 @@
+"""MultimodalAccumulator: strategies per key, emit policies, per-request errors (CPU; reference and Triton)."""
+
+import pytest
+import torch
+
+from vllm_omni_kernels.accumulator import AccumulatorConfig, EmitPolicy, MultimodalAccumulator
+from vllm_omni_kernels.errors import TensorAccumulationError, TensorConsolidationError
+from vllm_omni_kernels.modality import OutputModality as M, TensorAccumulationStrategy as S
+from vllm_omni_kernels.ring import PaddedBatch
+
+
+@pytest.fixture(params=["torch", "triton"])
+def acc(request, use_backend):
+    use_backend(request.param)
+    cfg = AccumulatorConfig(modality=M.AUDIO, strategies={"codes": S.CONCAT_DIM0, "frames": S.APPEND_LIST},
+                            pool_budget_bytes=1 << 16, initial_frames=8)
+    return MultimodalAccumulator(cfg, "cpu")
+
+
+def test_every_strategy_in_one_final_only_request(acc):
+    acc.add_request("a")
+    audio = [torch.randn(5), torch.randn(0), torch.randn(7)]
+    codes = [torch.randint(0, 9, (2, 4)), torch.randint(0, 9, (1, 4)), torch.randint(0, 9, (0, 4))]
+    for step in range(3):
+        errs = acc.append_step(["a"], {"audio": [audio[step]], "codes": [codes[step]], "sr": [24000 + step],
+                                       "frames": [torch.tensor([step, step])], "scale": [torch.tensor(0.5 * step)]})
+        assert errs == []
+        assert acc.collect().payloads == {}  # FINAL_ONLY: nothing before finish
+    (p,) = acc.collect(["a"]).payloads.values()
+    assert torch.equal(p.tensors["audio"], torch.cat(audio)) and p.primary_tensor is p.tensors["audio"]
+    assert torch.equal(p.tensors["codes"], torch.cat(codes))
+    assert [t.tolist() for t in p.tensors["frames"]] == [[0, 0], [1, 1], [2, 2]]
+    assert p.metadata["sr"] == 24002 and float(p.metadata["scale"]) == 1.0
+    assert "a" not in acc and acc.stats()["bytes_used"] == 0
+
+
+def test_delta_and_cumulative_streams_with_interval(acc):
+    acc.add_request("d", emit=EmitPolicy.DELTA, stream_interval=2)
+    acc.add_request("c", emit=EmitPolicy.CUMULATIVE)
+    chunks = [torch.randn(2, 3) for _ in range(5)]
+    deltas, cumul = [], []
+    for step, ch in enumerate(chunks):
+        acc.append_step(["d", "c"], {"audio": PaddedBatch(torch.stack([ch, ch]), [3, 3])})
+        out = acc.collect(["d", "c"] if step == 4 else []).payloads
+        if "d" in out:
+            deltas.append(out["d"].tensors["audio"])
+        cumul.append(out["c"].tensors["audio"])
+    assert [d.shape[-1] for d in deltas] == [6, 6, 3]  # every 2 steps, then the rest at finish
+    assert torch.equal(torch.cat(deltas, dim=-1), torch.cat(chunks, dim=-1))
+    assert [c.shape[-1] for c in cumul] == [3, 6, 9, 12, 15] and torch.equal(cumul[-1], torch.cat(chunks, dim=-1))
+
+
+def test_bad_values_are_skipped_for_that_request_only(acc):
+    for r in "abc":
+        acc.add_request(r)
+    good = torch.randn(4)
+    errs = acc.append_step(["a", "b", "c"], {"audio": [good, "oops", torch.tensor(3.0)]})
+    assert sorted(e.request_id for e in errs) == ["b", "c"] and all(e.key == "audio" for e in errs)
+    acc.append_step(["a", "b"], {"audio": [good, good]})
+    errs = acc.append_step(["a", "b"], {"audio": [good, good.double()]})  # dtype changes mid-stream for b
+    assert [e.request_id for e in errs] == ["b"] and "dtype" in str(errs[0])
+    errs = acc.append_step(["a", "ghost"], {"audio": [good, good]})
+    assert [e.request_id for e in errs] == ["ghost"]
+    assert acc.accumulation_errors == 4
+    out = acc.collect(["a", "b", "c"]).payloads
+    assert torch.equal(out["a"].tensors["audio"], torch.cat([good, good, good, good]))
+    assert torch.equal(out["b"].tensors["audio"], good) and "audio" not in out["c"].tensors
+
+
+def test_batch_with_one_unknown_request_still_appends_the_others(acc):
+    acc.add_request("a")
+    data = torch.randn(2, 6)
+    errs = acc.append_step(["a", "nobody"], {"audio": PaddedBatch(data, [4, 6])})
+    assert [e.request_id for e in errs] == ["nobody"]
+    assert torch.equal(acc.collect(["a"]).payloads["a"].tensors["audio"], data[0, :4])
+
+
+def test_consolidation_error_fails_only_that_request(acc):
+    acc.add_request("a")
+    acc.add_request("b")
+    acc.append_step(["a", "b"], {"audio": [torch.ones(2), torch.ones(3)]})
+    acc.pools()[0].drain(["a"])  # someone drained behind the accumulator's back
+    with pytest.raises(TensorConsolidationError) as info:
+        acc.collect(["a", "b"])
+    assert info.value.request_id == "a" and "a" not in acc and "b" in acc
+    assert torch.equal(acc.collect(["b"]).payloads["b"].tensors["audio"], torch.ones(3))
+
+
+def test_lifecycle_errors_and_abort(acc):
+    acc.add_request("a")
+    with pytest.raises(TensorAccumulationError):
+        acc.add_request("a")
+    acc.append_step(["a"], {"audio": [torch.ones(3)]})
+    acc.abort("a")
+    with pytest.raises(TensorAccumulationError):
+        acc.abort("a")
+    with pytest.raises(TensorAccumulationError):
+        acc.collect(["a"])
+    with pytest.raises(ValueError):
+        acc.append_step(["x"], {"audio": torch.ones(3)})
+    with pytest.raises(ValueError):
+        MultimodalAccumulator().add_request("z", stream_interval=0)
+    assert acc.stats()["bytes_used"] == 0
+
+
+def test_image_rows_default_to_concat_dim0():
+    acc = MultimodalAccumulator(AccumulatorConfig(modality=M.IMAGE, initial_frames=4), "cpu")
+    acc.add_request("i")
+    rows = [torch.randn(2, 3, 4), torch.randn(1, 3, 4)]
+    for r in rows:
+        acc.append_step(["i"], {"image": [r]})
+    assert torch.equal(acc.collect(["i"]).payloads["i"].tensors["image"], torch.cat(rows))
