@@ -21,6 +21,7 @@ from .layout import META_COLS
 
 BLOCK = 1024  # elements per program when a row needs several programs
 SINGLE_MAX = 4096  # rows up to this many elements are copied by one program each
+MULTI_WARPS = 4
 
 
 @triton.jit
@@ -101,7 +102,7 @@ def _shape(max_elems: int) -> tuple[int, int, int]:
     if max_elems <= SINGLE_MAX:
         block = max(128, triton.next_power_of_2(max_elems))
         return 1, block, 4 if block <= 2048 else 8
-    return triton.cdiv(max_elems, BLOCK), BLOCK, 4
+    return triton.cdiv(max_elems, BLOCK), BLOCK, MULTI_WARPS
 
 
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:

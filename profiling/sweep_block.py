@@ -1,0 +1,49 @@
+"""Block-size sweep of the multi-program ring append (in a CUDA graph of 200 appends).
+
+Usage: python profiling/sweep_block.py   (prints us/step and GB/s per BLOCK x warps x workload)
+"""
+
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
+from vllm_omni_kernels.ops import triton_ring  # noqa: E402
+from vllm_omni_kernels.ring import RingPool  # noqa: E402
+
+STEPS = 200
+for B, T in [(64, 48000), (8, 48000)]:
+    src = torch.randn(B, T, device="cuda")
+    ids = [f"r{i}" for i in range(B)]
+    frames = 1 << (T * STEPS - 1).bit_length()
+    pool = RingPool("a", torch.float32, (), "cuda", S.CONCAT_LAST, budget_bytes=B * frames * 4, initial_frames=frames,
+                    max_slots=B, growth=False)
+    for r in ids:
+        pool.alloc(r)
+    sa = pool.static_append(ids, src, np.full(B, T))
+    for block in (1024, 2048, 4096):
+        for warps in (4, 8):
+            triton_ring.BLOCK, triton_ring.MULTI_WARPS = block, warps
+            sa.prepare(1)
+            sa.launch()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(STEPS):
+                    sa.launch()
+            times = []
+            for _ in range(7):
+                pool._size[sa.slots] = 0
+                sa.prepare(STEPS)
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1000 / STEPS)
+            us = statistics.median(times[1:])
+            print(f"{B}x{T} BLOCK={block} warps={warps}: {us:6.2f} us/step {2 * B * T * 4 / us / 1e3:7.0f} GB/s", flush=True)
+            pool._size[sa.slots] = 0
