@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .layout import META_COLS
 
-BLOCK = 1024  # elements per program when a row needs several programs
+BLOCK = 2048  # elements per program when a row needs several programs (sweep_block.py on the H200)
 SINGLE_MAX = 4096  # rows up to this many elements are copied by one program each
 MULTI_WARPS = 4
 
