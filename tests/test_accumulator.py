@@ -110,3 +110,12 @@ def test_image_rows_default_to_concat_dim0():
     for r in rows:
         acc.append_step(["i"], {"image": [r]})
     assert torch.equal(acc.collect(["i"]).payloads["i"].tensors["image"], torch.cat(rows))
+
+
+def test_initial_frames_per_key():
+    cfg = AccumulatorConfig(strategies={"codes": S.CONCAT_DIM0}, initial_frames={"audio": 64, "codes": 4})
+    acc = MultimodalAccumulator(cfg, "cpu")
+    acc.add_request("r")
+    acc.append_step(["r"], {"audio": [torch.ones(10)], "codes": [torch.ones(2, 16, dtype=torch.int64)]})
+    caps = {p.key: p.capacity_frames("r") for p in acc.pools()}
+    assert caps == {"audio": 64, "codes": 4}

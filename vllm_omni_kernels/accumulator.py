@@ -46,13 +46,14 @@ class AccumulatorConfig:
     """Sizing and strategy of an accumulator.
 
     ``pool_budget_bytes`` is preallocated per pool (one pool per key, dtype, frame shape, device) the
-    first time such a combination appears; ``initial_frames`` is a new slot's capacity.
+    first time such a combination appears; ``initial_frames`` is a new slot's capacity, one number
+    for every key or ``{key: frames}`` (keys not named get 4096).
     """
 
     modality: OutputModality = OutputModality.AUDIO
     strategies: Mapping[str, Strategy] = field(default_factory=dict)
     pool_budget_bytes: int = 64 << 20
-    initial_frames: int = 4096
+    initial_frames: int | Mapping[str, int] = 4096
     max_slots: int = 1024
     growth: bool = True
 
@@ -155,9 +156,11 @@ class MultimodalAccumulator:
             if 0 in frame:
                 raise TensorAccumulationError(f"frame shape {frame} has no elements", key=key)
             cfg = self.config
+            frames = cfg.initial_frames.get(key, 4096) if isinstance(cfg.initial_frames, Mapping) \
+                else cfg.initial_frames
             pool = self._pools[ident] = RingPool(
                 key, dtype, frame, device, strategy, budget_bytes=cfg.pool_budget_bytes,
-                initial_frames=cfg.initial_frames, max_slots=cfg.max_slots, growth=cfg.growth)
+                initial_frames=frames, max_slots=cfg.max_slots, growth=cfg.growth)
         return pool
 
     def _attach(self, key: str, rid: str, pool: RingPool, errors: list) -> bool:

@@ -109,7 +109,8 @@ def run(cfg: SimConfig) -> dict:
 
     acc = MultimodalAccumulator(AccumulatorConfig(
         modality=OutputModality.AUDIO,
-        strategies={"codes": TensorAccumulationStrategy.CONCAT_DIM0}, pool_budget_bytes=256 << 20, initial_frames=4 * FRAME), device=device)
+        strategies={"codes": TensorAccumulationStrategy.CONCAT_DIM0}, pool_budget_bytes=256 << 20,
+        initial_frames={"audio": 4 * FRAME, "codes": 8}), device=device)
     pending = list(reversed(reqs))
     live: list[_Req] = []
     finished_ok = 0
