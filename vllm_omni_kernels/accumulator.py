@@ -123,11 +123,10 @@ class MultimodalAccumulator:
         values. ValueError for a structurally wrong call (misaligned lengths).
         """
         errors: list[TensorAccumulationError] = []
-        known = []
         for rid in request_ids:
-            if rid in self._requests:
-                known.append(rid)
-                self._requests[rid].steps += 1
+            req = self._requests.get(rid)
+            if req is not None:
+                req.steps += 1
         for key, chunks in outputs.items():
             if isinstance(chunks, PaddedBatch):
                 self._append_batch(key, request_ids, chunks, errors)
