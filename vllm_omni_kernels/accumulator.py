@@ -195,8 +195,7 @@ class MultimodalAccumulator:
         try:
             pool = self._pool(key, strategy, data.dtype, frame, data.device)
         except TensorAccumulationError as exc:
-            errors.extend(TensorAccumulationError(str(exc).split("] ", 1)[-1], request_id=rid, key=key)
-                          for rid in request_ids)
+            errors.extend(exc.for_request(rid, key) for rid in request_ids)
             return
         keep = [self._attach(key, rid, pool, errors) for rid in request_ids]
         if all(keep):
@@ -243,7 +242,7 @@ class MultimodalAccumulator:
                 try:
                     pool = self._pool(key, strategy, value.dtype, frame, value.device)
                 except TensorAccumulationError as exc:
-                    errors.append(TensorAccumulationError(str(exc).split("] ", 1)[-1], request_id=rid, key=key))
+                    errors.append(exc.for_request(rid, key))
                     continue
                 if not self._attach(key, rid, pool, errors):
                     continue

@@ -12,6 +12,7 @@ class MultimodalOutputError(Exception):
     """Base class of every error this package raises on purpose."""
 
     def __init__(self, message: str, *, request_id: str | None = None, key: str | None = None):
+        self.reason = message
         self.request_id = request_id
         self.key = key
         where = []
@@ -21,6 +22,13 @@ class MultimodalOutputError(Exception):
             where.append(f"key {key!r}")
         prefix = f"[{', '.join(where)}] " if where else ""
         super().__init__(prefix + message)
+
+    def for_request(self, request_id: str, key: str | None = None) -> "MultimodalOutputError":
+        """The same error, of the same type, attributed to ``request_id`` (and ``key``, else this one's).
+
+        Used where one cause (a whole batch of the wrong dtype, say) fails several requests.
+        """
+        return type(self)(self.reason, request_id=request_id, key=key if key is not None else self.key)
 
 
 class TensorAccumulationError(MultimodalOutputError):

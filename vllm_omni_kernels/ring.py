@@ -307,12 +307,9 @@ class RingPool:
         offset, frames = region
         new_base = offset * self.frame_elems
         size = int(self._size[slot])
-        if size:
-            i, host = self._staging.host()
-            host[0, :] = 0
-            host[0, SLOT], host[0, LIN_OFF], host[0, N] = slot, new_base, size
-            host[0, BASE], host[0, CAP], host[0, POS] = self._base[slot], cap, self._tail[slot]
-            host[0, LIN_STRIDE] = frames if self.last else self.frame_elems
+        if size:  # copy the unread span, linearized, to the start of the new region
+            i, _ = self._stage(np.array([slot]), new_base, size, frames if self.last else self.frame_elems,
+                               pos=self._tail[slot])
             meta = self._staging.upload(i, 1, self._meta)
             ops.ring_read(self.arena, meta, self.arena, rows=1, frame_elems=self.frame_elems, last=self.last,
                           max_elems=size * self.frame_elems)
@@ -393,22 +390,10 @@ class RingPool:
         if lin_off is None or lin_off[1] != row_elems:
             lin_off = (self._arange[:B] * row_elems, row_elems)
             self._ids_cache = self._ids_cache[:3] + (lin_off,)
-        i, host = self._staging.host()
-        m = host[:B]
-        np.take(self._table, slots, axis=0, out=m)  # SLOT, BASE, CAP, POS, SIZE
-        size = m[:, _SIZE]
-        if (n > m[:, CAP] - size).any():
-            return None
-        m[:, LIN_OFF] = lin_off[0]
-        m[:, N] = n
-        m[:, LIN_STRIDE] = axis_len if self.last else self.frame_elems
-        meta = self._staging.upload(i, B, self._meta)
-        ops.ring_write(self.arena, self.state, meta, data, rows=B, frame_elems=self.frame_elems,
-                       last=self.last, max_elems=int(n.max()) * self.frame_elems)
-        self._table[slots, _SIZE] = size + n
-        if self._stale:
-            self._unstale(slots)
-        return B
+        i, m = self._stage(slots, lin_off[0], n, axis_len if self.last else self.frame_elems)
+        if (n > m[:, CAP] - m[:, _SIZE]).any():
+            return None  # the staged buffer was not uploaded: the next step reuses it
+        return self._write_staged(i, m, data, slots, n)
 
     def _lookup(self, request_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Slots of the requests (-1 where unknown, with an error recorded) and a keep-mask."""
@@ -445,8 +430,7 @@ class RingPool:
             axis_len = self._chunk_frames(data[0] if B else data.new_empty(()), "<batch>") if B else 0
         except TensorAccumulationError as exc:
             for i in np.flatnonzero(keep):
-                self._errors.append(TensorAccumulationError(str(exc).split("] ", 1)[-1],
-                                                            request_id=request_ids[i], key=self.key))
+                self._errors.append(exc.for_request(request_ids[i]))
             return None
         bad = np.flatnonzero(keep & ((n < 0) | (n > axis_len)))
         for i in bad:
@@ -518,24 +502,36 @@ class RingPool:
             self._meta = torch.zeros(new, META_COLS, dtype=torch.int64, device=self.device)
             self._arange = np.arange(new, dtype=np.int64)
 
-    def _launch_append(self, src, slots, n, lin_off, lin_stride) -> int:
-        rows = len(slots)
-        if rows == 0:
-            return 0
-        self._ensure_rows(rows)
+    def _stage(self, slots: np.ndarray, lin_off, n, lin_stride, pos=None) -> tuple[int, np.ndarray]:
+        """Metadata rows for ``slots`` in the next staging buffer: one gather of the slot table
+        (SLOT, BASE, CAP, POS, and the host-only SIZE column), then the step's own columns; ``pos``
+        replaces POS (reads start at the tail). Returns the buffer index and the rows."""
+        self._ensure_rows(len(slots))
         i, host = self._staging.host()
-        m = host[:rows]
-        np.take(self._table, slots, axis=0, out=m)  # SLOT, BASE, CAP, POS (= head)
+        m = host[: len(slots)]
+        np.take(self._table, slots, axis=0, out=m)
         m[:, LIN_OFF] = lin_off
         m[:, N] = n
         m[:, LIN_STRIDE] = lin_stride
-        meta = self._staging.upload(i, rows, self._meta)
-        ops.ring_write(self.arena, self.state, meta, src, rows=rows, frame_elems=self.frame_elems,
+        if pos is not None:
+            m[:, POS] = pos
+        return i, m
+
+    def _write_staged(self, i: int, m: np.ndarray, src, slots: np.ndarray, n: np.ndarray) -> int:
+        """Upload staged rows, launch the write kernel, advance the host mirrors."""
+        meta = self._staging.upload(i, len(slots), self._meta)
+        ops.ring_write(self.arena, self.state, meta, src, rows=len(slots), frame_elems=self.frame_elems,
                        last=self.last, max_elems=int(n.max()) * self.frame_elems)
         self._size[slots] += n
         if self._stale:
             self._unstale(slots)
-        return rows
+        return len(slots)
+
+    def _launch_append(self, src, slots, n, lin_off, lin_stride) -> int:
+        if len(slots) == 0:
+            return 0
+        i, m = self._stage(slots, lin_off, n, lin_stride)
+        return self._write_staged(i, m, src, slots, n)
 
     def _unstale(self, slots: np.ndarray) -> None:
         """After a write launch, the device heads of these slots are current again."""
@@ -545,10 +541,6 @@ class RingPool:
             self._table[idx, POS] = -1
             self._stale.difference_update(hit)
 
-    def head_frame(self, request_id: str) -> int:
-        """The next ring frame the request's chunk goes to (host view)."""
-        slot = self.slot_of(request_id)
-        return int((self._tail[slot] + self._size[slot]) % self._cap[slot])
 
     # ----------------------------------------------------------------- read out
 
@@ -586,16 +578,7 @@ class RingPool:
         starts = np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64) * F
         out = torch.empty(int(n.sum()) * F, dtype=self.dtype, device=self.device)
         if rows and n.any():
-            self._ensure_rows(rows)
-            i, host = self._staging.host()
-            m = host[:rows]
-            m[:, SLOT] = slots
-            m[:, LIN_OFF] = starts
-            m[:, N] = n
-            m[:, BASE] = self._base[slots]
-            m[:, CAP] = self._cap[slots]
-            m[:, POS] = self._tail[slots]
-            m[:, LIN_STRIDE] = n if self.last else F
+            i, _ = self._stage(slots, starts, n, n if self.last else F, pos=self._tail[slots])
             meta = self._staging.upload(i, rows, self._meta)
             ops.ring_read(self.arena, meta, out, rows=rows, frame_elems=F, last=self.last,
                           max_elems=int(n.max()) * F)
