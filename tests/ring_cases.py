@@ -100,3 +100,11 @@ def assert_same(case: Case, backend: str, *, read: bool) -> None:
             f"{backend} differs from the reference in {name}"
     if not read:
         assert int(got[1][:, 1].abs().sum()) == 0, "tickets must be reset to 0 after a launch"
+
+
+def check_case(seed: int, *, dtype, frame_shape, last: bool, read: bool, rows: int, max_cap: int,
+               device="cpu", backend="triton") -> None:
+    """One random case from ``seed``, run through ``backend`` and the reference, compared bit for bit."""
+    case = make_case(np.random.default_rng(seed), dtype=dtype, last=last, frame_shape=frame_shape, rows=rows,
+                     max_cap=max_cap, device=device, read=read)
+    assert_same(case, backend, read=read)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ALL_DTYPES, random_tensor
-from ring_cases import assert_same, make_case
+from ring_cases import check_case
 from vllm_omni_kernels.errors import TensorAccumulationError
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
@@ -19,16 +19,13 @@ FRAMES = [((), True), ((2,), True), ((3,), False), ((16,), False)]
 @pytest.mark.parametrize("frame_shape, last", FRAMES)
 @pytest.mark.parametrize("read", [False, True], ids=["write", "read"])
 def test_cuda_triton_matches_reference(dtype, frame_shape, last, read):
-    rng = np.random.default_rng(hash((str(dtype), frame_shape, last, read)) % 2**32)
-    case = make_case(rng, dtype=dtype, last=last, frame_shape=frame_shape, rows=6, max_cap=3000, device="cuda",
-                     read=read)
-    assert_same(case, "triton", read=read)
+    check_case(hash((str(dtype), frame_shape, last, read)) % 2**32, dtype=dtype, frame_shape=frame_shape,
+               last=last, read=read, rows=6, max_cap=3000, device="cuda")
 
 
 def test_cuda_wide_rows_16384_bf16():
-    case = make_case(np.random.default_rng(3), dtype=torch.bfloat16, last=False, frame_shape=(16384,), rows=8,
-                     max_cap=9, device="cuda")
-    assert_same(case, "triton", read=False)
+    check_case(3, dtype=torch.bfloat16, frame_shape=(16384,), last=False, read=False, rows=8, max_cap=9,
+               device="cuda")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -36,9 +33,8 @@ def test_cuda_wide_rows_16384_bf16():
        dtype=st.sampled_from(ALL_DTYPES), layout=st.sampled_from(FRAMES), read=st.booleans())
 def test_cuda_property_random_batches(seed, rows, max_cap, dtype, layout, read):
     frame_shape, last = layout
-    case = make_case(np.random.default_rng(seed), dtype=dtype, last=last, frame_shape=frame_shape, rows=rows,
-                     max_cap=max_cap, device="cuda", read=read)
-    assert_same(case, "triton", read=read)
+    check_case(seed, dtype=dtype, frame_shape=frame_shape, last=last, read=read, rows=rows, max_cap=max_cap,
+               device="cuda")
 
 
 def cuda_pool(strategy=S.CONCAT_LAST, frame=(), dtype=torch.float32, **kw):
