@@ -40,3 +40,8 @@ class TensorAccumulationError(MultimodalOutputError):
 
 class TensorConsolidationError(MultimodalOutputError):
     """A request's accumulated output cannot be produced; the request must fail visibly."""
+
+
+class PhaseRoutingError(MultimodalOutputError, ValueError):
+    """A step of the prefill/decode routing cannot run: corrupt token offsets, or a hook returned
+    outputs that do not match its rows. Raised before any runner buffer is written."""

@@ -36,11 +36,10 @@ from .errors import TensorAccumulationError, TensorConsolidationError
 from .modality import TensorAccumulationStrategy as Strategy
 from .ops.layout import BASE, CAP, HEAD, LIN_OFF, LIN_STRIDE, META_COLS, N, POS, SLOT
 from .profiling import nvtx_range
+from .staging import PinnedStaging
 
 _INT32_MAX = 2**31 - 1
 _SIZE = META_COLS - 1  # the metadata column no kernel reads holds the host mirror of unread frames
-_STAGING_DEPTH = 64
-_EVENT_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -75,49 +74,6 @@ class PoolStats:
     unread_bytes: int
     growths: int
     rejected: int
-
-
-class _Staging:
-    """A ring of pinned host buffers for metadata uploads, reused once their copy has run.
-
-    Uploads are stream-ordered, so one CUDA event recorded every ``_EVENT_EVERY`` uploads covers all
-    uploads before it; a buffer is reused ``_STAGING_DEPTH`` uploads later, after waiting on the
-    first event recorded at or after its last use (normally long complete: no per-step sync, and
-    only one event record per ``_EVENT_EVERY`` steps on the host). Appends of one pool are expected
-    on one stream at a time.
-    """
-
-    def __init__(self, rows: int, device: torch.device):
-        self.device = device
-        self.rows = rows
-        self.pinned = device.type == "cuda"
-        depth = _STAGING_DEPTH if self.pinned else 1
-        self._host = [torch.zeros(rows, META_COLS, dtype=torch.int64, pin_memory=self.pinned) for _ in range(depth)]
-        self._np = [h.numpy() for h in self._host]
-        self._count = 0  # uploads so far
-        self._events: list[tuple[int, torch.cuda.Event]] = []  # (upload index, event after it)
-
-    def host(self) -> tuple[int, np.ndarray]:
-        i = self._count % len(self._host)
-        if self.pinned and self._count >= len(self._host):
-            last_use = self._count - len(self._host)
-            while self._events and self._events[0][0] < last_use:
-                self._events.pop(0)
-            if self._events:
-                self._events[0][1].synchronize()  # a no-op unless the GPU is far behind (back-pressure)
-        return i, self._np[i]
-
-    def upload(self, i: int, rows: int, dst: torch.Tensor) -> torch.Tensor:
-        """Copy the first ``rows`` rows of host buffer ``i`` into ``dst`` (device) and return ``dst``."""
-        self._count += 1
-        if not self.pinned:
-            return self._host[i]  # CPU pool: the host buffer is the metadata
-        dst[:rows].copy_(self._host[i][:rows], non_blocking=True)
-        if self._count % _EVENT_EVERY == 0:
-            ev = torch.cuda.Event()
-            ev.record()
-            self._events.append((self._count - 1, ev))
-        return dst
 
 
 class RingPool:
@@ -174,7 +130,7 @@ class RingPool:
         self._slot_owner: list[str | None] = [None] * max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))
 
-        self._staging = _Staging(max_rows, self.device)
+        self._staging = PinnedStaging(max_rows, META_COLS, self.device)
         self._meta = torch.zeros(max_rows, META_COLS, dtype=torch.int64, device=self.device)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
         self._ids_cache: tuple | None = None
@@ -498,7 +454,7 @@ class RingPool:
     def _ensure_rows(self, rows: int) -> None:
         if rows > self._meta.shape[0]:
             new = 1 << (rows - 1).bit_length()
-            self._staging = _Staging(new, self.device)
+            self._staging = PinnedStaging(new, META_COLS, self.device)
             self._meta = torch.zeros(new, META_COLS, dtype=torch.int64, device=self.device)
             self._arange = np.arange(new, dtype=np.int64)
 

@@ -4,6 +4,9 @@ Ring copies (semantics in ``reference.py``, layout in ``layout.py``):
     ring_write(arena, state, meta, src, rows=, frame_elems=, last=, max_elems=)
     ring_read(arena, meta, out, rows=, frame_elems=, last=, max_elems=)
 ``max_elems`` is the host-known largest ``N * F`` of the step; it sizes the grid.
+
+Row gather (the fused decode gather; jobs and table in ``gather_jobs.py``):
+    row_gather(jobs, table, anchor, layout=, grid_rows=)
 """
 
 from __future__ import annotations
@@ -15,13 +18,22 @@ from . import reference
 from .layout import META_COLS  # noqa: F401  (re-exported for callers building metadata)
 
 
-def _impl(device: torch.device):
+def _impl(device: torch.device, module: str = "ring"):
     name, _ = _backend.select(device)
     if name == "triton":
-        from . import triton_ring
+        if module == "ring":
+            from . import triton_ring
 
-        return triton_ring
+            return triton_ring
+        from . import triton_gather
+
+        return triton_gather
     return None
+
+
+def uses_kernel(device: torch.device) -> bool:
+    """Whether ops on ``device`` run a kernel backend (which reads device metadata) or the reference."""
+    return _impl(torch.device(device)) is not None
 
 
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
@@ -46,3 +58,22 @@ def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool, max_
         reference.ring_read(arena, meta, out, rows=rows, frame_elems=frame_elems, last=last)
     else:
         impl.ring_read(arena, meta, out, rows=rows, frame_elems=frame_elems, last=last, max_elems=max_elems)
+
+
+def row_gather(jobs, table, anchor, *, layout, grid_rows: int | None = None) -> None:
+    """Carry out every job of ``jobs`` (a ``GatherJobs``) in one launch.
+
+    ``table``: the device int64 table ``jobs`` was encoded into (``layout``), with float offsets
+    relative to ``anchor`` (a tensor of the float dtype) and int offsets relative to the table;
+    ignored by the reference backend. ``grid_rows``: jobs the grid covers (default: this launch's count; a captured
+    graph passes its upper bound). One launch, no host sync; nothing at all when there are no jobs.
+    """
+    impl = _impl(jobs.device, "gather")
+    if impl is None:
+        reference.row_gather(jobs)
+        return
+    rows = jobs.n_float + jobs.n_int if grid_rows is None else grid_rows
+    if rows == 0:
+        return
+    impl.row_gather(anchor, table.view(torch.int32), table, width=jobs.width, int_off=layout.int_off,
+                    grid_rows=rows)

@@ -1,8 +1,8 @@
-"""Pure-torch ring copies: the semantics oracle, and the path for CPU tensors.
+"""Pure-torch versions of every kernel op: the semantics oracle, and the path for CPU tensors.
 
-Both functions take exactly what the kernels take (see ``layout.py``) and loop over rows in Python,
-so they read the metadata back to the host. That is fine on the CPU and for tests; the GPU paths
-never do it.
+The ring copies take exactly what the kernels take (see ``layout.py``) and loop over rows in Python,
+so they read the metadata back to the host; the row gather copies the jobs of a ``GatherJobs``
+directly. That is fine on the CPU and for tests; the GPU paths never do it.
 """
 
 from __future__ import annotations
@@ -51,3 +51,18 @@ def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool) -> N
             ring, flat = _views(arena, out, row, frame_elems, last)
             idx = _ring_index(row[POS], n, row[CAP], arena.device)
             flat.copy_(ring[:, idx] if last else ring[idx])
+
+
+def row_gather(jobs) -> None:
+    """Carry out every job of a ``GatherJobs`` with plain torch copies (the gather's oracle).
+
+    Jobs write disjoint rows, so their order does not matter; int rows convert exactly between int32
+    and int64 (values in int32 range when narrowing).
+    """
+    for blocks in (jobs.float_blocks, jobs.int_blocks):
+        for b in blocks:
+            dst_rows = torch.from_numpy(b.dst_rows).to(b.dst.device)
+            src_rows = torch.from_numpy(b.src_rows).to(b.src.device)
+            b.dst.index_copy_(0, dst_rows, b.src.index_select(0, src_rows).to(b.dst.dtype))
+    for dst, values in jobs.value_blocks:
+        dst.copy_(torch.from_numpy(values).to(dst.dtype))

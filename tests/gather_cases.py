@@ -1,0 +1,67 @@
+"""Random fused-gather cases run through a ``RowGather`` on two backends, for CPU and CUDA tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_tensor
+from vllm_omni_kernels.gather import RowGather
+
+
+def make_gather_case(seed: int, dtype: torch.dtype, width: int, device="cpu", rows: int = 6):
+    """Destinations and a job list: float rows from two sources, int rows of every int32/int64 pairing
+    (values within int32 where narrowing), and a value block."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    dsts = {"emb": random_tensor((rows * 2, width), dtype, device, g),
+            "pack": random_tensor((rows, width), dtype, device, g),
+            "ids32": random_tensor((rows * 2, 1), torch.int32, device, g),
+            "codes64": random_tensor((rows, 5), torch.int64, device, g),
+            "flags": random_tensor((rows,), torch.int32, device, g)}
+    srcs = {"a": random_tensor((rows, width), dtype, device, g),
+            "b": random_tensor((rows + 3, width), torch.float32, device, g),  # converted on the host
+            "ids64": torch.randint(-2**31, 2**31, (rows, 1), generator=g).to(device),
+            "ids32": random_tensor((rows, 1), torch.int32, device, g),
+            "codes32": random_tensor((rows, 5), torch.int32, device, g),
+            "codes64": random_tensor((rows, 5), torch.int64, device, g)}
+    k = int(rng.integers(0, rows + 1))
+    emb_rows = rng.permutation(rows * 2)
+    code_rows = rng.permutation(rows)
+    jobs = [("rows", "emb", emb_rows[:k], "a", rng.permutation(rows)[:k]),
+            ("rows", "pack", rng.permutation(rows)[:rows - k], "b", rng.permutation(rows + 3)[:rows - k]),
+            ("rows", "emb", emb_rows[k:k + 2], "a", None),
+            ("ints", "ids32", rng.permutation(rows * 2)[:k], "ids64", None),
+            ("ints", "codes64", code_rows[:k], "codes32", rng.permutation(rows)[:k]),
+            ("values", "flags", rng.integers(-5, 5, rows).astype(np.int32), None, None)]
+    if k < rows:
+        jobs.append(("ints", "codes64", code_rows[k:k + 1], "codes64", [0]))
+    return dsts, srcs, jobs
+
+
+def run_gather_case(case, dtype, width, device, backend, monkeypatch) -> dict:
+    dsts, srcs, jobs = case
+    dsts = {k: v.clone() for k, v in dsts.items()}
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", backend)
+    gather = RowGather(dtype, width, device, max_float_rows=64, max_int_rows=64, max_values=64)
+    for kind, dst, dst_rows, src, src_rows in jobs:
+        if kind == "values":
+            gather.jobs.values(dsts[dst], dst_rows)
+        else:
+            getattr(gather.jobs, kind)(dsts[dst], dst_rows, srcs[src], src_rows)
+    assert gather.launch() == 1
+    return dsts
+
+
+def check_gather_case(seed, dtype, width, device, backend, monkeypatch):
+    case = make_gather_case(seed, dtype, width, device)
+    want = run_gather_case(case, dtype, width, device, "torch", monkeypatch)
+    got = run_gather_case(case, dtype, width, device, backend, monkeypatch)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs ({backend}, {dtype}, width {width}, seed {seed})"
+
+
+__all__ = ["make_gather_case", "run_gather_case", "check_gather_case", "pytest"]

@@ -1,0 +1,253 @@
+"""The prefill/decode phase contract through the runner mixin: metadata, routing, hooks, MTP, codes.
+
+Each test runs on the torch reference and on the Triton gather (interpreted on CPU), and compares
+the runner's buffers with ``phase_expect.expected_step``, built from the contract alone.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phase_expect import expected_step, hook_calls
+from phase_fakes import FakeRunner, FakeTalker
+from vllm_omni_kernels.errors import PhaseRoutingError
+from vllm_omni_kernels.phase import IS_PREFILL, NUM_COMPUTED, PROMPT_LEN, PhaseBatch
+
+H = 8
+BACKENDS = ["torch", "triton"]
+
+
+def make_runner(use_backend, backend, *, dtype=torch.float32, mtp=True, batch_hook=True, prompts=None, **kw):
+    use_backend(backend)
+    runner = FakeRunner(FakeTalker(H, dtype, mtp=mtp, batch_hook=batch_hook), **kw)
+    for rid, p in (prompts or {}).items():
+        runner.add_request(rid, p)
+    return runner
+
+
+def check_step(runner, rows, offsets=None):
+    """Run one step and assert buffers, hook grouping and codes against the contract."""
+    runner.model.calls.clear()
+    runner.step(rows, offsets)
+    ids, emb, calls, codes = expected_step(runner, rows, offsets)
+    np.testing.assert_array_equal(runner.input_ids.cpu().numpy(), ids)
+    np.testing.assert_array_equal(runner.inputs_embeds.float().cpu().numpy(), emb)
+    assert hook_calls(runner.model) == calls
+    for rid, want in codes.items():
+        got = runner.model_intermediate_buffer[rid]["codes"]["audio"]
+        np.testing.assert_array_equal(got.cpu().numpy(), want)
+    if runner.has_talker_mtp:
+        valid = runner._omni_gather.code_valid[:len(rows)].cpu().numpy()
+        np.testing.assert_array_equal(valid, [int(r in codes) for r, _, _ in rows])
+    return codes
+
+
+# ------------------------------------------------------------------- the contract's table
+
+CONTRACT = [  # prompt length, computed before step, span, prefill?, MTP eligible?
+    (5, 0, 4, True, False),
+    (5, 4, 1, True, False),   # one-token prefill tail
+    (5, 5, 1, False, True),
+    (5, 6, 1, False, True),
+    (1, 0, 1, True, False),   # one-token prompt
+    (5, 5, 2, False, False),  # decode span of two: scalar hook, no MTP
+    (8, 4, 3, True, False),   # cached prefill
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("prompt,computed,span,prefill,mtp", CONTRACT)
+def test_contract_table_row_phase_and_mtp_eligibility(use_backend, backend, prompt, computed, span, prefill, mtp):
+    runner = make_runner(use_backend, backend, prompts={"r": prompt})
+    codes = check_step(runner, [("r", computed, span)])
+    kind, rid, got_span, info = runner.model.calls[0] if runner.model.calls[0][0] == "scalar" else (
+        "batch", "r", 1, runner.model.calls[0][2][0])
+    assert info == {PROMPT_LEN: prompt, NUM_COMPUTED: computed, IS_PREFILL: prefill}
+    assert type(info[PROMPT_LEN]) is int and type(info[NUM_COMPUTED]) is int and type(info[IS_PREFILL]) is bool
+    assert ("r" in codes) is mtp
+    assert runner._omni_last_plan.mtp_rows.tolist() == ([0] if mtp else [])
+    assert kind == ("batch" if mtp else "scalar")
+
+
+def test_phase_batch_is_vectorized_and_exact():
+    p = PhaseBatch.compute([5, 5, 5, 1, 8], [0, 4, 5, 0, 4], [4, 1, 1, 1, 3])
+    assert p.is_prefill.tolist() == [True, True, False, True, True]
+    assert p.start.tolist() == [0, 4, 5, 6, 7]
+    assert p.single_token_decode.tolist() == [False, False, True, False, False]
+
+
+# ------------------------------------------------------------------- mixed batches
+
+PROMPTS = {"a": 5, "b": 3, "c": 6, "d": 2, "e": 4}
+MIXED = {
+    "interleaved": [("a", 0, 4), ("b", 3, 1), ("c", 5, 1), ("d", 1, 1), ("e", 4, 1)],
+    "reversed": [("e", 4, 1), ("d", 1, 1), ("c", 5, 1), ("b", 3, 1), ("a", 0, 4)],
+    "adjacent": [("b", 3, 1), ("c", 6, 1), ("e", 5, 1), ("a", 0, 4), ("d", 0, 2)],
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("order", sorted(MIXED))
+@pytest.mark.parametrize("mtp", [True, False])
+def test_mixed_batch_routing_with_stale_phase_values(use_backend, backend, order, mtp):
+    runner = make_runner(use_backend, backend, mtp=mtp, prompts=PROMPTS)
+    for rid in PROMPTS:  # stale values from an earlier step must be overwritten
+        runner.model_intermediate_buffer[rid] = {PROMPT_LEN: 99, NUM_COMPUTED: 99, IS_PREFILL: True}
+    rows = MIXED[order]
+    check_step(runner, rows)
+    for call in runner.model.calls:
+        infos = [call[3]] if call[0] == "scalar" else call[2]
+        rids = [call[1]] if call[0] == "scalar" else call[1]
+        for rid, info in zip(rids, infos):
+            c = next(c for r, c, _ in rows if r == rid)
+            assert info == {PROMPT_LEN: PROMPTS[rid], NUM_COMPUTED: c, IS_PREFILL: c < PROMPTS[rid]}
+    batch_calls = [c for c in runner.model.calls if c[0] == "batch"]
+    if order == "adjacent":
+        assert [c[1] for c in batch_calls] == [["b", "c", "e"]]  # one call for adjacent decode rows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompt_split_with_one_token_tail_then_decode(use_backend, backend):
+    runner = make_runner(use_backend, backend, prompts={"p": 5, "q": 3})
+    codes = check_step(runner, [("p", 0, 4), ("q", 3, 1)])
+    assert "p" not in codes and "q" in codes
+    tail = check_step(runner, [("q", 4, 1), ("p", 4, 1)])  # p's tail: keeps its prompt embedding
+    assert "p" not in tail
+    p_codes_before = runner.model_intermediate_buffer["p"].get("codes")
+    assert p_codes_before is None
+    decode = check_step(runner, [("p", 5, 1), ("q", 5, 1)])
+    assert set(decode) == {"p", "q"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_launches_per_step(use_backend, backend):
+    runner = make_runner(use_backend, backend, prompts=PROMPTS)
+    runner.step(MIXED["interleaved"])
+    assert runner._omni_gather.launches == 2  # one before MTP, one after
+    plain = make_runner(use_backend, backend, mtp=False, prompts=PROMPTS)
+    plain.step(MIXED["interleaved"])
+    assert plain._omni_gather.launches == 1
+
+
+# ------------------------------------------------------------------- non-MTP batched decode
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_mtp_batched_decode_lands_in_buffers_and_leaves_pad_rows(use_backend, backend):
+    runner = make_runner(use_backend, backend, mtp=False, prompts={"x": 2, "y": 2, "z": 2})
+    check_step(runner, [("x", 2, 1), ("y", 3, 1), ("z", 9, 1)])
+    assert runner.model.calls[0][:2] == ("batch", ["x", "y", "z"])
+    assert (runner.inputs_embeds[3:] == -1).all() and (runner.input_ids[3:] == 7).all()  # pad rows
+    assert runner.model_intermediate_buffer["y"]["meta"] == {"decode_step": 3}
+
+
+BAD_OFFSETS = {"gap": [0, 2, 3], "reversed": [1, 0, 2], "duplicate": [0, 0, 1], "negative": [-1, 0, 1],
+               "out of bounds": [61, 62, 64]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(BAD_OFFSETS))
+def test_invalid_offsets_raise_before_any_hook(use_backend, backend, case):
+    runner = make_runner(use_backend, backend, mtp=False, prompts={"x": 2, "y": 2, "z": 2})
+    spans = runner.schedule([("x", 2, 1), ("y", 2, 1), ("z", 2, 1)], BAD_OFFSETS[case])
+    before = runner.inputs_embeds.clone(), runner.input_ids.clone()
+    with pytest.raises(PhaseRoutingError) as err:
+        runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
+    assert err.value.request_id in {"x", "y", "z"}
+    assert runner.model.calls == []
+    assert torch.equal(runner.inputs_embeds, before[0]) and torch.equal(runner.input_ids, before[1])
+    assert "meta" not in runner.model_intermediate_buffer.get("x", {})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("broken", ["rows", "ids", "updates", "arity"])
+@pytest.mark.parametrize("mtp", [True, False])
+def test_incomplete_hook_outputs_raise_with_buffers_unchanged(use_backend, backend, broken, mtp):
+    runner = make_runner(use_backend, backend, mtp=mtp, prompts={"p": 4, "x": 2, "y": 2})
+    runner.model.break_batch = broken
+    spans = runner.schedule([("p", 0, 3), ("x", 2, 1), ("y", 2, 1)])
+    before = runner.inputs_embeds.clone(), runner.input_ids.clone()
+    with pytest.raises(PhaseRoutingError) as err:
+        runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
+    assert err.value.request_id == "x"
+    assert torch.equal(runner.inputs_embeds, before[0]) and torch.equal(runner.input_ids, before[1])
+    assert "meta" not in runner.model_intermediate_buffer["p"]  # no update merged, not even row p's
+    runner.model.break_batch = None  # the runner is usable again
+    check_step(runner, [("p", 0, 3), ("x", 2, 1), ("y", 2, 1)])
+
+
+# ------------------------------------------------------------------- MTP forward
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mtp_forward_empty_batch_is_noop(use_backend, backend):
+    runner = make_runner(use_backend, backend, prompts={"a": 1})
+    before = runner.inputs_embeds.clone()
+    runner._talker_mtp_forward([], runner.inputs_embeds, [])
+    assert torch.equal(runner.inputs_embeds, before) and runner._omni_gather.launches == 0
+    assert runner.model.mtp_calls == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mtp_forward_scatters_to_non_contiguous_offsets(use_backend, backend):
+    runner = make_runner(use_backend, backend, prompts={"a": 1, "b": 1})
+    g = runner._omni_gather
+    g.mtp_input_ids[:2] = torch.tensor([11, 12], dtype=torch.int32)
+    g.mtp_inputs_embeds[:2] = torch.tensor([[1.0], [2.0]]).expand(2, H)
+    g.last_hidden[:2] = 3
+    g.text_step[:2] = 4
+    runner.inputs_embeds.fill_(-1)
+    runner._talker_mtp_forward(["a", "b"], runner.inputs_embeds, [0, 3])
+    got = runner.inputs_embeds.float()
+    assert (got[0] == 1 * 2 + 7).all() and (got[3] == 2 * 2 + 7).all()
+    assert (got[[1, 2, 4]] == -1).all()
+    assert runner.model_intermediate_buffer["a"]["codes"]["audio"].tolist() == [[110, 111, 112, 113]]
+    assert runner.model_intermediate_buffer["b"]["codes"]["audio"].tolist() == [[120, 121, 122, 123]]
+
+
+def test_mtp_forward_rejects_repeated_offsets():
+    runner = FakeRunner(FakeTalker(H, torch.float32))
+    runner.add_request("a", 1)
+    with pytest.raises(PhaseRoutingError):
+        runner._talker_mtp_forward(["a", "b"], runner.inputs_embeds, [2, 2])
+
+
+def test_scalar_hook_wrong_embedding_rows_names_request():
+    runner = FakeRunner(FakeTalker(H, torch.float32, batch_hook=False))
+    runner.add_request("a", 4)
+    runner.model.preprocess = lambda input_ids, input_embeds, **info: (input_ids, input_embeds[:1], {})
+    spans = runner.schedule([("a", 0, 3)])
+    with pytest.raises(PhaseRoutingError, match="preprocess embeddings") as err:
+        runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
+    assert err.value.request_id == "a"
+
+
+def test_code_slots_are_reused_after_release():
+    runner = FakeRunner(FakeTalker(H, torch.float32), max_rows=2)
+    for rid in "abc":
+        runner.add_request(rid, 1)
+    check_step(runner, [("a", 1, 1), ("b", 1, 1)])
+    del runner.requests["a"]  # finished without an explicit release: reclaimed when needed
+    check_step(runner, [("c", 1, 1), ("b", 2, 1)])
+    runner._omni_release_request("b")
+    check_step(runner, [("c", 2, 1)])
+
+
+# ------------------------------------------------------------------- property test
+
+ROW = st.tuples(st.integers(1, 6), st.integers(0, 8), st.integers(1, 3))
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(ROW, min_size=1, max_size=7), mtp=st.booleans(), batch_hook=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), triton=st.booleans())
+def test_random_batches_match_the_contract(rows, mtp, batch_hook, dtype, triton):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_OMNI_KERNELS_BACKEND", "triton" if triton else "torch")
+        runner = FakeRunner(FakeTalker(H, dtype, mtp=mtp, batch_hook=batch_hook))
+        step = []
+        for i, (prompt, computed, span) in enumerate(rows):
+            runner.add_request(f"r{i}", prompt)
+            step.append((f"r{i}", computed, span))
+        check_step(runner, step)
+        assert runner._omni_gather.launches <= (2 if mtp else 1)

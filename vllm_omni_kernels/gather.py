@@ -1,0 +1,77 @@
+"""``RowGather``: one fused launch of row copies per call, with its metadata in a persistent buffer.
+
+The launcher owns a ``GatherJobs`` (what to copy), a device table (where the kernel reads the jobs)
+and pinned staging for the table's upload. ``launch()`` is the eager step: validate, encode on the
+host, one non-blocking table upload, one kernel; nothing else touches the device and nothing is
+allocated on it. For CUDA graphs, ``prepare_static()`` refreshes the resident table (before each
+replay) and ``run_static(grid_rows)`` is the one kernel to capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .ops.gather_jobs import GatherJobs, TableLayout
+from .staging import PinnedStaging
+
+
+class RowGather:
+    """Fused row copies into runner buffers; see the module docstring.
+
+    Args:
+        dtype, width: float rows' dtype and element count.
+        device: where every tensor of the launch lives.
+        max_float_rows, max_int_rows, max_values: per-launch capacities (float rows, int rows plus
+            value blocks, int32 values); exceeding them raises ``ValueError`` before anything runs.
+    """
+
+    def __init__(self, dtype: torch.dtype, width: int, device: torch.device | str, *, max_float_rows: int,
+                 max_int_rows: int, max_values: int = 0):
+        self.device = torch.device(device)
+        self.jobs = GatherJobs(dtype, int(width), self.device)
+        self.capacity = TableLayout(int(max_float_rows), int(max_int_rows), int(max_values))
+        self.table = torch.zeros(self.capacity.words, dtype=torch.int64, device=self.device)
+        self._anchor = torch.zeros(1, dtype=dtype, device=self.device)
+        self._staging = PinnedStaging(1, self.capacity.words, self.device)
+        self._resident = self.table
+        self.launches = 0
+
+    def _encode(self, layout: TableLayout) -> torch.Tensor | None:
+        """Validate, encode and upload the jobs; return the table the kernel reads (None: reference)."""
+        jobs = self.jobs
+        if (jobs.n_float > self.capacity.float_cap or jobs.n_int > self.capacity.int_cap
+                or jobs.n_values > self.capacity.payload_cap):
+            raise ValueError(f"{jobs.n_float} float rows / {jobs.n_int} int jobs / {jobs.n_values} values exceed "
+                             f"this gather's capacity {self.capacity}")
+        jobs.check_disjoint()
+        if not ops.uses_kernel(self.device):
+            return None
+        i, host = self._staging.host()
+        # On a CPU device (Triton interpreter) the kernel reads the host buffer itself.
+        target = self.table if self._staging.pinned else self._staging.tensor(i)[0]
+        jobs.encode(host[0], layout, self._anchor.data_ptr(), target.data_ptr())
+        self._staging.upload(i, 1, self.table.view(1, -1), cols=layout.words)
+        self._resident = target
+        return target
+
+    def launch(self) -> int:
+        """Run and clear the recorded jobs: one upload and one kernel (0 launches when empty)."""
+        jobs = self.jobs
+        if jobs.n_float + jobs.n_int == 0:
+            return 0
+        layout = TableLayout(jobs.n_float, jobs.n_int, jobs.n_values)  # compact: upload only what is used
+        table = self._encode(layout)
+        ops.row_gather(jobs, table, self._anchor, layout=layout)
+        jobs.clear()
+        self.launches += 1
+        return 1
+
+    def prepare_static(self) -> None:
+        """Encode the recorded jobs at the fixed capacity layout and upload them (before a replay)."""
+        self._encode(self.capacity)
+
+    def run_static(self, grid_rows: int) -> None:
+        """The one kernel of a captured step: reads the resident table; ``grid_rows`` >= its jobs."""
+        ops.row_gather(self.jobs, self._resident, self._anchor, layout=self.capacity, grid_rows=grid_rows)
+        self.launches += 1

@@ -1,0 +1,219 @@
+"""One launch's worth of row copies for the fused decode gather: ``GatherJobs`` and its table.
+
+A gather step is a set of *jobs*, each copying one row into one row of another tensor:
+
+* float rows: ``width`` elements of one float dtype (embeddings, hidden states, text steps);
+* int rows: any width, int32 or int64 on either side, converted exactly (token ids, codes);
+* values: host-known int32 values written into an int tensor (validity flags).
+
+Sources and destinations may be any tensors on the launch's device; the kernels address them by
+element offsets from one base pointer per class (flat device address space), so one launch covers
+any number of hook outputs and runner buffers. The torch reference copies the same jobs directly.
+
+Table (int64, flat; capacities fixed per ``TableLayout``)::
+
+    [0] n_float  [1] n_int
+    [2 + 2j, 3 + 2j]                      float job j: src, dst element offsets from the float base
+    [i_off + 4j .. i_off + 4j + 3]        int job j: src, dst int32-word offsets from the int base
+                                          (the table itself), element count, flags (1: src is int64,
+                                          2: dst is int64)
+    [p_off ..]                            payload: int32 values that value jobs copy from
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where each section of the job table starts, for fixed capacities."""
+
+    float_cap: int
+    int_cap: int
+    payload_cap: int  # int32 values
+
+    @property
+    def int_off(self) -> int:
+        return 2 + 2 * self.float_cap
+
+    @property
+    def payload_off(self) -> int:
+        return self.int_off + 4 * self.int_cap
+
+    @property
+    def words(self) -> int:
+        return self.payload_off + (self.payload_cap + 1) // 2
+
+
+def _rows(rows, count: int, what: str) -> np.ndarray:
+    r = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if r.size and (r.min() < 0 or r.max() >= count):
+        raise IndexError(f"{what} rows {r.tolist()} out of range for {count} rows")
+    return r
+
+
+@dataclass
+class _Block:
+    src: torch.Tensor
+    src_rows: np.ndarray
+    dst: torch.Tensor
+    dst_rows: np.ndarray
+
+
+@dataclass
+class GatherJobs:
+    """The jobs of one launch. Build with ``rows``/``ints``/``values``; ``clear`` to reuse.
+
+    Args:
+        dtype: the float dtype of every float row (fp32, bf16, fp16).
+        width: the element count of every float row (hidden size, up to 16384 and beyond).
+        device: where every tensor lives.
+
+    Every method validates on the host (device, dtype, width, row ranges, last-dim contiguity) and
+    raises ``TypeError``/``ValueError``/``IndexError`` before anything is recorded. A float source of
+    another dtype is converted first (one extra copy, outside the fused launch).
+    """
+
+    dtype: torch.dtype
+    width: int
+    device: torch.device
+    float_blocks: list[_Block] = field(default_factory=list)
+    int_blocks: list[_Block] = field(default_factory=list)
+    value_blocks: list[tuple[torch.Tensor, np.ndarray]] = field(default_factory=list)
+    n_float: int = 0
+    n_int: int = 0
+    n_values: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"float rows must be one of {FLOAT_DTYPES}, got {self.dtype}")
+        self.device = torch.device(self.device)
+
+    def clear(self) -> None:
+        self.float_blocks.clear()
+        self.int_blocks.clear()
+        self.value_blocks.clear()
+        self.n_float = self.n_int = self.n_values = 0
+
+    def _check(self, t: torch.Tensor, what: str, dtypes) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
+        if t.device.type != self.device.type or (t.device.index is not None and self.device.index is not None
+                                                 and t.device.index != self.device.index):
+            raise ValueError(f"{what} is on {t.device}, the launch is on {self.device}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{what} has dtype {t.dtype}, expected one of {dtypes}")
+        if t.dim() != 2:
+            raise ValueError(f"{what} must be 2-D [rows, width], got shape {tuple(t.shape)}")
+        return t
+
+    def rows(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
+        """Copy ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (float rows of ``width``)."""
+        self._check(dst, "destination", FLOAT_DTYPES)
+        self._check(src, "source", FLOAT_DTYPES)
+        if dst.dtype != self.dtype:
+            raise TypeError(f"destination dtype {dst.dtype} differs from the launch's {self.dtype}")
+        if dst.shape[1] != self.width or src.shape[1] != self.width:
+            raise ValueError(f"rows of width {self.width} expected, got source {tuple(src.shape)} "
+                             f"and destination {tuple(dst.shape)}")
+        if dst.stride(1) != 1:
+            raise ValueError("destination rows must be contiguous")
+        if src.dtype != self.dtype or src.stride(1) != 1:
+            src = src.to(self.dtype).contiguous()
+        self.n_float += self._add(self.float_blocks, dst, dst_rows, src, src_rows)
+
+    def ints(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
+        """Copy int rows ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (same width; int32/int64)."""
+        self._check(dst, "destination", INT_DTYPES)
+        self._check(src, "source", INT_DTYPES)
+        if dst.shape[1] != src.shape[1]:
+            raise ValueError(f"int rows of different widths: source {tuple(src.shape)}, "
+                             f"destination {tuple(dst.shape)}")
+        if dst.stride(1) != 1:
+            raise ValueError("destination rows must be contiguous")
+        if src.stride(1) != 1:
+            src = src.contiguous()
+        self.n_int += self._add(self.int_blocks, dst, dst_rows, src, src_rows)
+
+    def values(self, dst: torch.Tensor, values) -> None:
+        """Write host int32 ``values`` into the 1-D contiguous int tensor ``dst`` (same length)."""
+        if not isinstance(dst, torch.Tensor) or dst.dim() != 1 or not dst.is_contiguous():
+            raise ValueError("values go into a 1-D contiguous tensor")
+        self._check(dst.view(-1, 1), "destination", INT_DTYPES)
+        v = np.asarray(values, dtype=np.int32).reshape(-1)
+        if v.size != dst.numel():
+            raise ValueError(f"{v.size} values for a destination of {dst.numel()}")
+        if v.size:
+            self.value_blocks.append((dst, v))
+            self.n_int += 1
+            self.n_values += v.size
+
+    def _add(self, blocks, dst, dst_rows, src, src_rows) -> int:
+        d = _rows(dst_rows, dst.shape[0], "destination")
+        s = np.arange(len(d), dtype=np.int64) if src_rows is None else _rows(src_rows, src.shape[0], "source")
+        if src_rows is None and len(d) > src.shape[0]:
+            raise IndexError(f"{len(d)} destination rows but the source has {src.shape[0]}")
+        if len(s) != len(d):
+            raise ValueError(f"{len(s)} source rows for {len(d)} destination rows")
+        if len(d):
+            blocks.append(_Block(src, s, dst, d))
+        return len(d)
+
+    # ------------------------------------------------------------------ encoding
+
+    def check_disjoint(self) -> None:
+        """Raise ``ValueError`` if two jobs write the same destination row (a race in one launch)."""
+        for blocks in (self.float_blocks, self.int_blocks):
+            if not blocks:
+                continue
+            starts = np.concatenate([b.dst.data_ptr() + b.dst_rows * b.dst.stride(0) * b.dst.element_size()
+                                     for b in blocks])
+            if np.unique(starts).size != starts.size:
+                raise ValueError("two jobs of one launch write the same destination row")
+
+    def encode(self, out: np.ndarray, layout: TableLayout, float_base: int, int_base: int) -> None:
+        """Fill the flat int64 ``out`` (>= ``layout.words``) with this launch's table.
+
+        ``float_base``/``int_base`` are the data pointers the kernel gets as its two bases (a float
+        anchor tensor of the launcher, and the device table itself).
+        """
+        if self.n_float > layout.float_cap or self.n_int > layout.int_cap or self.n_values > layout.payload_cap:
+            raise ValueError(f"{self.n_float} float / {self.n_int} int jobs / {self.n_values} values exceed "
+                             f"the table's {layout.float_cap} / {layout.int_cap} / {layout.payload_cap}")
+        out[0], out[1] = self.n_float, self.n_int
+        es = torch.empty((), dtype=self.dtype).element_size()
+        pos = 0
+        for b in self.float_blocks:
+            k = len(b.dst_rows)
+            f = out[2 + 2 * pos: 2 + 2 * (pos + k)].reshape(k, 2)
+            f[:, 0] = (b.src.data_ptr() - float_base) // es + b.src_rows * b.src.stride(0)
+            f[:, 1] = (b.dst.data_ptr() - float_base) // es + b.dst_rows * b.dst.stride(0)
+            pos += k
+        pos = 0
+        for b in self.int_blocks:
+            k = len(b.dst_rows)
+            rec = out[layout.int_off + 4 * pos: layout.int_off + 4 * (pos + k)].reshape(k, 4)
+            sw, dw = b.src.element_size() // 4, b.dst.element_size() // 4
+            rec[:, 0] = (b.src.data_ptr() - int_base) // 4 + b.src_rows * b.src.stride(0) * sw
+            rec[:, 1] = (b.dst.data_ptr() - int_base) // 4 + b.dst_rows * b.dst.stride(0) * dw
+            rec[:, 2] = b.dst.shape[1]
+            rec[:, 3] = (sw == 2) | ((dw == 2) << 1)
+            pos += k
+        payload = out[layout.payload_off:layout.words].view(np.int32)
+        p = 0
+        for dst, v in self.value_blocks:
+            rec = out[layout.int_off + 4 * pos: layout.int_off + 4 * (pos + 1)]
+            payload[p:p + v.size] = v
+            rec[0] = 2 * layout.payload_off + p
+            rec[1] = (dst.data_ptr() - int_base) // 4
+            rec[2] = v.size
+            rec[3] = (dst.element_size() == 8) << 1
+            pos += 1
+            p += v.size

@@ -1,0 +1,60 @@
+"""Triton row gather: every job of a ``GatherJobs`` table in one launch (see ``gather_jobs.py``).
+
+Grid ``(jobs, blocks)``: program ``(j, b)`` copies columns ``[b*BLOCK_F, (b+1)*BLOCK_F)`` of float
+job ``j``, or a strided share of int job ``j``'s elements. The job counts are read from the table on
+the device, so a grid sized for more jobs (a captured graph replayed with fewer) is correct: the
+extra programs exit.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MAX_BLOCK_F = 4096
+BLOCK_I = 128
+
+
+@triton.jit
+def _row_gather_kernel(fbase, ibase, table, W, I_OFF, BLOCK_F: tl.constexpr, BLOCK_I: tl.constexpr):
+    job = tl.program_id(0)
+    blk = tl.program_id(1)
+    n_float = tl.load(table)
+    n_int = tl.load(table + 1)
+    if job < n_float:
+        src = tl.load(table + 2 + 2 * job)
+        dst = tl.load(table + 3 + 2 * job)
+        cols = blk * BLOCK_F + tl.arange(0, BLOCK_F)
+        m = cols < W
+        tl.store(fbase + dst + cols, tl.load(fbase + src + cols, mask=m), mask=m)
+    elif job < n_float + n_int:
+        rec = table + I_OFF + 4 * (job - n_float)
+        src = tl.load(rec)
+        dst = tl.load(rec + 1)
+        n = tl.load(rec + 2)
+        flags = tl.load(rec + 3)
+        s_wide = (flags & 1) != 0
+        d_wide = (flags & 2) != 0
+        s_step = 1 + (flags & 1)
+        d_step = 1 + ((flags >> 1) & 1)
+        for start in range(blk * BLOCK_I, n, tl.num_programs(1) * BLOCK_I):
+            e = start + tl.arange(0, BLOCK_I)
+            m = e < n
+            lo = tl.load(ibase + src + e * s_step, mask=m, other=0)
+            hi = tl.load(ibase + src + 2 * e + 1, mask=m & s_wide, other=0)
+            hi = tl.where(s_wide, hi, lo >> 31)  # int32 source: sign-extend
+            tl.store(ibase + dst + e * d_step, lo, mask=m)
+            tl.store(ibase + dst + 2 * e + 1, hi, mask=m & d_wide)
+
+
+def block_f(width: int) -> int:
+    return min(MAX_BLOCK_F, triton.next_power_of_2(max(int(width), 16)))
+
+
+def row_gather(fbase, ibase, table, *, width: int, int_off: int, grid_rows: int) -> None:
+    """Launch the gather over ``grid_rows`` jobs (>= the table's job count)."""
+    bf = block_f(width)
+    blocks = triton.cdiv(max(int(width), 1), bf)
+    warps = 4 if bf <= 2048 else 8
+    _row_gather_kernel[(grid_rows, blocks)](fbase, ibase, table, width, int_off, BLOCK_F=bf, BLOCK_I=BLOCK_I,
+                                            num_warps=warps)

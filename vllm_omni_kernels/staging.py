@@ -1,0 +1,69 @@
+"""Pinned host buffers for per-step metadata uploads: ``PinnedStaging``.
+
+Every kernel op of the package reads its per-step metadata (offsets, slots, heads) from a persistent
+device buffer that the host fills with one non-blocking copy per step. The host side of that copy
+must be pinned (else the copy is synchronous) and must not be rewritten while an earlier copy from it
+may still be pending; this module owns that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_DEPTH = 64
+_EVENT_EVERY = 16
+
+
+class PinnedStaging:
+    """A ring of pinned int64 host buffers ``[rows, cols]``, each reused once its copy has run.
+
+    Uploads are stream-ordered, so one CUDA event recorded every ``_EVENT_EVERY`` uploads covers all
+    uploads before it; a buffer is reused ``_DEPTH`` uploads later, after waiting on the first event
+    recorded at or after its last use (normally long complete: no per-step sync, and one event record
+    per ``_EVENT_EVERY`` steps on the host). One owner, one stream at a time.
+
+    For a CPU device there is one unpinned buffer and ``upload`` returns it (it is the metadata).
+    """
+
+    def __init__(self, rows: int, cols: int, device: torch.device):
+        self.device = device
+        self.rows = rows
+        self.cols = cols
+        self.pinned = device.type == "cuda"
+        depth = _DEPTH if self.pinned else 1
+        self._host = [torch.zeros(rows, cols, dtype=torch.int64, pin_memory=self.pinned) for _ in range(depth)]
+        self._np = [h.numpy() for h in self._host]
+        self._count = 0  # uploads so far
+        self._events: list[tuple[int, torch.cuda.Event]] = []  # (upload index, event after it)
+
+    def host(self) -> tuple[int, np.ndarray]:
+        """(index, host buffer) of the next buffer to fill; waits only if the GPU is far behind."""
+        i = self._count % len(self._host)
+        if self.pinned and self._count >= len(self._host):
+            last_use = self._count - len(self._host)
+            while self._events and self._events[0][0] < last_use:
+                self._events.pop(0)
+            if self._events:
+                self._events[0][1].synchronize()  # a no-op unless the GPU is far behind (back-pressure)
+        return i, self._np[i]
+
+    def tensor(self, i: int) -> torch.Tensor:
+        """Host buffer ``i`` as a tensor (on a CPU device it is what the kernels read)."""
+        return self._host[i]
+
+    def upload(self, i: int, rows: int, dst: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+        """Copy the first ``rows`` rows (and ``cols`` columns) of host buffer ``i`` into ``dst`` (device).
+
+        Returns ``dst``, or on a CPU device the host buffer itself.
+        """
+        self._count += 1
+        if not self.pinned:
+            return self._host[i]
+        cols = self.cols if cols is None else cols
+        dst[:rows, :cols].copy_(self._host[i][:rows, :cols], non_blocking=True)
+        if self._count % _EVENT_EVERY == 0:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._events.append((self._count - 1, ev))
+        return dst

@@ -1,0 +1,1 @@
+"""Everything that imports vLLM lives here; the rest of the package runs without it."""
