@@ -1,0 +1,338 @@
+"""Fused decode gather vs the baselines, per engine step, in one process.
+
+Scenarios (bf16, B rows, hidden size H; B in 8, 64, 256, 1024; H in 2048, 4096):
+  mtp      B single-token decode rows of an MTP model (one batched hook run): before MTP, ids into
+           input_ids and the MTP inputs packed (ids, embeddings, last hidden, text step); after MTP,
+           embeddings to their token offsets and codes (16 per row) into the per-request code buffer
+  non_mtp  B single-token decode rows of a model without MTP: ids and embeddings into the buffers
+  mixed    B rows alternating a 4-token prefill chunk (scalar hook: its embeddings) and an MTP decode
+           row (each its own hook run, as the prefill rows flush them)
+
+Paths (the hooks' and MTP's outputs are prepared tensors: only the data movement is measured):
+  row_loop     upstream style: one copy per row per tensor (7 per MTP row, 2 per non-MTP row, 1 per
+               prefill chunk)
+  index_copy   index tensors built on the host per step (torch.tensor -> H2D), index_copy_ for the
+               scattered writes and slice copies for the dense MTP packing
+  ours_eager   DecodeGather: jobs recorded on the host, launch_pre + launch_post (one table upload and
+               one kernel each; one of each without MTP)
+  ours_graph   the same two kernels captured ``graph_steps`` times in one CUDA graph (table prepared
+               per step outside the graph); also reported per launch
+  copy_graph   one plain copy of the same float bytes per step, captured the same way (the copy
+               bandwidth the kernels are compared with)
+
+Launches per step are counted with the CUDA profiler (kernels and memcpys) for every path. Medians
+of ``repeats`` timings of ``steps`` steps, CUDA events, after a warm-up. JSON out; PNG with
+``plot_gather.py``.
+
+Usage: python profiling/bench_gather.py [--steps 50] [--repeats 5] [--out out/bench_gather.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_omni_kernels import backend  # noqa: E402
+from vllm_omni_kernels.decode_gather import DecodeGather  # noqa: E402
+from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
+
+Q = 16
+PREFILL_SPAN = 4
+DTYPE = torch.bfloat16
+
+
+def time_steps(fn, steps: int, repeats: int) -> list[float]:
+    """Microseconds per step: fn() ``steps`` times per repeat, CUDA events, after one warm-up repeat."""
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) * 1000 / steps)
+    return out
+
+
+def count_device_ops(fn, steps: int = 5) -> dict | None:
+    """Kernels and memcpys per step, from the CUDA profiler (None if the profiler is unavailable)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+        kernels = memcpys = 0
+        for e in prof.events():
+            if e.device_type.name != "CUDA":
+                continue
+            if "memcpy" in e.name.lower():
+                memcpys += 1
+            elif "memset" not in e.name.lower():
+                kernels += 1
+        return {"kernels": kernels / steps, "memcpys": memcpys / steps}
+    except (RuntimeError, AssertionError, ImportError) as exc:  # profiler missing on the device image
+        print(f"  (profiler unavailable: {exc})", flush=True)
+        return None
+
+
+class Scenario:
+    """Runner buffers, the hooks' outputs and the MTP outputs of one step shape."""
+
+    def __init__(self, kind: str, B: int, H: int):
+        dev = torch.device("cuda")
+        self.kind, self.B, self.H = kind, B, H
+        if kind == "mixed":
+            self.n_dec = B // 2
+            self.n_pre = B - self.n_dec
+            spans = np.array([PREFILL_SPAN if r % 2 == 0 else 1 for r in range(B)])
+        else:
+            self.n_dec, self.n_pre = B, 0
+            spans = np.ones(B, np.int64)
+        starts = np.concatenate(([0], np.cumsum(spans)[:-1])).astype(np.int64)
+        self.tokens = int(spans.sum())
+        dec_rows = np.flatnonzero(spans == 1) if kind == "mixed" else np.arange(B)
+        self.dec_off = starts[dec_rows]
+        self.pre_off = starts[spans != 1]
+        self.mtp = kind != "non_mtp"
+        n = self.n_dec
+        self.input_ids = torch.zeros(self.tokens, dtype=torch.int32, device=dev)
+        self.inputs_embeds = torch.zeros(self.tokens, H, dtype=DTYPE, device=dev)
+        self.ids = torch.randint(0, 30000, (n,), device=dev)
+        self.emb = torch.randn(n, H, device=dev).to(DTYPE)
+        self.hid = torch.randn(n, H, device=dev).to(DTYPE)
+        self.txt = torch.randn(n, H, device=dev).to(DTYPE)
+        self.pre_emb = torch.randn(self.n_pre * PREFILL_SPAN, H, device=dev).to(DTYPE)
+        self.mtp_emb = torch.randn(n, H, device=dev).to(DTYPE)
+        self.codes = torch.randint(0, 4096, (n, Q), device=dev)
+        self.slots = np.arange(n, dtype=np.int64)
+        self.flags = (spans == 1).astype(np.int32) if self.mtp else None
+        self.g = DecodeGather(hidden_size=H, dtype=DTYPE, device=dev, max_rows=B, max_tokens=self.tokens,
+                              mtp=self.mtp)
+        if self.mtp:
+            self.g.codes = torch.zeros(B, Q, dtype=torch.int64, device=dev)
+        # per-row views, made once (a real runner gets them from the hooks)
+        self.row_ids = [self.ids[i:i + 1] for i in range(n)]
+        self.row_emb = [self.emb[i:i + 1] for i in range(n)]
+        self.row_hid = [self.hid[i:i + 1] for i in range(n)]
+        self.row_txt = [self.txt[i:i + 1] for i in range(n)]
+        self.row_pre = [self.pre_emb[k * PREFILL_SPAN:(k + 1) * PREFILL_SPAN] for k in range(self.n_pre)]
+
+    def float_rows(self) -> int:
+        return self.n_dec * (4 if self.mtp else 1) + self.n_pre * PREFILL_SPAN
+
+    # ------------------------------------------------------------ ours
+    def record_pre(self):
+        g, n = self.g, self.n_dec
+        if self.kind == "mixed":
+            for i in range(n):
+                g.add_ids(self.input_ids, self.dec_off[i:i + 1], self.row_ids[i])
+                g.add_mtp_inputs([i], self.row_ids[i], self.row_emb[i], self.row_hid[i], self.row_txt[i])
+            for k in range(self.n_pre):
+                o = int(self.pre_off[k])
+                g.add_embeds(self.inputs_embeds, np.arange(o, o + PREFILL_SPAN), self.row_pre[k])
+        else:
+            g.add_ids(self.input_ids, self.dec_off, self.ids)
+            if self.mtp:
+                g.add_mtp_inputs(np.arange(n), self.ids, self.emb, self.hid, self.txt)
+            else:
+                g.add_embeds(self.inputs_embeds, self.dec_off, self.emb)
+        if self.mtp:
+            g.add_flags(self.flags)
+
+    def record_post(self):
+        self.g.add_mtp_outputs(self.inputs_embeds, self.dec_off, self.mtp_emb, self.codes, self.slots)
+
+    def ours_eager(self):
+        self.record_pre()
+        self.g.launch_pre()
+        if self.mtp:
+            self.record_post()
+            self.g.launch_post()
+
+    # ------------------------------------------------------------ baselines
+    def row_loop(self):
+        g = self.g
+        for k in range(self.n_pre):
+            o = int(self.pre_off[k])
+            self.inputs_embeds[o:o + PREFILL_SPAN].copy_(self.row_pre[k])
+        for i in range(self.n_dec):
+            o = int(self.dec_off[i])
+            self.input_ids[o:o + 1].copy_(self.row_ids[i])
+            if self.mtp:
+                g.mtp_input_ids[i:i + 1].copy_(self.row_ids[i])
+                g.mtp_inputs_embeds[i:i + 1].copy_(self.row_emb[i])
+                g.last_hidden[i:i + 1].copy_(self.row_hid[i])
+                g.text_step[i:i + 1].copy_(self.row_txt[i])
+            else:
+                self.inputs_embeds[o:o + 1].copy_(self.row_emb[i])
+        if self.mtp:
+            for i in range(self.n_dec):
+                o = int(self.dec_off[i])
+                self.inputs_embeds[o:o + 1].copy_(self.mtp_emb[i:i + 1])
+                g.codes[i:i + 1].copy_(self.codes[i:i + 1])
+
+    def index_copy(self):
+        g, n, dev = self.g, self.n_dec, self.input_ids.device
+        idx = torch.tensor(self.dec_off.tolist(), device=dev)
+        self.input_ids.index_copy_(0, idx, self.ids.to(torch.int32))
+        if self.n_pre:
+            pidx = torch.tensor((self.pre_off[:, None] + np.arange(PREFILL_SPAN)).reshape(-1).tolist(), device=dev)
+            self.inputs_embeds.index_copy_(0, pidx, self.pre_emb)
+        if self.mtp:
+            g.mtp_input_ids[:n].copy_(self.ids)
+            g.mtp_inputs_embeds[:n].copy_(self.emb)
+            g.last_hidden[:n].copy_(self.hid)
+            g.text_step[:n].copy_(self.txt)
+            self.inputs_embeds.index_copy_(0, idx, self.mtp_emb)
+            sidx = torch.tensor(self.slots.tolist(), device=dev)
+            g.codes.index_copy_(0, sidx, self.codes)
+        else:
+            self.inputs_embeds.index_copy_(0, idx, self.emb)
+
+    # ------------------------------------------------------------ checks
+    def check(self, fn) -> None:
+        """fn must leave the runner buffers as the reference semantics say."""
+        self.input_ids.zero_()
+        self.inputs_embeds.zero_()
+        fn()
+        torch.cuda.synchronize()
+        o = torch.from_numpy(self.dec_off).cuda()
+        want = self.mtp_emb if self.mtp else self.emb
+        assert torch.equal(self.inputs_embeds[o], want), "embeddings"
+        assert torch.equal(self.input_ids[o], self.ids.int()), "ids"
+        if self.n_pre:
+            p = torch.from_numpy((self.pre_off[:, None] + np.arange(PREFILL_SPAN)).reshape(-1)).cuda()
+            assert torch.equal(self.inputs_embeds[p], self.pre_emb), "prefill embeddings"
+        if self.mtp:
+            g = self.g
+            assert torch.equal(g.last_hidden[:self.n_dec], self.hid) and torch.equal(g.codes[:self.n_dec], self.codes)
+
+
+def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int) -> dict:
+    sc = Scenario(kind, B, H)
+    es = torch.empty((), dtype=DTYPE).element_size()
+    res = {"kind": kind, "B": B, "H": H, "float_rows": sc.float_rows(), "paths": {}}
+
+    def record(name, runs, ops=None, note=""):
+        res["paths"][name] = {"us_per_step_median": statistics.median(runs), "us_per_step_all": runs,
+                              "device_ops_per_step": ops, "note": note}
+        print(f"  {kind:8s} B={B:5d} H={H} {name:12s} {statistics.median(runs):10.2f} us/step  ops {ops}  {note}",
+              flush=True)
+
+    for name, fn in (("ours_eager", sc.ours_eager), ("index_copy", sc.index_copy), ("row_loop", sc.row_loop)):
+        sc.check(fn)
+        n = steps if name != "row_loop" or B <= 256 else max(3, steps // 10)
+        with nvtx_range(f"{kind}.{name}"):
+            record(name, time_steps(fn, n, repeats), count_device_ops(fn))
+
+    # In a CUDA graph: the two kernels captured graph_steps times, tables prepared outside the graph.
+    g = sc.g
+    g.pre.jobs.clear()
+    sc.record_pre()
+    g.pre.prepare_static()
+    pre_rows = g.pre.jobs.n_float + g.pre.jobs.n_int
+    if sc.mtp:
+        g.post.jobs.clear()
+        sc.record_post()
+        g.post.prepare_static()
+        post_rows = g.post.jobs.n_float + g.post.jobs.n_int
+
+    def kernels():
+        g.pre.run_static(pre_rows)
+        if sc.mtp:
+            g.post.run_static(post_rows)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kernels()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(graph_steps):
+            kernels()
+    sc.check(graph.replay)
+    launches = 2 if sc.mtp else 1
+    runs = [t / graph_steps for t in time_steps(graph.replay, 3, repeats)]
+    record("ours_graph", runs, {"kernels": launches, "memcpys": 0}, f"{graph_steps} steps in one graph")
+    res["ours_graph_us_per_launch"] = statistics.median(runs) / launches
+
+    rows = sc.float_rows()
+    src = torch.randn(rows, H, device="cuda").to(DTYPE)
+    dst = torch.empty_like(src)
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        for _ in range(graph_steps):
+            dst.copy_(src)
+    runs = [t / graph_steps for t in time_steps(cg.replay, 3, repeats)]
+    record("copy_graph", runs, {"kernels": 1, "memcpys": 0}, "the same float bytes, one copy_")
+    step_bytes = 2 * rows * H * es
+    k = res["paths"]["ours_graph"]["us_per_step_median"]
+    c = res["paths"]["copy_graph"]["us_per_step_median"]
+    res["ours_GBps"] = step_bytes / (k * 1e3)
+    res["copy_GBps"] = step_bytes / (c * 1e3)
+    res["ours_vs_copy"] = c / k
+    loop = res["paths"]["row_loop"]["us_per_step_median"]
+    res["speedup_vs_row_loop"] = {p: loop / v["us_per_step_median"] for p, v in res["paths"].items()}
+    del graph, cg, src, dst, sc
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--graph-steps", type=int, default=20)
+    ap.add_argument("--batches", default="8,64,256,1024")
+    ap.add_argument("--hidden", default="2048,4096")
+    ap.add_argument("--kinds", default="mtp,non_mtp,mixed")
+    ap.add_argument("--out", default="out/bench_gather.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gather needs a CUDA device")
+    import triton
+
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "backend": backend.select(torch.device("cuda"))[0], "steps": args.steps, "repeats": args.repeats,
+            "graph_steps": args.graph_steps, "dtype": str(DTYPE), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(json.dumps(meta), flush=True)
+    results = []
+    for H in (int(h) for h in args.hidden.split(",")):
+        for B in (int(b) for b in args.batches.split(",")):
+            for kind in args.kinds.split(","):
+                results.append(bench(kind, B, H, args.steps, args.repeats, args.graph_steps))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print("\nsummary (median us/step):")
+    for r in results:
+        p = r["paths"]
+        print(f"{r['kind']:8s} B={r['B']:5d} H={r['H']}  loop {p['row_loop']['us_per_step_median']:9.1f}  "
+              f"index {p['index_copy']['us_per_step_median']:7.1f}  eager {p['ours_eager']['us_per_step_median']:6.1f} "
+              f"({r['speedup_vs_row_loop']['ours_eager']:6.1f}x)  graph {p['ours_graph']['us_per_step_median']:6.2f} "
+              f"({r['ours_graph_us_per_launch']:5.2f}/launch, {r['speedup_vs_row_loop']['ours_graph']:7.1f}x)  "
+              f"{r['ours_GBps']:6.0f} GB/s = {100 * r['ours_vs_copy']:5.1f}% of copy ({r['copy_GBps']:.0f})")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
