@@ -54,21 +54,28 @@ def _availability() -> dict[str, str | None]:
 def select(device: torch.device) -> tuple[str, str]:
     """(backend, why) for tensors on ``device``.
 
+    The environment is read on every call (tests switch backends); the decision is cached per
+    (setting, device type), since every kernel launch asks.
+
     Raises:
         BackendUnavailableError: the environment names a backend that cannot run here.
     """
-    want = requested()
+    return _select(requested(), device.type)
+
+
+@functools.cache
+def _select(want: str, device_type: str) -> tuple[str, str]:
     avail = _availability()
     if want != "auto":
         if want == "torch":
             return "torch", f"{_ENV}=torch"
-        if want == "triton" and device.type == "cpu" and not triton_interpreted():
+        if want == "triton" and device_type == "cpu" and not triton_interpreted():
             raise BackendUnavailableError(f"{_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1")
         if avail[want] is not None:
             raise BackendUnavailableError(f"{_ENV}={want} but {avail[want]}")
         return want, f"{_ENV}={want}"
-    if device.type != "cuda":
-        return "torch", f"auto: {device.type} tensors use the torch reference"
+    if device_type != "cuda":
+        return "torch", f"auto: {device_type} tensors use the torch reference"
     for name in ("cuda", "cupy", "triton"):
         if avail[name] is None:
             return name, f"auto: first available for CUDA ({', '.join(f'{k}: {v}' for k, v in avail.items() if v and k != 'torch') or 'all available'})"

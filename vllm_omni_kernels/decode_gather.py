@@ -11,7 +11,8 @@ at most two launches per step, whatever the batch:
 * ``launch_post`` (after MTP): the MTP embeddings into ``inputs_embeds`` at their token offsets,
   and codes into the persistent per-request code buffer.
 
-A model without MTP has only the first. Buffers are allocated once (the code buffer on the first MTP
+A model without MTP has only the first. Rows come from the runner's validated routing plan, so the
+launches skip the per-row range and overlap checks (``check_rows=False``). Buffers are allocated once (the code buffer on the first MTP
 output, when its width is known); token offsets travel in the launch's persistent device table.
 """
 
@@ -49,9 +50,10 @@ class DecodeGather:
         self.mtp = mtp
         cap_f = int(max_tokens) + 4 * self.max_rows
         self.pre = RowGather(dtype, hidden_size, self.device, max_float_rows=cap_f,
-                             max_int_rows=int(max_tokens) + 2 * self.max_rows + 1, max_values=self.max_rows)
+                             max_int_rows=int(max_tokens) + 2 * self.max_rows + 1, max_values=self.max_rows,
+                             check_rows=False)
         self.post = RowGather(dtype, hidden_size, self.device, max_float_rows=self.max_rows,
-                              max_int_rows=self.max_rows)
+                              max_int_rows=self.max_rows, check_rows=False)
         if mtp:
             self.mtp_input_ids = torch.zeros(self.max_rows, dtype=torch.int32, device=self.device)
             self.mtp_inputs_embeds = torch.zeros(self.max_rows, hidden_size, dtype=dtype, device=self.device)

@@ -24,17 +24,20 @@ class RowGather:
         device: where every tensor of the launch lives.
         max_float_rows, max_int_rows, max_values: per-launch capacities (float rows, int rows plus
             value blocks, int32 values); exceeding them raises ``ValueError`` before anything runs.
+        check_rows: validate row ranges and disjointness (see ``GatherJobs``).
     """
 
     def __init__(self, dtype: torch.dtype, width: int, device: torch.device | str, *, max_float_rows: int,
-                 max_int_rows: int, max_values: int = 0):
+                 max_int_rows: int, max_values: int = 0, check_rows: bool = True):
         self.device = torch.device(device)
-        self.jobs = GatherJobs(dtype, int(width), self.device)
+        self.jobs = GatherJobs(dtype, int(width), self.device, check_rows=check_rows)
         self.capacity = TableLayout(int(max_float_rows), int(max_int_rows), int(max_values))
         self.table = torch.zeros(self.capacity.words, dtype=torch.int64, device=self.device)
         self._anchor = torch.zeros(1, dtype=dtype, device=self.device)
         self._staging = PinnedStaging(1, self.capacity.words, self.device)
         self._resident = self.table
+        self._static_aligned: bool | None = None  # the alignment promise baked into a captured kernel
+        self._table_rows = self.table.view(1, -1)
         self.launches = 0
 
     def _encode(self, layout: TableLayout) -> torch.Tensor | None:
@@ -51,7 +54,7 @@ class RowGather:
         # On a CPU device (Triton interpreter) the kernel reads the host buffer itself.
         target = self.table if self._staging.pinned else self._staging.tensor(i)[0]
         jobs.encode(host[0], layout, self._anchor.data_ptr(), target.data_ptr())
-        self._staging.upload(i, 1, self.table.view(1, -1), cols=layout.words)
+        self._staging.upload(i, 1, self._table_rows, cols=layout.words)
         self._resident = target
         return target
 
@@ -68,10 +71,18 @@ class RowGather:
         return 1
 
     def prepare_static(self) -> None:
-        """Encode the recorded jobs at the fixed capacity layout and upload them (before a replay)."""
+        """Encode the recorded jobs at the fixed capacity layout and upload them (before a replay).
+
+        Raises ``ValueError`` if a kernel was captured for 16-byte aligned rows and these are not.
+        """
+        if self._static_aligned and not self.jobs.aligned:
+            raise ValueError("the captured gather assumes 16-byte aligned rows; these jobs are not aligned")
         self._encode(self.capacity)
 
     def run_static(self, grid_rows: int) -> None:
         """The one kernel of a captured step: reads the resident table; ``grid_rows`` >= its jobs."""
-        ops.row_gather(self.jobs, self._resident, self._anchor, layout=self.capacity, grid_rows=grid_rows)
+        if self._static_aligned is None:
+            self._static_aligned = self.jobs.aligned
+        ops.row_gather(self.jobs, self._resident, self._anchor, layout=self.capacity, grid_rows=grid_rows,
+                       aligned=self._static_aligned)
         self.launches += 1

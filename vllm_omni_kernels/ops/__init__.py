@@ -33,7 +33,7 @@ def _impl(device: torch.device, module: str = "ring"):
 
 def uses_kernel(device: torch.device) -> bool:
     """Whether ops on ``device`` run a kernel backend (which reads device metadata) or the reference."""
-    return _impl(torch.device(device)) is not None
+    return _impl(device if isinstance(device, torch.device) else torch.device(device)) is not None
 
 
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
@@ -60,13 +60,14 @@ def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool, max_
         impl.ring_read(arena, meta, out, rows=rows, frame_elems=frame_elems, last=last, max_elems=max_elems)
 
 
-def row_gather(jobs, table, anchor, *, layout, grid_rows: int | None = None) -> None:
+def row_gather(jobs, table, anchor, *, layout, grid_rows: int | None = None, aligned: bool | None = None) -> None:
     """Carry out every job of ``jobs`` (a ``GatherJobs``) in one launch.
 
     ``table``: the device int64 table ``jobs`` was encoded into (``layout``), with float offsets
     relative to ``anchor`` (a tensor of the float dtype) and int offsets relative to the table;
-    ignored by the reference backend. ``grid_rows``: jobs the grid covers (default: this launch's count; a captured
-    graph passes its upper bound). One launch, no host sync; nothing at all when there are no jobs.
+    ignored by the reference backend. ``grid_rows``: jobs the grid covers (default: this launch's
+    count; a captured graph passes its upper bound). ``aligned``: promise 16-byte aligned float rows
+    (default: ``jobs.aligned``). One launch, no host sync; nothing at all when there are no jobs.
     """
     impl = _impl(jobs.device, "gather")
     if impl is None:
@@ -75,5 +76,6 @@ def row_gather(jobs, table, anchor, *, layout, grid_rows: int | None = None) -> 
     rows = jobs.n_float + jobs.n_int if grid_rows is None else grid_rows
     if rows == 0:
         return
+    aligned = jobs.aligned if aligned is None else aligned
     impl.row_gather(anchor, table.view(torch.int32), table, width=jobs.width, int_off=layout.int_off,
-                    grid_rows=rows)
+                    grid_rows=rows, align=jobs.vector if aligned else 1)

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ARANGE = np.arange(4096, dtype=np.int64)
+_ARANGE.flags.writeable = False
 INT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -76,37 +78,50 @@ class GatherJobs:
         width: the element count of every float row (hidden size, up to 16384 and beyond).
         device: where every tensor lives.
 
-    Every method validates on the host (device, dtype, width, row ranges, last-dim contiguity) and
-    raises ``TypeError``/``ValueError``/``IndexError`` before anything is recorded. A float source of
-    another dtype is converted first (one extra copy, outside the fused launch).
+    Every method validates on the host (device, dtype, width, last-dim contiguity and, with
+    ``check_rows``, row ranges) and raises ``TypeError``/``ValueError``/``IndexError`` before anything
+    is recorded. A float source of another dtype is converted first (one extra copy, outside the fused
+    launch). ``check_rows=False`` is for callers whose rows are valid and disjoint by construction
+    (the runner's validated routing plan): it skips the range checks and ``check_disjoint``.
+
+    ``aligned`` stays true while every float row starts on a 16-byte boundary and the width is a
+    multiple of 16 bytes; the kernel then uses vector loads.
     """
 
     dtype: torch.dtype
     width: int
     device: torch.device
+    check_rows: bool = True
     float_blocks: list[_Block] = field(default_factory=list)
     int_blocks: list[_Block] = field(default_factory=list)
     value_blocks: list[tuple[torch.Tensor, np.ndarray]] = field(default_factory=list)
     n_float: int = 0
     n_int: int = 0
     n_values: int = 0
+    aligned: bool = True
 
     def __post_init__(self):
         if self.dtype not in FLOAT_DTYPES:
             raise TypeError(f"float rows must be one of {FLOAT_DTYPES}, got {self.dtype}")
         self.device = torch.device(self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = -1 if self.device.type == "cpu" else self.device.index  # Tensor.get_device()
+        self.elem_size = self.dtype.itemsize
+        self.vector = 16 // self.elem_size  # elements per 16-byte vector
+        self._width_aligned = self.width % self.vector == 0
 
     def clear(self) -> None:
         self.float_blocks.clear()
         self.int_blocks.clear()
         self.value_blocks.clear()
         self.n_float = self.n_int = self.n_values = 0
+        self.aligned = True
 
     def _check(self, t: torch.Tensor, what: str, dtypes) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
-        if t.device.type != self.device.type or (t.device.index is not None and self.device.index is not None
-                                                 and t.device.index != self.device.index):
+        if t.get_device() != self._device_index:
             raise ValueError(f"{what} is on {t.device}, the launch is on {self.device}")
         if t.dtype not in dtypes:
             raise TypeError(f"{what} has dtype {t.dtype}, expected one of {dtypes}")
@@ -127,6 +142,9 @@ class GatherJobs:
             raise ValueError("destination rows must be contiguous")
         if src.dtype != self.dtype or src.stride(1) != 1:
             src = src.to(self.dtype).contiguous()
+        if self.aligned:
+            self.aligned = (self._width_aligned and (src.data_ptr() | dst.data_ptr()) % 16 == 0
+                            and (src.stride(0) | dst.stride(0)) % self.vector == 0)
         self.n_float += self._add(self.float_blocks, dst, dst_rows, src, src_rows)
 
     def ints(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
@@ -156,8 +174,14 @@ class GatherJobs:
             self.n_values += v.size
 
     def _add(self, blocks, dst, dst_rows, src, src_rows) -> int:
-        d = _rows(dst_rows, dst.shape[0], "destination")
-        s = np.arange(len(d), dtype=np.int64) if src_rows is None else _rows(src_rows, src.shape[0], "source")
+        if self.check_rows:
+            d = _rows(dst_rows, dst.shape[0], "destination")
+            s = None if src_rows is None else _rows(src_rows, src.shape[0], "source")
+        else:
+            d = np.asarray(dst_rows, dtype=np.int64).reshape(-1)
+            s = None if src_rows is None else np.asarray(src_rows, dtype=np.int64).reshape(-1)
+        if s is None:
+            s = _ARANGE[:len(d)] if len(d) <= _ARANGE.size else np.arange(len(d), dtype=np.int64)
         if src_rows is None and len(d) > src.shape[0]:
             raise IndexError(f"{len(d)} destination rows but the source has {src.shape[0]}")
         if len(s) != len(d):
@@ -169,7 +193,11 @@ class GatherJobs:
     # ------------------------------------------------------------------ encoding
 
     def check_disjoint(self) -> None:
-        """Raise ``ValueError`` if two jobs write the same destination row (a race in one launch)."""
+        """Raise ``ValueError`` if two jobs write the same destination row (a race in one launch).
+
+        A no-op with ``check_rows=False``."""
+        if not self.check_rows:
+            return
         for blocks in (self.float_blocks, self.int_blocks):
             if not blocks:
                 continue
@@ -188,24 +216,27 @@ class GatherJobs:
             raise ValueError(f"{self.n_float} float / {self.n_int} int jobs / {self.n_values} values exceed "
                              f"the table's {layout.float_cap} / {layout.int_cap} / {layout.payload_cap}")
         out[0], out[1] = self.n_float, self.n_int
-        es = torch.empty((), dtype=self.dtype).element_size()
-        pos = 0
+        es = self.elem_size
+        pos = 2
         for b in self.float_blocks:
-            k = len(b.dst_rows)
-            f = out[2 + 2 * pos: 2 + 2 * (pos + k)].reshape(k, 2)
-            f[:, 0] = (b.src.data_ptr() - float_base) // es + b.src_rows * b.src.stride(0)
-            f[:, 1] = (b.dst.data_ptr() - float_base) // es + b.dst_rows * b.dst.stride(0)
-            pos += k
-        pos = 0
+            end = pos + 2 * len(b.dst_rows)
+            np.multiply(b.src_rows, b.src.stride(0), out=out[pos:end:2])
+            out[pos:end:2] += (b.src.data_ptr() - float_base) // es
+            np.multiply(b.dst_rows, b.dst.stride(0), out=out[pos + 1:end:2])
+            out[pos + 1:end:2] += (b.dst.data_ptr() - float_base) // es
+            pos = end
+        pos = layout.int_off
         for b in self.int_blocks:
-            k = len(b.dst_rows)
-            rec = out[layout.int_off + 4 * pos: layout.int_off + 4 * (pos + k)].reshape(k, 4)
+            end = pos + 4 * len(b.dst_rows)
             sw, dw = b.src.element_size() // 4, b.dst.element_size() // 4
-            rec[:, 0] = (b.src.data_ptr() - int_base) // 4 + b.src_rows * b.src.stride(0) * sw
-            rec[:, 1] = (b.dst.data_ptr() - int_base) // 4 + b.dst_rows * b.dst.stride(0) * dw
-            rec[:, 2] = b.dst.shape[1]
-            rec[:, 3] = (sw == 2) | ((dw == 2) << 1)
-            pos += k
+            np.multiply(b.src_rows, b.src.stride(0) * sw, out=out[pos:end:4])
+            out[pos:end:4] += (b.src.data_ptr() - int_base) // 4
+            np.multiply(b.dst_rows, b.dst.stride(0) * dw, out=out[pos + 1:end:4])
+            out[pos + 1:end:4] += (b.dst.data_ptr() - int_base) // 4
+            out[pos + 2:end:4] = b.dst.shape[1]
+            out[pos + 3:end:4] = (sw == 2) | ((dw == 2) << 1)
+            pos = end
+        pos = (pos - layout.int_off) // 4
         payload = out[layout.payload_off:layout.words].view(np.int32)
         p = 0
         for dst, v in self.value_blocks:

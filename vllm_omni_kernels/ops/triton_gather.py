@@ -1,5 +1,8 @@
 """Triton row gather: every job of a ``GatherJobs`` table in one launch (see ``gather_jobs.py``).
 
+Float rows whose starts the host has checked to be 16-byte aligned (``GatherJobs.aligned``) are
+copied with vector accesses (``ALIGN``); others element by element.
+
 Grid ``(jobs, blocks)``: program ``(j, b)`` copies columns ``[b*BLOCK_F, (b+1)*BLOCK_F)`` of float
 job ``j``, or a strided share of int job ``j``'s elements. The job counts are read from the table on
 the device, so a grid sized for more jobs (a captured graph replayed with fewer) is correct: the
@@ -11,12 +14,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MAX_BLOCK_F = 4096
+MAX_BLOCK_F = 4096  # elements of a float row per program (sweep_gather.py on the H200)
+WARPS = (4, 8)  # warps for blocks of up to 2048 elements, and above
 BLOCK_I = 128
 
 
 @triton.jit
-def _row_gather_kernel(fbase, ibase, table, W, I_OFF, BLOCK_F: tl.constexpr, BLOCK_I: tl.constexpr):
+def _row_gather_kernel(fbase, ibase, table, W, I_OFF, BLOCK_F: tl.constexpr, BLOCK_I: tl.constexpr,
+                       ALIGN: tl.constexpr):
     job = tl.program_id(0)
     blk = tl.program_id(1)
     n_float = tl.load(table)
@@ -24,6 +29,9 @@ def _row_gather_kernel(fbase, ibase, table, W, I_OFF, BLOCK_F: tl.constexpr, BLO
     if job < n_float:
         src = tl.load(table + 2 + 2 * job)
         dst = tl.load(table + 3 + 2 * job)
+        if ALIGN > 1:  # the host checked every row start: lets the compiler use 16-byte accesses
+            src = tl.multiple_of(src, ALIGN)
+            dst = tl.multiple_of(dst, ALIGN)
         cols = blk * BLOCK_F + tl.arange(0, BLOCK_F)
         m = cols < W
         tl.store(fbase + dst + cols, tl.load(fbase + src + cols, mask=m), mask=m)
@@ -51,10 +59,11 @@ def block_f(width: int) -> int:
     return min(MAX_BLOCK_F, triton.next_power_of_2(max(int(width), 16)))
 
 
-def row_gather(fbase, ibase, table, *, width: int, int_off: int, grid_rows: int) -> None:
-    """Launch the gather over ``grid_rows`` jobs (>= the table's job count)."""
+def row_gather(fbase, ibase, table, *, width: int, int_off: int, grid_rows: int, align: int) -> None:
+    """Launch the gather over ``grid_rows`` jobs (>= the table's job count). ``align``: every float
+    offset is a multiple of it (1: no promise)."""
     bf = block_f(width)
     blocks = triton.cdiv(max(int(width), 1), bf)
-    warps = 4 if bf <= 2048 else 8
+    warps = WARPS[0] if bf <= 2048 else WARPS[1]
     _row_gather_kernel[(grid_rows, blocks)](fbase, ibase, table, width, int_off, BLOCK_F=bf, BLOCK_I=BLOCK_I,
-                                            num_warps=warps)
+                                            ALIGN=align, num_warps=warps)
