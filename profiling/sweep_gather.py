@@ -37,7 +37,7 @@ def main() -> None:
     copy_us = statistics.median(time_steps(cg.replay, 3, 7)) / 20
     print(f"{args.kind} B={args.B} H={args.H}: copy of the same bytes {copy_us:.2f} us")
     for block, warps in itertools.product((1024, 2048, 4096), (2, 4, 8, 16)):
-        triton_gather.MAX_BLOCK_F, triton_gather.WARPS = block, (warps, warps)
+        triton_gather.MAX_BLOCK_F, triton_gather.MAX_WARPS, triton_gather.ELEMS_PER_WARP = block, warps, 1
         sc.g.pre.jobs.clear()
         sc.g.post.jobs.clear()
         sc.record_pre()

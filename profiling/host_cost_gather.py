@@ -1,0 +1,66 @@
+"""Host time of the fused gather's eager step without the kernel launches (CPU tensors, kernels
+stubbed): how much of ``ours_eager`` in bench_gather.py is Python bookkeeping on this host.
+
+Usage: python profiling/host_cost_gather.py [--B 64] [--H 2048] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("VLLM_OMNI_KERNELS_BACKEND", "triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from vllm_omni_kernels import ops  # noqa: E402
+from vllm_omni_kernels.decode_gather import DecodeGather  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--H", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    ops.row_gather = lambda *a, **k: None  # the table is still encoded and "uploaded" (host buffer)
+    B, H = args.B, args.H
+    g = DecodeGather(hidden_size=H, dtype=torch.bfloat16, device="cpu", max_rows=B, max_tokens=B, mtp=True)
+    ids, emb = torch.arange(B), torch.zeros(B, H, dtype=torch.bfloat16)
+    input_ids, inputs_embeds = torch.zeros(B, dtype=torch.int32), torch.zeros(B, H, dtype=torch.bfloat16)
+    codes = torch.zeros(B, 16, dtype=torch.int64)
+    g.codes = torch.zeros(B, 16, dtype=torch.int64)
+    off, flags = np.arange(B), np.ones(B, np.int32)
+
+    def step():
+        g.add_ids(input_ids, off, ids)
+        g.add_mtp_inputs(off, ids, emb, emb, emb)
+        g.add_flags(flags)
+        g.launch_pre()
+        g.add_mtp_outputs(inputs_embeds, off, emb, codes, off)
+        g.launch_post()
+
+    for _ in range(20):
+        step()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    print(f"MTP decode step, B={B}: {(time.perf_counter() - t) / args.steps * 1e6:.1f} us of host work "
+          "(both launches' bookkeeping, kernels not launched)")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [step() for _ in range(args.steps)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
+if __name__ == "__main__":
+    main()
