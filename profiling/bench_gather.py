@@ -143,8 +143,8 @@ class Scenario:
         g, n = self.g, self.n_dec
         if self.kind == "mixed":
             for i in range(n):
-                g.add_ids(self.input_ids, self.dec_off[i:i + 1], self.row_ids[i])
-                g.add_mtp_inputs([i], self.row_ids[i], self.row_emb[i], self.row_hid[i], self.row_txt[i])
+                g.add_ids(self.input_ids, int(self.dec_off[i]), self.row_ids[i])
+                g.add_mtp_inputs(i, self.row_ids[i], self.row_emb[i], self.row_hid[i], self.row_txt[i])
             for k in range(self.n_pre):
                 o = int(self.pre_off[k])
                 g.add_embeds(self.inputs_embeds, np.arange(o, o + PREFILL_SPAN), self.row_pre[k])

@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--B", type=int, default=64)
     ap.add_argument("--H", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--kind", choices=("mtp", "mixed"), default="mtp",
+                    help="mtp: one batched run of B rows; mixed: B single-row runs (each row its own hook output)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     ops.row_gather = lambda *a, **k: None  # the table is still encoded and "uploaded" (host buffer)
@@ -41,9 +43,16 @@ def main() -> None:
     g.codes = torch.zeros(B, 16, dtype=torch.int64)
     off, flags = np.arange(B), np.ones(B, np.int32)
 
+    rows = [(ids[i:i + 1], emb[i:i + 1]) for i in range(B)]
+
     def step():
-        g.add_ids(input_ids, off, ids)
-        g.add_mtp_inputs(off, ids, emb, emb, emb)
+        if args.kind == "mtp":
+            g.add_ids(input_ids, off, ids)
+            g.add_mtp_inputs(off, ids, emb, emb, emb)
+        else:
+            for i, (row_ids, row_emb) in enumerate(rows):
+                g.add_ids(input_ids, i, row_ids)
+                g.add_mtp_inputs(i, row_ids, row_emb, row_emb, row_emb)
         g.add_flags(flags)
         g.launch_pre()
         g.add_mtp_outputs(inputs_embeds, off, emb, codes, off)
@@ -54,7 +63,7 @@ def main() -> None:
     t = time.perf_counter()
     for _ in range(args.steps):
         step()
-    print(f"MTP decode step, B={B}: {(time.perf_counter() - t) / args.steps * 1e6:.1f} us of host work "
+    print(f"{args.kind} decode step, B={B}: {(time.perf_counter() - t) / args.steps * 1e6:.1f} us of host work "
           "(both launches' bookkeeping, kernels not launched)")
     if args.profile:
         prof = cProfile.Profile()

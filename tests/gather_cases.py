@@ -19,24 +19,30 @@ def make_gather_case(seed: int, dtype: torch.dtype, width: int, device="cpu", ro
             "pack": random_tensor((rows, width), dtype, device, g),
             "ids32": random_tensor((rows * 2, 1), torch.int32, device, g),
             "codes64": random_tensor((rows, 5), torch.int64, device, g),
-            "flags": random_tensor((rows,), torch.int32, device, g)}
+            "flags": random_tensor((rows,), torch.int32, device, g),
+            "ids1d": random_tensor((rows,), torch.int32, device, g)}
     srcs = {"a": random_tensor((rows, width), dtype, device, g),
             "b": random_tensor((rows + 3, width), torch.float32, device, g),  # converted on the host
             "ids64": torch.randint(-2**31, 2**31, (rows, 1), generator=g).to(device),
             "ids32": random_tensor((rows, 1), torch.int32, device, g),
             "codes32": random_tensor((rows, 5), torch.int32, device, g),
-            "codes64": random_tensor((rows, 5), torch.int64, device, g)}
+            "codes64": random_tensor((rows, 5), torch.int64, device, g),
+            "ids1d": random_tensor((rows,), torch.int64, device, g)}
     k = int(rng.integers(0, rows + 1))
     emb_rows = rng.permutation(rows * 2)
     code_rows = rng.permutation(rows)
+    id_rows = rng.permutation(rows * 2)
     jobs = [("rows", "emb", emb_rows[:k], "a", rng.permutation(rows)[:k]),
             ("rows", "pack", rng.permutation(rows)[:rows - k], "b", rng.permutation(rows + 3)[:rows - k]),
             ("rows", "emb", emb_rows[k:k + 2], "a", None),
-            ("ints", "ids32", rng.permutation(rows * 2)[:k], "ids64", None),
+            ("ints", "ids32", id_rows[:k], "ids64", None),
             ("ints", "codes64", code_rows[:k], "codes32", rng.permutation(rows)[:k]),
             ("values", "flags", rng.integers(-5, 5, rows).astype(np.int32), None, None)]
     if k < rows:
-        jobs.append(("ints", "codes64", code_rows[k:k + 1], "codes64", [0]))
+        jobs.append(("ints", "codes64", int(code_rows[k]), "codes64", 0))  # single rows: the int fast path
+    jobs += [("rows", "emb", int(emb_rows[k + 2]), "a", int(rng.integers(rows))),
+             ("ints", "ids1d", int(rng.integers(rows)), "ids1d", int(rng.integers(rows))),
+             ("ints", "ids32", int(id_rows[k]), "ids1d", 1)]
     return dsts, srcs, jobs
 
 

@@ -90,8 +90,8 @@ class DecodeGather:
     # ---------------------------------------------------------------- before MTP
 
     def add_ids(self, input_ids: torch.Tensor, offsets, ids: torch.Tensor) -> None:
-        """Token ids ``ids`` (``[n]``) into ``input_ids`` at ``offsets``."""
-        self.pre.jobs.ints(input_ids.view(-1, 1), offsets, ids.reshape(-1, 1))
+        """Token ids ``ids`` (``[n]``) into ``input_ids`` at ``offsets`` (array, or an int for one)."""
+        self.pre.jobs.ints(input_ids, offsets, ids if ids.dim() == 1 else ids.reshape(-1))
 
     def add_embeds(self, inputs_embeds: torch.Tensor, offsets, embeds: torch.Tensor) -> None:
         """Embedding rows ``embeds`` (``[n, H]``) into ``inputs_embeds`` at ``offsets``."""
@@ -99,9 +99,10 @@ class DecodeGather:
 
     def add_mtp_inputs(self, index, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor,
                        text: torch.Tensor) -> None:
-        """Pack rows of MTP inputs (``[n]``, ``[n, H]`` x3) at MTP positions ``index``."""
+        """Pack rows of MTP inputs (``[n]``, ``[n, H]`` x3) at MTP positions ``index`` (array, or an
+        int for one row)."""
         jobs = self.pre.jobs
-        jobs.ints(self.mtp_input_ids.view(-1, 1), index, ids.reshape(-1, 1))
+        jobs.ints(self.mtp_input_ids, index, ids if ids.dim() == 1 else ids.reshape(-1))
         jobs.rows(self.mtp_inputs_embeds, index, embeds)
         jobs.rows(self.last_hidden, index, hidden)
         jobs.rows(self.text_step, index, text)

@@ -187,7 +187,7 @@ class OmniPhaseRunnerMixin:
         new_ids = ids is not None and ids is not ids_in
         if new_ids and (not isinstance(ids, torch.Tensor) or ids.numel() != step.span):
             raise _shape_error(rid, "preprocess input_ids", ids, (step.span,))
-        tokens = np.arange(s, e, dtype=np.int64)
+        tokens = s if step.span == 1 else np.arange(s, e, dtype=np.int64)
         gather = self._omni_gather
         try:
             if step.mtp_index >= 0:
@@ -202,7 +202,7 @@ class OmniPhaseRunnerMixin:
                         raise _shape_error(rid, what, t, (1, h))
                 if new_ids:
                     gather.add_ids(input_ids, tokens, ids)
-                gather.add_mtp_inputs([step.mtp_index], ids if new_ids else ids_in, embeds, hidden, text)
+                gather.add_mtp_inputs(step.mtp_index, ids if new_ids else ids_in, embeds, hidden, text)
             else:
                 if new_ids:
                     gather.add_ids(input_ids, tokens, ids)

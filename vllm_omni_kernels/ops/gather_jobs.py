@@ -63,10 +63,16 @@ def _rows(rows, count: int, what: str) -> np.ndarray:
 
 @dataclass
 class _Block:
+    """Rows ``src[src_rows]`` to ``dst[dst_rows]``; rows are ndarrays, or ints for a single row
+    (the common one-row-per-hook case skips numpy entirely)."""
+
     src: torch.Tensor
-    src_rows: np.ndarray
+    src_rows: np.ndarray | int
     dst: torch.Tensor
-    dst_rows: np.ndarray
+    dst_rows: np.ndarray | int
+
+    def __len__(self) -> int:
+        return 1 if isinstance(self.dst_rows, int) else len(self.dst_rows)
 
 
 @dataclass
@@ -118,19 +124,26 @@ class GatherJobs:
         self.n_float = self.n_int = self.n_values = 0
         self.aligned = True
 
-    def _check(self, t: torch.Tensor, what: str, dtypes) -> torch.Tensor:
+    def _check(self, t: torch.Tensor, what: str, dtypes, dims=(2,)) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
         if t.get_device() != self._device_index:
             raise ValueError(f"{what} is on {t.device}, the launch is on {self.device}")
         if t.dtype not in dtypes:
             raise TypeError(f"{what} has dtype {t.dtype}, expected one of {dtypes}")
-        if t.dim() != 2:
-            raise ValueError(f"{what} must be 2-D [rows, width], got shape {tuple(t.shape)}")
+        if t.dim() not in dims:
+            raise ValueError(f"{what} must be {' or '.join(f'{d}-D' for d in dims)}, got shape {tuple(t.shape)}")
         return t
 
     def rows(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
-        """Copy ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (float rows of ``width``)."""
+        """Copy ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (float rows of ``width``).
+
+        Rows are int arrays, or Python ints for one row (a hook output of one row: the fast path).
+        """
+        if type(dst_rows) is int and (src_rows is None or type(src_rows) is int) and self._plain(dst, src, True):
+            self._single(self.float_blocks, dst, dst_rows, src, 0 if src_rows is None else src_rows)
+            self.n_float += 1
+            return
         self._check(dst, "destination", FLOAT_DTYPES)
         self._check(src, "source", FLOAT_DTYPES)
         if dst.dtype != self.dtype:
@@ -148,15 +161,22 @@ class GatherJobs:
         self.n_float += self._add(self.float_blocks, dst, dst_rows, src, src_rows)
 
     def ints(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
-        """Copy int rows ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (same width; int32/int64)."""
-        self._check(dst, "destination", INT_DTYPES)
-        self._check(src, "source", INT_DTYPES)
-        if dst.shape[1] != src.shape[1]:
+        """Copy int rows ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (same width; int32/int64).
+
+        1-D tensors are rows of one element (token ids). Rows as in ``rows``."""
+        if type(dst_rows) is int and (src_rows is None or type(src_rows) is int) and self._plain(dst, src, False):
+            self._single(self.int_blocks, dst, dst_rows, src, 0 if src_rows is None else src_rows)
+            self.n_int += 1
+            return
+        self._check(dst, "destination", INT_DTYPES, (1, 2))
+        self._check(src, "source", INT_DTYPES, (1, 2))
+        dw = dst.shape[1] if dst.dim() == 2 else 1
+        if dw != (src.shape[1] if src.dim() == 2 else 1):
             raise ValueError(f"int rows of different widths: source {tuple(src.shape)}, "
                              f"destination {tuple(dst.shape)}")
-        if dst.stride(1) != 1:
+        if dst.dim() == 2 and dst.stride(1) != 1:
             raise ValueError("destination rows must be contiguous")
-        if src.stride(1) != 1:
+        if src.dim() == 2 and src.stride(1) != 1:
             src = src.contiguous()
         self.n_int += self._add(self.int_blocks, dst, dst_rows, src, src_rows)
 
@@ -173,7 +193,35 @@ class GatherJobs:
             self.n_int += 1
             self.n_values += v.size
 
+    def _plain(self, dst, src, floating: bool) -> bool:
+        """Whether a single-row job needs none of the slow path's checks or conversions."""
+        try:
+            if src.get_device() != self._device_index or dst.get_device() != self._device_index:
+                return False
+            if floating:
+                if src.dtype is not self.dtype or dst.dtype is not self.dtype or src.dim() != 2 or dst.dim() != 2:
+                    return False
+                if src.shape[1] != self.width or dst.shape[1] != self.width or src.stride(1) != 1 or dst.stride(1) != 1:
+                    return False
+                if self.aligned:
+                    self.aligned = (self._width_aligned and (src.data_ptr() | dst.data_ptr()) % 16 == 0
+                                    and (src.stride(0) | dst.stride(0)) % self.vector == 0)
+                return True
+            return (src.dtype in INT_DTYPES and dst.dtype in INT_DTYPES and src.dim() == 1 and dst.dim() == 1)
+        except AttributeError:  # not a tensor: the full path raises the typed error
+            return False
+
+    @staticmethod
+    def _single(blocks, dst, d: int, src, s: int) -> None:
+        if not (0 <= d < dst.shape[0] and 0 <= s < src.shape[0]):
+            raise IndexError(f"row {s} -> {d} out of range for source {tuple(src.shape)} and destination "
+                             f"{tuple(dst.shape)}")
+        blocks.append(_Block(src, s, dst, d))
+
     def _add(self, blocks, dst, dst_rows, src, src_rows) -> int:
+        if isinstance(dst_rows, int | np.integer) and (src_rows is None or isinstance(src_rows, int | np.integer)):
+            self._single(blocks, dst, int(dst_rows), src, 0 if src_rows is None else int(src_rows))
+            return 1
         if self.check_rows:
             d = _rows(dst_rows, dst.shape[0], "destination")
             s = None if src_rows is None else _rows(src_rows, src.shape[0], "source")
@@ -201,8 +249,8 @@ class GatherJobs:
         for blocks in (self.float_blocks, self.int_blocks):
             if not blocks:
                 continue
-            starts = np.concatenate([b.dst.data_ptr() + b.dst_rows * b.dst.stride(0) * b.dst.element_size()
-                                     for b in blocks])
+            starts = np.concatenate([np.atleast_1d(b.dst.data_ptr() + np.asarray(b.dst_rows) * b.dst.stride(0)
+                                                   * b.dst.element_size()) for b in blocks])
             if np.unique(starts).size != starts.size:
                 raise ValueError("two jobs of one launch write the same destination row")
 
@@ -217,24 +265,44 @@ class GatherJobs:
                              f"the table's {layout.float_cap} / {layout.int_cap} / {layout.payload_cap}")
         out[0], out[1] = self.n_float, self.n_int
         es = self.elem_size
-        pos = 2
+        pos, single = 2, ([], [])
         for b in self.float_blocks:
+            src_off, dst_off = (b.src.data_ptr() - float_base) // es, (b.dst.data_ptr() - float_base) // es
+            if isinstance(b.dst_rows, int):
+                single[0].append(src_off + b.src_rows * b.src.stride(0))
+                single[1].append(dst_off + b.dst_rows * b.dst.stride(0))
+                continue
             end = pos + 2 * len(b.dst_rows)
             np.multiply(b.src_rows, b.src.stride(0), out=out[pos:end:2])
-            out[pos:end:2] += (b.src.data_ptr() - float_base) // es
+            out[pos:end:2] += src_off
             np.multiply(b.dst_rows, b.dst.stride(0), out=out[pos + 1:end:2])
-            out[pos + 1:end:2] += (b.dst.data_ptr() - float_base) // es
+            out[pos + 1:end:2] += dst_off
             pos = end
-        pos = layout.int_off
+        if single[0]:  # jobs are independent: their order in the table does not matter
+            end = pos + 2 * len(single[0])
+            out[pos:end:2], out[pos + 1:end:2] = single
+        pos, single = layout.int_off, ([], [], [], [])
         for b in self.int_blocks:
-            end = pos + 4 * len(b.dst_rows)
             sw, dw = b.src.element_size() // 4, b.dst.element_size() // 4
+            src_off, dst_off = (b.src.data_ptr() - int_base) // 4, (b.dst.data_ptr() - int_base) // 4
+            width, flags = (b.dst.shape[1] if b.dst.dim() == 2 else 1), (sw == 2) | ((dw == 2) << 1)
+            if isinstance(b.dst_rows, int):
+                for col, v in zip(single, (src_off + b.src_rows * b.src.stride(0) * sw,
+                                           dst_off + b.dst_rows * b.dst.stride(0) * dw, width, flags)):
+                    col.append(v)
+                continue
+            end = pos + 4 * len(b.dst_rows)
             np.multiply(b.src_rows, b.src.stride(0) * sw, out=out[pos:end:4])
-            out[pos:end:4] += (b.src.data_ptr() - int_base) // 4
+            out[pos:end:4] += src_off
             np.multiply(b.dst_rows, b.dst.stride(0) * dw, out=out[pos + 1:end:4])
-            out[pos + 1:end:4] += (b.dst.data_ptr() - int_base) // 4
-            out[pos + 2:end:4] = b.dst.shape[1]
-            out[pos + 3:end:4] = (sw == 2) | ((dw == 2) << 1)
+            out[pos + 1:end:4] += dst_off
+            out[pos + 2:end:4] = width
+            out[pos + 3:end:4] = flags
+            pos = end
+        if single[0]:
+            end = pos + 4 * len(single[0])
+            for k in range(4):
+                out[pos + k:end:4] = single[k]
             pos = end
         pos = (pos - layout.int_off) // 4
         payload = out[layout.payload_off:layout.words].view(np.int32)
