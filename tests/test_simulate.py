@@ -35,4 +35,4 @@ def test_wav_round_trip(tmp_path):
 def test_info_reports_backends(capsys):
     assert main(["info"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["backends"]["cpu"]["backend"] in ("torch", "triton")
+    assert info["backends"]["cpu"]["ring_write"]["backend"] in ("torch", "triton")

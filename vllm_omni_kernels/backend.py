@@ -37,10 +37,11 @@ def triton_interpreted() -> bool:
 @functools.cache
 def _availability() -> dict[str, str | None]:
     """backend -> None when usable on CUDA tensors, else the reason it is not."""
+    from .ops import cuda_ext, cupy_nvrtc
+
     reasons: dict[str, str | None] = {}
-    # cuda and cupy backends are not part of this build yet: reported, never chosen.
-    reasons["cuda"] = "compiled extension not built in this package version"
-    reasons["cupy"] = "CuPy backend not part of this package version"
+    reasons["cuda"] = cuda_ext.load()
+    reasons["cupy"] = cupy_nvrtc.load()
     if importlib.util.find_spec("triton") is None:
         reasons["triton"] = "triton is not installed (pip install 'vllm-omni-kernels[triton]')"
     elif not torch.cuda.is_available() and not triton_interpreted():
@@ -82,14 +83,18 @@ def _select(want: str, device_type: str) -> tuple[str, str]:
     return "torch", f"auto: no kernel backend available ({avail})"
 
 
-def describe() -> dict[str, dict[str, str]]:
-    """Which backend each device class would use, and why, plus every backend's availability."""
-    out = {"requested": {"value": requested()}, "availability": {
+OPS = ("ring_write", "ring_read", "row_gather")
+
+
+def describe() -> dict[str, dict]:
+    """One call that says which backend each op uses on each device class, and why, plus every
+    backend's availability. Every backend implements every op, so the choice is per device."""
+    out: dict[str, dict] = {"requested": {"value": requested()}, "availability": {
         k: ("available" if v is None else v) for k, v in _availability().items()}}
     for dev in ("cpu", "cuda"):
         try:
             name, why = select(torch.device(dev))
-            out[dev] = {"backend": name, "why": why}
+            out[dev] = {op: {"backend": name, "why": why} for op in OPS}
         except BackendUnavailableError as exc:
-            out[dev] = {"backend": "error", "why": str(exc)}
+            out[dev] = {op: {"backend": "error", "why": str(exc)} for op in OPS}
     return out

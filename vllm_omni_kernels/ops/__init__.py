@@ -19,7 +19,17 @@ from .layout import META_COLS  # noqa: F401  (re-exported for callers building m
 
 
 def _impl(device: torch.device, module: str = "ring"):
+    """The backend module that implements ``module`` ("ring" or "gather") for ``device``, or None
+    for the torch reference."""
     name, _ = _backend.select(device)
+    if name == "cuda":
+        from . import cuda_ext
+
+        return cuda_ext
+    if name == "cupy":
+        from . import cupy_nvrtc
+
+        return cupy_nvrtc
     if name == "triton":
         if module == "ring":
             from . import triton_ring

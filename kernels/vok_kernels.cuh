@@ -1,0 +1,188 @@
+// vllm-omni-kernels: the CUDA C++ kernels of every op (ring copies, fused row gather).
+//
+// Plain CUDA, no host or standard headers, so the same text compiles with nvcc (the torch
+// extension, kernels/vok_torch.cu) and at run time with NVRTC (CuPy backend). Entry points are
+// extern "C" and named by element size: copies move bits, so one kernel serves every dtype of
+// that size (2: bf16/fp16, 4: fp32/int32, 8: int64).
+//
+// Ring metadata (vllm_omni_kernels/ops/layout.py): int64 rows of 8 columns
+//   0 SLOT, 1 LIN_OFF, 2 N, 3 BASE, 4 CAP, 5 POS (-1: the device head), 6 LIN_STRIDE.
+// state: int64 [slots, 2] = (head, ticket). Gather table: vllm_omni_kernels/ops/gather_jobs.py.
+#pragma once
+
+namespace vok {
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+constexpr int kRingThreads = 256;
+constexpr int kRingPerThread = 8;  // elements in flight per thread: kRingThreads * 8 = 2048 a block
+constexpr int kGatherThreads = 128;
+constexpr int kGatherBlockBytes = 4096;  // bytes of a float row per block (2 x 16 B per thread)
+constexpr int kIntBlock = 128;
+
+template <int S> struct Bits;
+template <> struct Bits<2> { typedef unsigned short T; };
+template <> struct Bits<4> { typedef unsigned int T; };
+template <> struct Bits<8> { typedef unsigned long long T; };
+
+struct RingRow {
+  i64 slot, lin_off, n, base, cap, pos, lin_stride;
+};
+
+__device__ __forceinline__ RingRow load_row(const i64* __restrict__ meta, int row) {
+  const i64* m = meta + (i64)row * 8;
+  RingRow r;
+  r.slot = m[0]; r.lin_off = m[1]; r.n = m[2]; r.base = m[3]; r.cap = m[4]; r.pos = m[5];
+  r.lin_stride = m[6];
+  return r;
+}
+
+// Offsets of element e (0 <= e < n * F) of a row, in the ring region and in the linear tensor.
+template <bool LAST>
+__device__ __forceinline__ void ring_offsets(const RingRow& r, i64 pos, i64 F, bool mono, i64 e, i64* ring,
+                                             i64* lin) {
+  if (LAST) {
+    i64 outer = 0, inner = e;
+    if (!mono) { outer = e / r.n; inner = e - outer * r.n; }
+    i64 t = pos + inner;
+    if (t >= r.cap) t -= r.cap;
+    *ring = r.base + outer * r.cap + t;
+    *lin = r.lin_off + outer * r.lin_stride + inner;
+  } else {
+    i64 outer = e / F, inner = e - outer * F;
+    i64 t = pos + outer;
+    if (t >= r.cap) t -= r.cap;
+    *ring = r.base + t * F + inner;
+    *lin = r.lin_off + outer * r.lin_stride + inner;
+  }
+}
+
+// Grid (blocks, rows): block x copies elements [x * 2048, (x + 1) * 2048) of row y. WRITE: linear
+// src -> ring (and publish the new head); else ring -> linear out.
+template <int S, bool LAST, bool WRITE>
+__device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ arena, i64* __restrict__ state,
+                                          const i64* __restrict__ meta, typename Bits<S>::T* __restrict__ lin_ptr,
+                                          i64 F, int mono) {
+  typedef typename Bits<S>::T T;
+  const RingRow r = load_row(meta, blockIdx.y);
+  i64 pos = r.pos;
+  if (WRITE && pos < 0) pos = state[r.slot * 2];
+  const i64 total = r.n * F;
+  const i64 start = (i64)blockIdx.x * (kRingThreads * kRingPerThread);
+  T vals[kRingPerThread];
+  i64 dst[kRingPerThread];
+#pragma unroll
+  for (int k = 0; k < kRingPerThread; ++k) {
+    const i64 e = start + k * kRingThreads + threadIdx.x;
+    if (e < total) {
+      i64 ring, lin;
+      ring_offsets<LAST>(r, pos, F, mono != 0, e, &ring, &lin);
+      if (WRITE) { vals[k] = lin_ptr[lin]; dst[k] = ring; }
+      else { vals[k] = arena[ring]; dst[k] = lin; }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kRingPerThread; ++k) {
+    const i64 e = start + k * kRingThreads + threadIdx.x;
+    if (e < total) {
+      if (WRITE) arena[dst[k]] = vals[k];
+      else lin_ptr[dst[k]] = vals[k];
+    }
+  }
+  if (!WRITE) return;
+  i64 head = pos + r.n;
+  if (head >= r.cap) head -= r.cap;
+  __syncthreads();  // every thread of this block has read the head
+  if (threadIdx.x != 0) return;
+  if (gridDim.x == 1) {
+    state[r.slot * 2] = head;
+  } else {  // the block that takes the last ticket of the row publishes the head
+    __threadfence();
+    const u64 ticket = atomicAdd(reinterpret_cast<u64*>(state + r.slot * 2 + 1), 1ULL);
+    if (ticket == gridDim.x - 1) {
+      state[r.slot * 2] = head;
+      state[r.slot * 2 + 1] = 0;
+    }
+  }
+}
+
+// Fused row gather over a job table (see gather_jobs.py). Grid (jobs, blocks).
+template <int S, bool ALIGNED>
+__device__ __forceinline__ void row_gather(char* __restrict__ fbase, int* __restrict__ ibase,
+                                           const i64* __restrict__ table, i64 W, i64 i_off) {
+  typedef typename Bits<S>::T T;
+  const i64 job = blockIdx.x;
+  const i64 n_float = table[0], n_int = table[1];
+  if (job < n_float) {
+    const i64 src = table[2 + 2 * job], dst = table[3 + 2 * job];
+    if (ALIGNED) {  // rows start on 16-byte boundaries and W * S is a multiple of 16
+      const uint4* s = reinterpret_cast<const uint4*>(fbase + src * S);
+      uint4* d = reinterpret_cast<uint4*>(fbase + dst * S);
+      const i64 nvec = W * S / 16;
+      const i64 v0 = (i64)blockIdx.y * (kGatherBlockBytes / 16);
+      const i64 v1 = v0 + kGatherBlockBytes / 16 < nvec ? v0 + kGatherBlockBytes / 16 : nvec;
+      uint4 buf[kGatherBlockBytes / 16 / kGatherThreads];
+#pragma unroll
+      for (int k = 0; k < kGatherBlockBytes / 16 / kGatherThreads; ++k) {
+        const i64 v = v0 + k * kGatherThreads + threadIdx.x;
+        if (v < v1) buf[k] = s[v];
+      }
+#pragma unroll
+      for (int k = 0; k < kGatherBlockBytes / 16 / kGatherThreads; ++k) {
+        const i64 v = v0 + k * kGatherThreads + threadIdx.x;
+        if (v < v1) d[v] = buf[k];
+      }
+    } else {
+      const T* s = reinterpret_cast<const T*>(fbase) + src;
+      T* d = reinterpret_cast<T*>(fbase) + dst;
+      const i64 c0 = (i64)blockIdx.y * (kGatherBlockBytes / S);
+      const i64 c1 = c0 + kGatherBlockBytes / S < W ? c0 + kGatherBlockBytes / S : W;
+      for (i64 c = c0 + threadIdx.x; c < c1; c += kGatherThreads) d[c] = s[c];
+    }
+  } else if (job < n_float + n_int) {
+    const i64* rec = table + i_off + 4 * (job - n_float);
+    const i64 src = rec[0], dst = rec[1], n = rec[2], flags = rec[3];
+    const bool s_wide = flags & 1, d_wide = flags & 2;
+    for (i64 e = (i64)blockIdx.y * kGatherThreads + threadIdx.x; e < n; e += (i64)gridDim.y * kGatherThreads) {
+      const int lo = ibase[src + (s_wide ? 2 * e : e)];
+      const int hi = s_wide ? ibase[src + 2 * e + 1] : (lo < 0 ? -1 : 0);
+      ibase[dst + (d_wide ? 2 * e : e)] = lo;
+      if (d_wide) ibase[dst + 2 * e + 1] = hi;
+    }
+  }
+}
+
+}  // namespace vok
+
+#define VOK_RING(S, NAME, LAST)                                                                        \
+  extern "C" __global__ void __launch_bounds__(vok::kRingThreads)                                      \
+      vok_ring_write_e##S##_##NAME(void* arena, long long* state, const long long* meta, void* src,    \
+                                   long long F, int mono) {                                             \
+    vok::ring_copy<S, LAST, true>(static_cast<vok::Bits<S>::T*>(arena), state, meta,                   \
+                                  static_cast<vok::Bits<S>::T*>(src), F, mono);                         \
+  }                                                                                                     \
+  extern "C" __global__ void __launch_bounds__(vok::kRingThreads)                                      \
+      vok_ring_read_e##S##_##NAME(void* arena, const long long* meta, void* out, long long F, int mono) { \
+    vok::ring_copy<S, LAST, false>(static_cast<vok::Bits<S>::T*>(arena), nullptr, meta,                \
+                                   static_cast<vok::Bits<S>::T*>(out), F, mono);                        \
+  }
+
+VOK_RING(2, dim0, false)
+VOK_RING(2, last, true)
+VOK_RING(4, dim0, false)
+VOK_RING(4, last, true)
+VOK_RING(8, dim0, false)
+VOK_RING(8, last, true)
+
+#define VOK_GATHER(S, A, ALIGNED)                                                                       \
+  extern "C" __global__ void __launch_bounds__(vok::kGatherThreads)                                     \
+      vok_row_gather_e##S##_a##A(void* fbase, int* ibase, const long long* table, long long W,          \
+                                 long long i_off) {                                                     \
+    vok::row_gather<S, ALIGNED>(static_cast<char*>(fbase), ibase, table, W, i_off);                     \
+  }
+
+VOK_GATHER(2, 0, false)
+VOK_GATHER(2, 1, true)
+VOK_GATHER(4, 0, false)
+VOK_GATHER(4, 1, true)

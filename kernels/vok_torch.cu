@@ -1,0 +1,113 @@
+// Torch custom ops over the kernels of vok_kernels.cuh, registered with TORCH_LIBRARY (def + impl,
+// the dispatcher's direct path, as vLLM registers its ops). Fake implementations for torch.compile
+// are registered from Python (vllm_omni_kernels/ops/cuda_ext.py); every op mutates its outputs and
+// returns nothing. Launches go on the current stream; no host sync, no allocation.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "vok_kernels.cuh"
+
+namespace {
+
+using vok::i64;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename Write, typename Read>
+void ring_launch(bool write, const at::Tensor& arena, const at::Tensor& meta, int64_t rows, int64_t frame_elems,
+                 bool last, int64_t max_elems, Write w, Read r) {
+  TORCH_CHECK(arena.is_cuda() && meta.is_cuda(), "ring ops take CUDA tensors");
+  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.is_contiguous(), "meta must be contiguous int64");
+  TORCH_CHECK(rows <= 65535, "at most 65535 rows per launch");
+  if (rows == 0 || max_elems == 0) return;
+  const c10::cuda::OptionalCUDAGuard guard(arena.device());
+  const dim3 grid(ceil_div(max_elems, vok::kRingThreads * vok::kRingPerThread), rows);
+  const int mono = last && frame_elems == 1;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int es = arena.element_size();
+  TORCH_CHECK(es == 2 || es == 4 || es == 8, "element size ", es, " not supported");
+  if (write) w(es, grid, stream, mono); else r(es, grid, stream, mono);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void ring_write(at::Tensor& arena, at::Tensor& state, const at::Tensor& meta, const at::Tensor& src, int64_t rows,
+                int64_t frame_elems, bool last, int64_t max_elems) {
+  TORCH_CHECK(src.scalar_type() == arena.scalar_type() && src.is_cuda(), "src must match the arena");
+  TORCH_CHECK(state.scalar_type() == at::kLong && state.is_contiguous(), "state must be contiguous int64");
+  ring_launch(true, arena, meta, rows, frame_elems, last, max_elems,
+      [&](int es, dim3 grid, cudaStream_t s, int mono) {
+        void* a = arena.data_ptr();
+        void* x = const_cast<void*>(src.data_ptr());
+        i64* st = reinterpret_cast<i64*>(state.data_ptr());
+        const i64* m = reinterpret_cast<const i64*>(meta.data_ptr());
+#define VOK_W(S)                                                                                   \
+  if (es == S) {                                                                                   \
+    if (last) vok_ring_write_e##S##_last<<<grid, vok::kRingThreads, 0, s>>>(a, st, m, x, frame_elems, mono); \
+    else vok_ring_write_e##S##_dim0<<<grid, vok::kRingThreads, 0, s>>>(a, st, m, x, frame_elems, mono);      \
+  }
+        VOK_W(2) VOK_W(4) VOK_W(8)
+#undef VOK_W
+      },
+      [](int, dim3, cudaStream_t, int) {});
+}
+
+void ring_read(const at::Tensor& arena, const at::Tensor& meta, at::Tensor& out, int64_t rows, int64_t frame_elems,
+               bool last, int64_t max_elems) {
+  TORCH_CHECK(out.scalar_type() == arena.scalar_type() && out.is_cuda(), "out must match the arena");
+  ring_launch(false, arena, meta, rows, frame_elems, last, max_elems,
+      [](int, dim3, cudaStream_t, int) {},
+      [&](int es, dim3 grid, cudaStream_t s, int mono) {
+        void* a = const_cast<void*>(arena.data_ptr());
+        void* o = out.data_ptr();
+        const i64* m = reinterpret_cast<const i64*>(meta.data_ptr());
+#define VOK_R(S)                                                                                   \
+  if (es == S) {                                                                                   \
+    if (last) vok_ring_read_e##S##_last<<<grid, vok::kRingThreads, 0, s>>>(a, m, o, frame_elems, mono); \
+    else vok_ring_read_e##S##_dim0<<<grid, vok::kRingThreads, 0, s>>>(a, m, o, frame_elems, mono);      \
+  }
+        VOK_R(2) VOK_R(4) VOK_R(8)
+#undef VOK_R
+      });
+}
+
+void row_gather(at::Tensor& anchor, at::Tensor& table, int64_t width, int64_t int_off, int64_t grid_rows,
+                bool aligned) {
+  TORCH_CHECK(anchor.is_cuda() && table.is_cuda(), "row_gather takes CUDA tensors");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous(), "table must be contiguous int64");
+  if (grid_rows == 0) return;
+  const c10::cuda::OptionalCUDAGuard guard(anchor.device());
+  const int es = anchor.element_size();
+  TORCH_CHECK(es == 2 || es == 4, "float rows of 2 or 4 bytes");
+  const dim3 grid(grid_rows, std::max<int64_t>(1, ceil_div(width * es, vok::kGatherBlockBytes)));
+  TORCH_CHECK(grid.y <= 65535, "row too wide");
+  auto s = c10::cuda::getCurrentCUDAStream();
+  void* f = anchor.data_ptr();
+  int* ib = reinterpret_cast<int*>(table.data_ptr());
+  const i64* t = reinterpret_cast<const i64*>(table.data_ptr());
+  if (es == 2) {
+    if (aligned) vok_row_gather_e2_a1<<<grid, vok::kGatherThreads, 0, s>>>(f, ib, t, width, int_off);
+    else vok_row_gather_e2_a0<<<grid, vok::kGatherThreads, 0, s>>>(f, ib, t, width, int_off);
+  } else {
+    if (aligned) vok_row_gather_e4_a1<<<grid, vok::kGatherThreads, 0, s>>>(f, ib, t, width, int_off);
+    else vok_row_gather_e4_a0<<<grid, vok::kGatherThreads, 0, s>>>(f, ib, t, width, int_off);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vllm_omni_kernels, m) {
+  m.def("ring_write(Tensor(a!) arena, Tensor(b!) state, Tensor meta, Tensor src, int rows, int frame_elems, "
+        "bool last, int max_elems) -> ()");
+  m.def("ring_read(Tensor arena, Tensor meta, Tensor(a!) out, int rows, int frame_elems, bool last, "
+        "int max_elems) -> ()");
+  m.def("row_gather(Tensor(a!) anchor, Tensor(b!) table, int width, int int_off, int grid_rows, bool aligned) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(vllm_omni_kernels, CUDA, m) {
+  m.impl("ring_write", &ring_write);
+  m.impl("ring_read", &ring_read);
+  m.impl("row_gather", &row_gather);
+}

@@ -1,0 +1,66 @@
+"""Backend selection: the auto order (compiled, CuPy, Triton, torch), explicit requests, the report."""
+
+import pytest
+import torch
+
+from vllm_omni_kernels import backend
+
+
+@pytest.fixture
+def availability(monkeypatch):
+    """Pretend a given set of backends is available (reasons for the others)."""
+
+    def _set(**reasons):
+        full = {"cuda": "not built", "cupy": "not installed", "triton": "not installed", "torch": None}
+        full.update(reasons)
+        monkeypatch.setattr(backend, "_availability", lambda: full)
+        backend._select.cache_clear()
+
+    yield _set
+    backend._select.cache_clear()
+
+
+@pytest.mark.parametrize("available, chosen", [
+    ({"cuda": None, "cupy": None, "triton": None}, "cuda"),
+    ({"cupy": None, "triton": None}, "cupy"),
+    ({"triton": None}, "triton"),
+    ({}, "torch"),
+])
+def test_auto_takes_the_first_available_in_order(availability, monkeypatch, available, chosen):
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", "auto")
+    availability(**available)
+    name, why = backend.select(torch.device("cuda"))
+    assert name == chosen
+    assert why.startswith("auto")
+    assert backend.select(torch.device("cpu"))[0] == "torch"  # CPU tensors: the reference
+
+
+def test_explicit_request_of_an_unavailable_backend_says_why(availability, monkeypatch):
+    availability(triton=None)
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", "cuda")
+    with pytest.raises(backend.BackendUnavailableError, match="not built"):
+        backend.select(torch.device("cuda"))
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", "cupy")
+    with pytest.raises(backend.BackendUnavailableError, match="not installed"):
+        backend.select(torch.device("cuda"))
+
+
+def test_unknown_backend_name_is_rejected(monkeypatch):
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", "opencl")
+    with pytest.raises(backend.BackendUnavailableError, match="opencl"):
+        backend.requested()
+
+
+def test_report_gives_every_op_its_backend_and_reason(availability, monkeypatch):
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", "auto")
+    availability(cupy=None)
+    report = backend.describe()
+    assert report["availability"]["cuda"] == "not built" and report["availability"]["cupy"] == "available"
+    for op in backend.OPS:
+        assert report["cuda"][op]["backend"] == "cupy" and report["cuda"][op]["why"]
+        assert report["cpu"][op]["backend"] == "torch"
+
+
+def test_real_availability_on_this_machine_has_a_reason_for_each_missing_backend():
+    for name, why in backend._availability().items():
+        assert why is None or isinstance(why, str) and why

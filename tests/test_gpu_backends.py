@@ -1,0 +1,149 @@
+"""Every kernel backend (Triton, the compiled CUDA extension, CuPy/NVRTC) against the torch
+reference on CUDA, op by op and through the pools, graphs and the runner (marker gpu).
+
+A backend that is not available here is skipped with its reason, unless
+``VLLM_OMNI_KERNELS_REQUIRE`` names it (the GPU CI run sets ``cuda,cupy``), then it fails.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import ALL_DTYPES
+from gather_cases import check_gather_case
+from phase_fakes import FakeRunner, FakeTalker
+from ring_cases import check_case
+from test_phase_routing import MIXED, PROMPTS, check_step
+from vllm_omni_kernels import backend as _backend
+from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
+from vllm_omni_kernels.ring import PaddedBatch, RingPool
+
+pytestmark = pytest.mark.gpu
+BACKENDS = ["triton", "cuda", "cupy"]
+FRAMES = [((), True), ((2,), True), ((3,), False), ((16,), False)]
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(params=BACKENDS)
+def kernel_backend(request, monkeypatch):
+    name = request.param
+    if torch.cuda.is_available():
+        why = _backend._availability()[name]
+        if why is not None:
+            required = os.environ.get("VLLM_OMNI_KERNELS_REQUIRE", "").split(",")
+            if name in required:
+                pytest.fail(f"{name} is required here but unavailable: {why}")
+            pytest.skip(f"{name}: {why}")
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", name)
+    return name
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("frame_shape, last", FRAMES)
+@pytest.mark.parametrize("read", [False, True], ids=["write", "read"])
+def test_ring_op_matches_reference(kernel_backend, dtype, frame_shape, last, read):
+    for seed in range(3):
+        check_case(seed * 7919 + 1, dtype=dtype, frame_shape=frame_shape, last=last, read=read, rows=6,
+                   max_cap=3000, device="cuda", backend=kernel_backend)
+
+
+def test_ring_op_wide_rows_and_many_blocks(kernel_backend):
+    check_case(3, dtype=torch.bfloat16, frame_shape=(16384,), last=False, read=False, rows=8, max_cap=9,
+               device="cuda", backend=kernel_backend)
+    check_case(4, dtype=torch.float32, frame_shape=(), last=True, read=False, rows=4, max_cap=60000,
+               device="cuda", backend=kernel_backend)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31), rows=st.integers(0, 40), max_cap=st.integers(1, 5000),
+       dtype=st.sampled_from(ALL_DTYPES), layout=st.sampled_from(FRAMES), read=st.booleans())
+def test_ring_op_property(kernel_backend, seed, rows, max_cap, dtype, layout, read):
+    frame_shape, last = layout
+    check_case(seed, dtype=dtype, frame_shape=frame_shape, last=last, read=read, rows=rows, max_cap=max_cap,
+               device="cuda", backend=kernel_backend)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("width", [1, 8, 300, 4096, 16384])
+def test_gather_matches_reference(kernel_backend, dtype, width, monkeypatch):
+    for seed in range(3):
+        check_gather_case(seed, dtype, width, "cuda", kernel_backend, monkeypatch)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31), dtype=st.sampled_from(FLOATS), width=st.integers(1, 5000))
+def test_gather_property(kernel_backend, seed, dtype, width):
+    with pytest.MonkeyPatch.context() as mp:
+        check_gather_case(seed, dtype, width, "cuda", kernel_backend, mp)
+
+
+@pytest.mark.parametrize("strategy, frame", [(S.CONCAT_LAST, ()), (S.CONCAT_LAST, (2,)), (S.CONCAT_DIM0, (16,))])
+def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame):
+    rng = np.random.default_rng(3)
+    last = strategy is S.CONCAT_LAST
+    pools = {d: RingPool("k", torch.bfloat16, frame, d, strategy, budget_bytes=1 << 20, initial_frames=16)
+             for d in ("cpu", "cuda")}
+    ids = [f"r{i}" for i in range(5)]
+    for p in pools.values():
+        for r in ids:
+            p.alloc(r)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(12):
+        lens = rng.integers(0, 40, size=5)
+        shape = (5, *frame, int(lens.max())) if last else (5, int(lens.max()), *frame)
+        data = torch.randn(shape, generator=g).to(torch.bfloat16)
+        for d, p in pools.items():
+            p.append(ids, PaddedBatch(data.to(d), lens))
+        if rng.random() < 0.4:
+            outs = {d: p.drain(ids[:3]) for d, p in pools.items()}
+            for a, b in zip(outs["cpu"], outs["cuda"]):
+                assert torch.equal(a, b.cpu())
+    for a, b in zip(pools["cpu"].consolidate(ids), pools["cuda"].consolidate(ids)):
+        assert torch.equal(a, b.cpu())
+
+
+def test_graph_of_appends_replayed(kernel_backend):
+    pool = RingPool("codes", torch.float32, (3,), "cuda", S.CONCAT_DIM0, budget_bytes=64 << 20,
+                    initial_frames=1 << 14)
+    ids = [f"r{i}" for i in range(16)]
+    for r in ids:
+        pool.alloc(r)
+    src = torch.randn(16, 64, 3, device="cuda")
+    lens = np.arange(16) * 4
+    sa = pool.static_append(ids, src, lens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sa.prepare(1)
+        sa.launch()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(50):
+            sa.launch()
+    for _ in range(2):
+        sa.prepare(50)
+        graph.replay()
+    for b, out in enumerate(pool.consolidate(ids)):
+        assert torch.equal(out, src[b, : lens[b]].repeat(101, 1))
+
+
+@pytest.mark.parametrize("mtp", [True, False])
+def test_runner_step_matches_contract(kernel_backend, mtp):
+    runner = FakeRunner(FakeTalker(64, torch.bfloat16, mtp=mtp), device="cuda")
+    for rid, p in PROMPTS.items():
+        runner.add_request(rid, p)
+    for order in sorted(MIXED):
+        check_step(runner, MIXED[order])
+
+
+def test_backend_report_names_every_op():
+    report = _backend.describe()
+    for dev in ("cpu", "cuda"):
+        assert set(report[dev]) == set(_backend.OPS)
+    assert set(report["availability"]) == {"cuda", "cupy", "triton", "torch"}
