@@ -17,6 +17,8 @@ Paths (the hooks' and MTP's outputs are prepared tensors: only the data movement
                one kernel each; one of each without MTP)
   ours_graph   the same two kernels captured ``graph_steps`` times in one CUDA graph (table prepared
                per step outside the graph); also reported per launch
+  ours_eager[b], ours_graph[b]
+               the same per kernel backend b (triton, cuda, cupy)
   copy_graph   one plain copy of the same float bytes per step, captured the same way (the copy
                bandwidth the kernels are compared with)
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,6 +50,12 @@ from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
 
 Q = 16
 PREFILL_SPAN = 4
+
+
+def kernel_backends() -> list[str]:
+    """The kernel backends that can run here (triton, cuda = the compiled extension, cupy = NVRTC)."""
+    avail = backend._availability()
+    return [name for name in ("triton", "cuda", "cupy") if avail[name] is None]
 DTYPE = torch.bfloat16
 
 
@@ -275,6 +284,34 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     record("ours_graph", runs, {"kernels": launches, "memcpys": 0}, f"{graph_steps} steps in one graph")
     res["ours_graph_us_per_launch"] = statistics.median(runs) / launches
 
+    # Every kernel backend available here: eager steps and the two kernels in a graph.
+    for name in kernel_backends():
+        os.environ["VLLM_OMNI_KERNELS_BACKEND"] = name
+        try:
+            sc.check(sc.ours_eager)
+            record(f"ours_eager[{name}]", time_steps(sc.ours_eager, steps, repeats))
+            g.pre.jobs.clear()
+            sc.record_pre()
+            g.pre.prepare_static()
+            if sc.mtp:
+                g.post.jobs.clear()
+                sc.record_post()
+                g.post.prepare_static()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                kernels()
+            torch.cuda.current_stream().wait_stream(side)
+            gb = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gb):
+                for _ in range(graph_steps):
+                    kernels()
+            sc.check(gb.replay)
+            runs = [t / graph_steps for t in time_steps(gb.replay, 3, repeats)]
+            record(f"ours_graph[{name}]", runs, {"kernels": launches, "memcpys": 0})
+            del gb
+        finally:
+            os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "auto"
+
     rows = sc.float_rows()
     src = torch.randn(rows, H, device="cuda").to(DTYPE)
     dst = torch.empty_like(src)
@@ -292,6 +329,8 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     res["ours_vs_copy"] = c / k
     loop = res["paths"]["row_loop"]["us_per_step_median"]
     res["speedup_vs_row_loop"] = {p: loop / v["us_per_step_median"] for p, v in res["paths"].items()}
+    res["GBps_by_backend"] = {name: step_bytes / (res["paths"][f"ours_graph[{name}]"]["us_per_step_median"] * 1e3)
+                              for name in kernel_backends()}
     del graph, cg, src, dst, sc
     torch.cuda.empty_cache()
     return res
@@ -331,6 +370,11 @@ def main() -> None:
               f"({r['speedup_vs_row_loop']['ours_eager']:6.1f}x)  graph {p['ours_graph']['us_per_step_median']:6.2f} "
               f"({r['ours_graph_us_per_launch']:5.2f}/launch, {r['speedup_vs_row_loop']['ours_graph']:7.1f}x)  "
               f"{r['ours_GBps']:6.0f} GB/s = {100 * r['ours_vs_copy']:5.1f}% of copy ({r['copy_GBps']:.0f})")
+        for name, gbps in r["GBps_by_backend"].items():
+            print(f"          {name:6s}: eager {p[f'ours_eager[{name}]']['us_per_step_median']:7.1f} us/step, graph "
+                  f"{p[f'ours_graph[{name}]']['us_per_step_median']:6.2f} us/step "
+                  f"({p[f'ours_graph[{name}]']['us_per_step_median'] / (2 if r['kind'] != 'non_mtp' else 1):5.2f}"
+                  f"/launch) = {100 * gbps / r['copy_GBps']:5.1f}% of copy")
     print(f"wrote {out}")
 
 

@@ -13,6 +13,9 @@ Paths:
   ours_graph   ``StaticAppend`` captured in a CUDA graph of one step, replayed per step
   ours_ingraph the same kernel captured ``steps`` times in one graph: the per-step device cost when the
                append is part of the model's captured step
+  ours_append[b], ours_kernel_ingraph[b]
+               per kernel backend b (triton, cuda = the compiled extension, cupy = NVRTC): eager
+               appends only (no finish), and the kernel alone in a graph
   copy_ingraph a plain device-to-device copy of the step's bytes, captured the same way (the copy
                bandwidth the kernel is compared with), plus one large copy for the peak
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,6 +46,12 @@ from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
 from vllm_omni_kernels.ring import PaddedBatch, RingPool  # noqa: E402
 
 WORKLOADS = [(64, 1920), (256, 1920), (64, 48000), (8, 48000)]
+
+
+def kernel_backends() -> list[str]:
+    """The kernel backends that can run here (triton, cuda, cupy)."""
+    avail = backend._availability()
+    return [name for name in ("triton", "cuda", "cupy") if avail[name] is None]
 
 
 def time_episode(fn, repeats: int) -> list[float]:
@@ -182,9 +192,49 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
 
     reset()
     record("ours_kernel_ingraph", time_episode(kernel_only, repeats), "append kernels only, in one graph")
+
+    # Every kernel backend available here, in the same process: eager appends only (metadata upload
+    # included, the finish excluded) and the append kernel alone in a graph.
+    def appends_only():
+        reset()
+        for s in range(steps):
+            pool.append(ids, PaddedBatch(sources[s], lens))
+
+    for name in kernel_backends():
+        os.environ["VLLM_OMNI_KERNELS_BACKEND"] = name
+        try:
+            record(f"ours_append[{name}]", time_episode(appends_only, repeats), "eager appends, no finish")
+            got = ours_eager()
+            torch.cuda.synchronize()
+            assert torch.equal(got[B - 1], torch.cat([sources[s][B - 1] for s in range(steps)])), name
+            reset()
+            sb = pool.static_append(ids, sources[0], lens)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                sb.prepare(1)
+                sb.launch()
+            torch.cuda.current_stream().wait_stream(side)
+            gb = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gb):
+                for _ in range(steps):
+                    sb.launch()
+
+            def kernel_only_b(sb=sb, gb=gb):
+                sb.prepare(steps)
+                gb.replay()
+                pool._size[sb.slots] = 0
+
+            reset()
+            record(f"ours_kernel_ingraph[{name}]", time_episode(kernel_only_b, repeats), "append kernels only")
+            del gb, sb
+        finally:
+            os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "auto"
     # The copy reference moves the same bytes the same way: one static source, a fresh destination
     # every step (as the ring writes new arena memory every step), so neither is served from L2.
     del pool, sa, g1, gN
+    for name in kernel_backends():
+        k_b = result["paths"][f"ours_kernel_ingraph[{name}]"]["us_per_step_median"]
+        result.setdefault("kernel_GBps_by_backend", {})[name] = 2 * step_bytes / (k_b * 1e3)
     dst = torch.empty(steps, *sources[0].shape, device=dev)
     gc = torch.cuda.CUDAGraph()
     with torch.cuda.graph(gc):
@@ -242,6 +292,10 @@ def main() -> None:
               f"({r['speedup_vs_upstream']['ours_ingraph']:7.1f}x)  kernel {r['kernel_GBps']:7.0f} GB/s = "
               f"{100 * r['kernel_vs_copy']:5.1f}% of same-size copy ({r['copy_GBps']:.0f} GB/s), "
               f"{100 * r['kernel_GBps'] / meta['peak_copy_GBps']:5.1f}% of peak copy")
+        for name, gbps in r.get("kernel_GBps_by_backend", {}).items():
+            print(f"          {name:6s}: eager appends {p[f'ours_append[{name}]']['us_per_step_median']:7.2f} us/step, "
+                  f"kernel in graph {p[f'ours_kernel_ingraph[{name}]']['us_per_step_median']:7.2f} us/step "
+                  f"= {gbps:6.0f} GB/s ({100 * gbps / r['copy_GBps']:5.1f}% of copy)")
     print(f"wrote {out}")
 
 

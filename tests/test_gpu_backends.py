@@ -83,7 +83,12 @@ def test_gather_property(kernel_backend, seed, dtype, width):
 
 
 @pytest.mark.parametrize("strategy, frame", [(S.CONCAT_LAST, ()), (S.CONCAT_LAST, (2,)), (S.CONCAT_DIM0, (16,))])
-def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame):
+def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, monkeypatch):
+    """The same lifecycle on a CUDA pool (this backend) and a CPU pool (the reference)."""
+
+    def on(device):  # the backend setting is process-wide: switch it per pool
+        monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend if device == "cuda" else "torch")
+
     rng = np.random.default_rng(3)
     last = strategy is S.CONCAT_LAST
     pools = {d: RingPool("k", torch.bfloat16, frame, d, strategy, budget_bytes=1 << 20, initial_frames=16)
@@ -98,12 +103,19 @@ def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame):
         shape = (5, *frame, int(lens.max())) if last else (5, int(lens.max()), *frame)
         data = torch.randn(shape, generator=g).to(torch.bfloat16)
         for d, p in pools.items():
+            on(d)
             p.append(ids, PaddedBatch(data.to(d), lens))
         if rng.random() < 0.4:
-            outs = {d: p.drain(ids[:3]) for d, p in pools.items()}
+            outs = {}
+            for d, p in pools.items():
+                on(d)
+                outs[d] = p.drain(ids[:3])
             for a, b in zip(outs["cpu"], outs["cuda"]):
                 assert torch.equal(a, b.cpu())
-    for a, b in zip(pools["cpu"].consolidate(ids), pools["cuda"].consolidate(ids)):
+    on("cpu")
+    want = pools["cpu"].consolidate(ids)
+    on("cuda")
+    for a, b in zip(want, pools["cuda"].consolidate(ids)):
         assert torch.equal(a, b.cpu())
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,9 @@ def _launch(name: str, grid, block: int, args) -> None:
     ptr = torch.cuda.current_stream().cuda_stream
     stream = _streams.get(ptr)
     if stream is None:
-        stream = _streams[ptr] = cupy.cuda.ExternalStream(ptr)
+        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for protocol objects; a raw
+            warnings.simplefilter("ignore", DeprecationWarning)  # pointer is what torch gives us here
+            stream = _streams[ptr] = cupy.cuda.ExternalStream(ptr)
     with stream:
         _function(name)(grid, (block,), args)
 
