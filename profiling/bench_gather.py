@@ -288,6 +288,8 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     for name in kernel_backends():
         os.environ["VLLM_OMNI_KERNELS_BACKEND"] = name
         try:
+            g.pre.jobs.clear()  # the graph's recorded jobs
+            g.post.jobs.clear()
             sc.check(sc.ours_eager)
             record(f"ours_eager[{name}]", time_steps(sc.ours_eager, steps, repeats))
             g.pre.jobs.clear()
