@@ -254,10 +254,15 @@ class MultimodalAccumulator:
 
     # --------------------------------------------------------------- emit
 
-    def collect(self, finished: Iterable[str] = (), *, to_cpu: bool = False) -> Emission:
+    def collect(self, finished: Iterable[str] = (), *, to_cpu: bool = False,
+                request_ids: Iterable[str] | None = None) -> Emission:
         """Payloads due this step per the requests' emit policies; finished requests are emitted
         (if anything is due) and then freed. With ``to_cpu`` each pool's output is copied to pinned
         host memory in one non-blocking copy; call ``Emission.wait()`` before reading.
+
+        ``request_ids``: emit exactly these requests now (plus ``finished``), whatever their step
+        counters: for a caller that decides itself when a request's output is due (vLLM's output
+        processor emits when it builds a completion output).
 
         Raises:
             TensorConsolidationError: for a request whose output cannot be produced; that request
@@ -265,7 +270,10 @@ class MultimodalAccumulator:
         """
         finished = set(finished)
         due: list[tuple[str, _Request, bool]] = []
-        for rid, req in self._requests.items():
+        if request_ids is not None:
+            wanted = set(request_ids) | finished
+            due = [(rid, self._requests[rid], rid in finished) for rid in wanted if rid in self._requests]
+        for rid, req in self._requests.items() if request_ids is None else ():
             done = rid in finished
             if done or (req.emit is not EmitPolicy.FINAL_ONLY and req.steps >= req.interval):
                 due.append((rid, req, done))

@@ -1,0 +1,305 @@
+"""``MultimodalOutputProcessor`` against vLLM's own ``OutputProcessor`` (marker vllm).
+
+Drop-in: the same engine-core outputs go through both processors, and every request output must be
+identical, for every output kind, with stop strings, logprobs, parallel sampling, pooling requests,
+aborts and engine errors. Then the multimodal channel itself: payloads per output kind and strategy
+(the same for audio, image and latent keys), requests without a detokenizer, bad input from the wire,
+and a consolidation failure that fails its request visibly.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.outputs import PoolingRequestOutput, RequestError  # noqa: E402
+from vllm.pooling_params import PoolingParams  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.engine import EngineCoreOutput, FinishReason  # noqa: E402
+from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector  # noqa: E402
+from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402
+
+from vllm_env import EOS, core_request, sampling, token_output, tokenizer, word_ids  # noqa: E402
+from vllm_omni_kernels.errors import TensorConsolidationError  # noqa: E402
+from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
+from vllm_omni_kernels.vllm_integration.engine import OmniEngineCoreOutput  # noqa: E402
+from vllm_omni_kernels.vllm_integration.output_processor import (  # noqa: E402
+    MultimodalOutputProcessor, OmniRequestState)
+from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+KINDS = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
+TOK = tokenizer()
+
+
+def summarize(out):
+    if isinstance(out, PoolingRequestOutput):
+        return ("pool", out.request_id, out.finished, out.outputs.data.tolist())
+    return ("gen", out.request_id, out.finished, out.prompt_token_ids,
+            [(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason, c.cumulative_logprob,
+              repr(c.logprobs)) for c in out.outputs])
+
+
+def drive(processor, requests, steps, *, queues=False, aborts=()):
+    """Add requests, feed steps (lists of engine-core outputs), abort at given steps; return what
+    each step produced (summaries of returned or queued outputs, and reqs_to_abort)."""
+    collectors = {}
+    for req, parent, index in requests:
+        q = RequestOutputCollector(req.sampling_params.output_kind if req.sampling_params else
+                                   req.pooling_params.output_kind, req.request_id) if queues else None
+        collectors[req.request_id] = q
+        processor.add_request(req, None, parent, index, q)
+    record = []
+    for i, step in enumerate(steps):
+        res = processor.process_outputs([o for o in step])
+        got = [summarize(o) for o in res.request_outputs]
+        for rid, q in collectors.items():
+            if q is None:
+                continue
+            try:
+                item = q.get_nowait()
+            except Exception as exc:  # noqa: BLE001 - what the collector raises is what we record
+                got.append(("err", rid, type(exc).__name__, str(exc)))
+                continue
+            if item is not None:
+                got.append(summarize(item))
+        record.append((got, sorted(res.reqs_to_abort)))
+        for when, ids in aborts:
+            if when == i:
+                processor.abort_requests(ids, internal=False)
+    return record
+
+
+def text_scenario(kind):
+    """Requests and steps exercising vLLM's processor: stop string, logprobs, n=2, pooling, EOS."""
+    words = word_ids(TOK, "the quick brown fox jumps over a lazy dog")
+    base = core_request("plain", words[:3], sampling(kind, max_tokens=6))
+    stop = core_request("stop", words[:2], sampling(kind, stop=["fox"], include_stop_str_in_output=False))
+    lp = core_request("lp", words[:2], sampling(kind, logprobs=2))
+    parent_req = core_request("par", words[:2], sampling(kind, n=2, seed=3))
+    parent = ParentRequest(parent_req)
+    children = []
+    for idx in range(2):
+        cid, params = parent.get_child_info(idx)
+        children.append((core_request(cid, words[:2], params), parent, idx))
+    pool = core_request("pool", words[:4], PoolingParams(task="embed"))
+    reqs = [(base, None, 0), (stop, None, 0), (lp, None, 0), *children, (pool, None, 0)]
+    seq = words[3:9]
+    steps = []
+    for t in range(6):
+        step = [token_output("plain", seq[t], finish=FinishReason.LENGTH if t == 5 else None),
+                token_output("lp", seq[t], logprobs=True, finish=FinishReason.STOP if t == 4 else None,
+                             stop_reason=EOS if t == 4 else None) if t <= 4 else None,
+                token_output("stop", seq[t]) if t <= 3 else None]
+        for idx, (child, _, _) in enumerate(children):
+            if t <= 2 + idx:
+                step.append(token_output(child.request_id, seq[(t + idx) % 6],
+                                         finish=FinishReason.LENGTH if t == 2 + idx else None))
+        if t == 1:
+            step.append(EngineCoreOutput(request_id="pool", new_token_ids=[], pooling_output=torch.arange(4.0),
+                                         finish_reason=FinishReason.STOP))
+        steps.append([s for s in step if s is not None])
+    return reqs, steps
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_drop_in_matches_vllm_for_text_and_pooling(kind):
+    reqs, steps = text_scenario(kind)
+    ours = drive(MultimodalOutputProcessor(TOK, log_stats=True, output_modality="text+audio"), reqs, steps)
+    reqs, steps = text_scenario(kind)
+    theirs = drive(OutputProcessor(TOK, log_stats=True), reqs, steps)
+    assert ours == theirs
+    assert any(s[0] == "gen" and s[1] == "par" for step, _ in ours for s in step)  # parallel sampling ran
+    stops = [c for step, _ in ours for s in step if s[1] == "stop" for c in s[4] if c[3] == "stop"]
+    assert stops and stops[0][4] == "fox" and "fox" not in stops[0][1]  # the stop string ended it
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_drop_in_matches_vllm_for_aborts_and_errors(kind):
+    words = word_ids(TOK, "one long happy song")
+
+    def scenario():
+        reqs = [(core_request(r, words[:2], sampling(kind)), None, 0) for r in ("a", "b", "c")]
+        steps = [[token_output("a", words[2]), token_output("b", words[2]), token_output("c", words[2])],
+                 [token_output("a", words[3]),
+                  EngineCoreOutput(request_id="b", new_token_ids=[], finish_reason=FinishReason.ERROR,
+                                   error=RequestError(code="engine_paused", message="paused"))],
+                 [token_output("a", words[0], finish=FinishReason.STOP)]]
+        return reqs, steps
+
+    reqs, steps = scenario()
+    ours = drive(MultimodalOutputProcessor(TOK, log_stats=False), reqs, steps, queues=True, aborts=[(0, ["c"])])
+    reqs, steps = scenario()
+    theirs = drive(OutputProcessor(TOK, log_stats=False), reqs, steps, queues=True, aborts=[(0, ["c"])])
+    assert ours == theirs
+
+
+def test_every_request_state_is_an_omni_request_state():
+    p = MultimodalOutputProcessor(TOK, log_stats=False)
+    p.add_request(core_request("x", [3, 4], sampling()), None)
+    assert isinstance(p.request_states["x"], OmniRequestState)
+
+
+def test_unknown_modality_fails_at_configuration():
+    with pytest.raises(ValueError, match="unknown output modality .smell."):
+        MultimodalOutputProcessor(TOK, log_stats=False, output_modality="text+smell")
+
+
+# ------------------------------------------------------------------ the multimodal channel
+
+def mm_step(rid, token, payload, finish=None):
+    return OmniEngineCoreOutput(request_id=rid, new_token_ids=[token], multimodal_output=payload,
+                                finish_reason=finish)
+
+
+def run_stream(kind, key, chunks, *, strategy=None, metadata=None):
+    """One request streaming ``chunks`` under ``key``; returns the payloads of its outputs."""
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio",
+                                  strategies={key: strategy} if strategy else None)
+    p.add_request(core_request("r", [3, 4], sampling(kind, max_tokens=len(chunks))), None)
+    payloads = []
+    for i, chunk in enumerate(chunks):
+        value = {key: chunk, **(metadata or {})}
+        res = p.process_outputs([mm_step("r", 5 + i, value, FinishReason.LENGTH if i == len(chunks) - 1 else None)])
+        for out in res.request_outputs:
+            comp = out.outputs[0]
+            assert isinstance(comp, MultimodalCompletionOutput)
+            payloads.append(comp.multimodal_output)
+    assert p.accumulator_stats()["devices"]["cpu"]["requests"] == 0  # freed at finish
+    return payloads
+
+
+@pytest.mark.parametrize("key, chunks, axis", [
+    ("audio", [torch.randn(1920), torch.randn(0), torch.randn(3840)], -1),          # CONCAT_LAST
+    ("audio", [torch.randn(2, 960), torch.randn(2, 480)], -1),                       # stereo
+    ("image", [torch.randn(3, 8, 8), torch.randn(2, 8, 8)], 0),                       # CONCAT_DIM0 rows
+    ("latent", [torch.randn(4, 16).bfloat16(), torch.randn(1, 16).bfloat16()], 0),
+    ("codes", [torch.randint(0, 99, (25, 16)), torch.randint(0, 99, (5, 16))], 0),
+])
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_payloads_per_output_kind_are_exact_for_every_modality(kind, key, chunks, axis):
+    strategy = S.CONCAT_LAST if axis == -1 else S.CONCAT_DIM0
+    payloads = run_stream(kind, key, chunks, strategy=strategy, metadata={"sr": torch.tensor(24000)})
+    full = torch.cat(chunks, dim=axis)
+    if kind is RequestOutputKind.DELTA:
+        got = torch.cat([pl.tensors[key] for pl in payloads if pl is not None and key in pl.tensors], dim=axis)
+        assert torch.equal(got, full)
+    else:
+        assert torch.equal(payloads[-1].tensors[key], full)
+        if kind is RequestOutputKind.CUMULATIVE:
+            assert torch.equal(payloads[0].tensors[key], chunks[0])
+    assert int(payloads[-1].metadata["sr"]) == 24000
+
+
+def test_append_list_and_replace_strategies():
+    items = [torch.randn(3), torch.randn(5)]
+    lists = run_stream(RequestOutputKind.FINAL_ONLY, "frames", items, strategy=S.APPEND_LIST)
+    assert [torch.equal(a, b) for a, b in zip(lists[-1].tensors["frames"], items)] == [True, True]
+    replaced = run_stream(RequestOutputKind.FINAL_ONLY, "voice", ["alto", "bass"], strategy=S.REPLACE)
+    assert replaced[-1].metadata["voice"] == "bass"
+
+
+def test_text_and_audio_in_one_request():
+    words = word_ids(TOK, "happy song about audio")
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="text+audio")
+    p.add_request(core_request("ta", words[:1], sampling(RequestOutputKind.CUMULATIVE, max_tokens=3)), None)
+    chunks = [torch.randn(100), torch.randn(50), torch.randn(25)]
+    outs = [p.process_outputs([mm_step("ta", words[1 + i], {"audio": c},
+                                       FinishReason.LENGTH if i == 2 else None)]).request_outputs[0]
+            for i, c in enumerate(chunks)]
+    assert outs[-1].outputs[0].text.strip() == "song about audio"
+    assert torch.equal(outs[-1].outputs[0].multimodal_output.tensors["audio"], torch.cat(chunks))
+
+
+@pytest.mark.parametrize("params", [PoolingParams(task="embed"), None], ids=["pooling_params", "no_detokenize"])
+def test_multimodal_only_requests_without_text(params):
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    if params is not None:
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+    req = core_request("m", [3, 4], params or sampling(RequestOutputKind.FINAL_ONLY, detokenize=False))
+    p.add_request(req, None)
+    chunks = [torch.randn(64), torch.randn(32)]
+    p.process_outputs([OmniEngineCoreOutput(request_id="m", new_token_ids=[], multimodal_output={"audio": chunks[0]})])
+    res = p.process_outputs([OmniEngineCoreOutput(request_id="m", new_token_ids=[], multimodal_output={"audio": chunks[1]},
+                                                  finish_reason=FinishReason.STOP)])
+    (out,) = res.request_outputs
+    assert out.finished and torch.equal(out.outputs[0].multimodal_output.tensors["audio"], torch.cat(chunks))
+
+
+# ------------------------------------------------------------------ bad input from the wire
+
+def test_bad_values_fail_only_their_request():
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio",
+                                  strategies={"audio": S.CONCAT_LAST, "codes": S.CONCAT_DIM0})
+    ids = ["good", "nontensor", "dtype", "frame", "notdict"]
+    for rid in ids:
+        p.add_request(core_request(rid, [3, 4], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=2)), None)
+    good = [torch.randn(10), torch.randn(7)]
+    codes = [torch.randint(0, 9, (2, 16)), torch.randint(0, 9, (3, 16))]
+    step1 = [mm_step(r, 5, {"audio": good[0], "codes": codes[0]}) for r in ids[:-1]]
+    step1.append(mm_step("notdict", 5, ["not", "a", "dict"]))
+    step1.append(mm_step("ghost", 5, {"audio": good[0]}))  # unknown request id
+    p.process_outputs(step1)
+    step2 = [mm_step("good", 6, {"audio": good[1], "codes": codes[1]}, FinishReason.LENGTH),
+             mm_step("nontensor", 6, {"audio": "abc", "codes": codes[1]}, FinishReason.LENGTH),
+             mm_step("dtype", 6, {"audio": good[1].double(), "codes": codes[1]}, FinishReason.LENGTH),
+             mm_step("frame", 6, {"audio": good[1], "codes": torch.zeros(3, 8, dtype=torch.int64)}, FinishReason.LENGTH),
+             mm_step("notdict", 6, None, FinishReason.LENGTH)]
+    res = p.process_outputs(step2)
+    got = {o.request_id: getattr(o.outputs[0], "multimodal_output", None) for o in res.request_outputs}
+    assert torch.equal(got["good"].tensors["audio"], torch.cat(good))
+    assert torch.equal(got["good"].tensors["codes"], torch.cat(codes))
+    assert torch.equal(got["nontensor"].tensors["audio"], good[0])  # the bad step skipped
+    assert torch.equal(got["nontensor"].tensors["codes"], torch.cat(codes))
+    assert torch.equal(got["dtype"].tensors["audio"], good[0])
+    assert torch.equal(got["frame"].tensors["codes"], codes[0])
+    assert got["notdict"] is None
+    assert p.accumulation_errors == 5
+
+
+def test_consolidation_error_fails_the_request_visibly():
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    queue = RequestOutputCollector(RequestOutputKind.FINAL_ONLY, "bad")
+    p.add_request(core_request("bad", [3], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=2)), None, None, 0, queue)
+    p.add_request(core_request("ok", [3], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=2)), None)
+    p.process_outputs([mm_step("bad", 5, {"audio": torch.randn(8)}), mm_step("ok", 5, {"audio": torch.ones(4)})])
+    state = p.request_states["bad"]
+    state.accumulator.pools()[0].drain(["bad"])  # a drained span can no longer be consolidated
+    res = p.process_outputs([mm_step("bad", 6, {"audio": torch.randn(8)}, FinishReason.LENGTH),
+                             mm_step("ok", 6, {"audio": torch.ones(4)}, FinishReason.LENGTH)])
+    with pytest.raises(TensorConsolidationError):
+        queue.get_nowait()  # the request's generate() raises it
+    assert p.consolidation_errors == 1 and "bad" not in p.request_states
+    (ok,) = res.request_outputs
+    assert torch.equal(ok.outputs[0].multimodal_output.tensors["audio"], torch.ones(8))
+
+
+def test_consolidation_error_in_the_engine_path_sets_finish_reason_error():
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    p.add_request(core_request("bad", [3], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=2)), None)
+    p.process_outputs([mm_step("bad", 5, {"audio": torch.randn(8)})])
+    p.request_states["bad"].accumulator.pools()[0].drain(["bad"])
+    res = p.process_outputs([mm_step("bad", 6, {"audio": torch.randn(8)}, FinishReason.LENGTH)])
+    (out,) = res.request_outputs
+    assert out.finished and out.outputs[0].finish_reason == "error"
+    assert "consolidat" in out.outputs[0].stop_reason.lower() or "drain" in out.outputs[0].stop_reason.lower()
+
+
+def test_abort_frees_the_request_slots():
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    p.add_request(core_request("a", [3], sampling(RequestOutputKind.DELTA)), None)
+    p.process_outputs([mm_step("a", 5, {"audio": torch.randn(8)})])
+    assert p.accumulator_stats()["devices"]["cpu"]["requests"] == 1
+    p.abort_requests(["a"], internal=False)
+    assert p.accumulator_stats()["devices"]["cpu"]["requests"] == 0
+
+
+def test_per_request_add_multimodal_tensor():
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    p.add_request(core_request("a", [3], sampling(RequestOutputKind.CUMULATIVE)), None)
+    p.process_outputs([mm_step("a", 5, {"audio": torch.ones(2)})])
+    state = p.request_states["a"]
+    assert state.add_multimodal_tensor({"audio": torch.zeros(3)}) == []
+    assert torch.equal(state.take_payload(False).tensors["audio"], torch.tensor([1.0, 1, 0, 0, 0]))
+    assert np.isclose(float(state.take_payload(True).tensors["audio"].sum()), 2.0)

@@ -1,0 +1,247 @@
+"""The frontend side of the separated channel (RFC parts II, IV, VI, VII).
+
+``MultimodalOutputProcessor`` is vLLM's ``OutputProcessor`` plus one thing: before vLLM's own loop it
+reads each ``OmniEngineCoreOutput.multimodal_output`` of the step into the accumulator (one batched
+append per key and device), leaving ``pooling_output`` and everything else to vLLM. Nothing in it
+depends on the modality. Text and pooling requests therefore behave exactly as with vLLM's processor.
+
+``OmniRequestState`` is vLLM's ``RequestState`` whose completion outputs are
+``MultimodalCompletionOutput``s carrying the request's payload per its output kind: DELTA drains what
+arrived since the last output, CUMULATIVE consolidates everything so far, FINAL_ONLY consolidates at
+finish. Tensors from the wire are CPU tensors and use the torch reference path; CUDA tensors (engine
+in-process) use the ring kernels. A request's slots are freed when it finishes or is aborted.
+
+Errors: a bad value (not a tensor where one is expected, dtype or frame shape changing mid-stream,
+an unknown request, a payload that is not a dict) is a ``TensorAccumulationError`` for that request
+and key: logged, counted (``accumulation_errors``), that step's value skipped, every other request
+untouched. A ``TensorConsolidationError`` fails that request visibly: its generate() call raises it
+(AsyncLLM), or its final ``RequestOutput`` (LLMEngine) has finish reason ``"error"`` and the error
+in ``stop_reason``; the engine core is asked to abort it. Anything else propagates.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine import EngineCoreOutput, FinishReason
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.engine.logprobs import LogprobsProcessor
+from vllm.v1.engine.output_processor import OutputProcessor, OutputProcessorOutput, RequestState
+
+from ..accumulator import AccumulatorConfig, EmitPolicy, MultimodalAccumulator
+from ..errors import TensorAccumulationError, TensorConsolidationError
+from ..modality import OutputModality, TensorAccumulationStrategy, parse_strategy
+from ..payload import MultimodalPayload
+from .outputs import MultimodalCompletionOutput
+
+logger = logging.getLogger(__name__)
+
+_EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE: EmitPolicy.CUMULATIVE,
+         RequestOutputKind.FINAL_ONLY: EmitPolicy.FINAL_ONLY}
+
+
+class OmniRequestState(RequestState):
+    """vLLM's ``RequestState`` with the request's multimodal accumulation (see the module docstring).
+
+    Built from the state vLLM's processor creates (``adopt``), so every vLLM field and behaviour is
+    the base class's own. ``accumulator`` is set by the processor on the first multimodal value.
+    """
+
+    accumulator: MultimodalAccumulator | None
+    failures: list | None  # the processor's list of (state, error) of the current step
+
+    @classmethod
+    def adopt(cls, base: RequestState, failures: list | None = None) -> OmniRequestState:
+        state = cls.__new__(cls)
+        state.__dict__.update(base.__dict__)
+        state.accumulator = None
+        state.failures = failures
+        return state
+
+    def add_multimodal_tensor(self, payload: Mapping[str, Any] | None) -> list[TensorAccumulationError]:
+        """Accumulate one step's ``{key: value}`` for this request (the per-request form of what the
+        processor does for a whole step); returns the errors (logged and counted)."""
+        if payload is None:
+            return []
+        if self.accumulator is None:
+            raise TensorAccumulationError("no accumulator: the request is not attached to a processor",
+                                          request_id=self.request_id)
+        return self.accumulator.append_step([self.request_id], {k: [v] for k, v in payload.items()})
+
+    def take_payload(self, finished: bool) -> MultimodalPayload | None:
+        """The payload due now (per output kind); frees the request's slots when ``finished``."""
+        acc = self.accumulator
+        if acc is None or self.request_id not in acc:
+            return None
+        emission = acc.collect(finished=[self.request_id] if finished else (), request_ids=[self.request_id])
+        payload = emission.wait().get(self.request_id)
+        return payload if payload else None
+
+    def _new_completion_output(self, token_ids, finish_reason, stop_reason):
+        base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
+        if self.accumulator is None:
+            return base
+        try:
+            payload = self.take_payload(finish_reason is not None)
+        except TensorConsolidationError as exc:
+            logger.error("request %s failed: %s", self.request_id, exc)
+            if self.failures is None:
+                raise
+            self.failures.append((self, exc))
+            payload = None
+        return MultimodalCompletionOutput.from_completion(base, payload)
+
+
+class MultimodalOutputProcessor(OutputProcessor):
+    """vLLM's ``OutputProcessor`` plus the multimodal channel; a drop-in replacement.
+
+    Args (besides vLLM's): ``output_modality`` (an ``OutputModality`` or a string such as
+    ``"text+audio"``; unknown strings raise ``ValueError`` here, at configuration time);
+    ``strategies``: ``{key: strategy}`` declared by the stage (others resolved per value: see
+    ``modality.resolve_strategy``); ``key_aliases``: producer keys renamed where the stage says so
+    (``{"model_outputs": "audio"}``); ``accumulator_config``: pool sizing.
+    """
+
+    def __init__(self, tokenizer, *, log_stats: bool, stream_interval: int = 1,
+                 output_modality: OutputModality | str = OutputModality.TEXT,
+                 strategies: Mapping[str, TensorAccumulationStrategy | str] | None = None,
+                 key_aliases: Mapping[str, str] | None = None, accumulator_config: AccumulatorConfig | None = None,
+                 **kwargs):
+        super().__init__(tokenizer, log_stats=log_stats, stream_interval=stream_interval, **kwargs)
+        modality = OutputModality.from_string(output_modality) if isinstance(output_modality, str) \
+            else OutputModality(output_modality)
+        self.output_modality = modality
+        config = accumulator_config or AccumulatorConfig()
+        config.modality = modality
+        config.strategies = {k: parse_strategy(v) for k, v in (strategies or {}).items()}
+        self._config = config
+        self._key_aliases = dict(key_aliases or {})
+        self._accumulators: dict[torch.device, MultimodalAccumulator] = {}
+        self._failures: list[tuple[OmniRequestState, TensorConsolidationError]] = []
+        self.accumulation_errors = 0
+        self.consolidation_errors = 0
+
+    def add_request(self, request, prompt, parent_req=None, request_index: int = 0, queue=None) -> None:
+        new = request.request_id not in self.request_states
+        super().add_request(request, prompt, parent_req, request_index, queue)
+        state = self.request_states.get(request.request_id)
+        if new and state is not None and not isinstance(state, OmniRequestState):
+            self.request_states[request.request_id] = OmniRequestState.adopt(state, self._failures)
+
+    # ------------------------------------------------------------------ the step
+
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput], engine_core_timestamp=None,
+                        iteration_stats=None, weight_version: str | None = None) -> OutputProcessorOutput:
+        self._accumulate(engine_core_outputs)
+        result = super().process_outputs(engine_core_outputs, engine_core_timestamp, iteration_stats, weight_version)
+        self._fail_visibly(result)
+        return result
+
+    def _accumulate(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> None:
+        """One batched append per device for every multimodal output of the step."""
+        steps: dict[torch.device, tuple[list[str], dict[str, list[Any]]]] = {}
+        errors: list[TensorAccumulationError] = []
+        for eco in engine_core_outputs:
+            payload = getattr(eco, "multimodal_output", None)
+            if payload is None:
+                continue
+            rid = eco.request_id
+            state = self.request_states.get(rid)
+            if not isinstance(state, OmniRequestState):
+                errors.append(TensorAccumulationError("multimodal output for an unknown or finished request",
+                                                      request_id=rid))
+                continue
+            if not isinstance(payload, Mapping):
+                errors.append(TensorAccumulationError(
+                    f"multimodal_output must be a {{key: value}} dict, got {type(payload).__name__}", request_id=rid))
+                continue
+            device = next((v.device for v in payload.values() if isinstance(v, torch.Tensor)), None)
+            acc = self._attach(state, eco, device, errors)
+            if acc is None:
+                continue
+            ids, values = steps.setdefault(acc.device, ([], {}))
+            row = len(ids)
+            ids.append(rid)
+            for key, value in payload.items():
+                key = self._key_aliases.get(key, key)
+                column = values.setdefault(key, [None] * row)
+                column.append(value)
+            for column in values.values():
+                column.extend([None] * (len(ids) - len(column)))
+        for device, (ids, values) in steps.items():
+            self.accumulation_errors += len(self._accumulators[device].append_step(ids, values))
+        for exc in errors:
+            logger.warning("skipping one step's multimodal output: %s", exc)
+        self.accumulation_errors += len(errors)
+
+    def _attach(self, state: OmniRequestState, eco: EngineCoreOutput, device: torch.device | None,
+                errors: list) -> MultimodalAccumulator | None:
+        if state.accumulator is not None:
+            if device is not None and device.type != state.accumulator.device.type:
+                errors.append(TensorAccumulationError(
+                    f"tensors moved from {state.accumulator.device} to {device} mid-stream",
+                    request_id=state.request_id))
+                return None
+            return state.accumulator
+        device = device if device is not None else torch.device("cpu")
+        acc = self._accumulators.get(device)
+        if acc is None:
+            acc = self._accumulators[device] = MultimodalAccumulator(self._config, device)
+        acc.add_request(state.request_id, emit=_EMIT[state.output_kind])
+        state.accumulator = acc
+        if state.detokenizer is None and eco.pooling_output is None:
+            # A request without a detokenizer (pooling params) that produces multimodal output: give
+            # it vLLM's token-id-only detokenizer and an empty logprobs processor, so its outputs are
+            # completion outputs carrying the payload.
+            state.detokenizer = IncrementalDetokenizer()
+            state.logprobs_processor = LogprobsProcessor(tokenizer=None, logprobs=None, prompt_logprobs=None,
+                                                         cumulative_logprob=None, num_logprobs=None,
+                                                         num_prompt_logprobs=None)
+        return acc
+
+    def _fail_visibly(self, result: OutputProcessorOutput) -> None:
+        """Requests whose consolidation failed in this step: fail them through vLLM's error paths."""
+        failures, self._failures[:] = list(self._failures), []
+        for state, exc in failures:
+            self.consolidation_errors += 1
+            if state.queue is not None:
+                state.queue.put(exc)  # AsyncLLM: the request's generate() raises it
+            for out in result.request_outputs:  # LLMEngine: the output says so
+                if out.request_id == state.external_req_id and getattr(out, "outputs", None):
+                    out.finished = True
+                    out.outputs[0].finish_reason = str(FinishReason.ERROR)
+                    out.outputs[0].stop_reason = str(exc)
+            if state.request_id in self.request_states:
+                self._finish_request(state)
+                result.reqs_to_abort.append(state.request_id)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _finish_request(self, req_state: RequestState) -> None:
+        super()._finish_request(req_state)
+        if isinstance(req_state, OmniRequestState):
+            self._release(req_state)
+
+    def abort_requests(self, request_ids, internal: bool) -> list[str]:
+        states = dict(self.request_states)
+        aborted = super().abort_requests(request_ids, internal)
+        for rid in aborted:
+            state = states.get(rid)
+            if isinstance(state, OmniRequestState):
+                self._release(state)
+        return aborted
+
+    @staticmethod
+    def _release(state: OmniRequestState) -> None:
+        acc = state.accumulator
+        if acc is not None and state.request_id in acc:
+            acc.abort(state.request_id)
+
+    def accumulator_stats(self) -> dict[str, Any]:
+        """Pool statistics per device, plus the error counters."""
+        return {"accumulation_errors": self.accumulation_errors, "consolidation_errors": self.consolidation_errors,
+                "devices": {str(d): a.stats() for d, a in self._accumulators.items()}}

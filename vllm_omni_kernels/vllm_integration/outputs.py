@@ -1,0 +1,116 @@
+"""Output types of the separated multimodal channel on vLLM (RFC parts I, IV, V).
+
+* ``OmniModelRunnerOutput``: vLLM's ``ModelRunnerOutput`` plus ``multimodal_outputs`` (request id ->
+  ``{key: value}``); ``pooler_output`` keeps vLLM's meaning (pooling-task tensors only).
+* ``MultimodalCompletionOutput``: vLLM's ``CompletionOutput`` with a typed ``multimodal_output``.
+* ``OmniRequestOutput``: one non-nestable shape for every stage (``from_engine_output``,
+  ``from_diffusion``) and ``wrap_output``, shared by sync and async orchestration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from vllm.v1.outputs import ModelRunnerOutput
+
+from ..modality import OutputModality
+from ..payload import MultimodalPayload
+
+
+@dataclass
+class OmniModelRunnerOutput(ModelRunnerOutput):
+    """``ModelRunnerOutput`` with a dedicated multimodal channel.
+
+    ``multimodal_outputs``: request id -> ``{key: tensor or metadata value}`` for this step (requests
+    without output are absent). ``pooler_output`` is vLLM's: per-request tensors of pooling tasks or
+    None, never multimodal dicts (``TypeError`` otherwise: that is the channel this type separates).
+    """
+
+    multimodal_outputs: dict[str, dict[str, Any]] | None = None
+
+    def __post_init__(self):
+        for value in self.pooler_output or ():
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"pooler_output carries pooling tensors only, got {type(value).__name__}; "
+                                "multimodal data goes in multimodal_outputs")
+
+
+@dataclass
+class MultimodalCompletionOutput(CompletionOutput):
+    """A ``CompletionOutput`` (every vLLM consumer accepts it) with the request's multimodal output.
+
+    ``multimodal_output``: what this output carries per the request's output kind: the chunk since
+    the last output (DELTA), everything so far (CUMULATIVE) or everything at finish (FINAL_ONLY).
+    """
+
+    multimodal_output: MultimodalPayload | None = None
+
+    @classmethod
+    def from_completion(cls, base: CompletionOutput, payload: MultimodalPayload | None) -> MultimodalCompletionOutput:
+        """``base`` with ``payload`` attached (every field of ``base`` carried over)."""
+        fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+        return cls(**fields, multimodal_output=payload)
+
+
+@dataclass
+class OmniRequestOutput:
+    """The output of one request of one stage. Never nested: wrapping one returns it.
+
+    ``request_output``: vLLM's ``RequestOutput`` / ``PoolingRequestOutput`` (engine stages);
+    ``multimodal``: the payload of its multimodal completion output, if any; ``images``: diffusion
+    results.
+    """
+
+    request_id: str
+    finished: bool = True
+    output_modality: OutputModality = OutputModality.TEXT
+    request_output: RequestOutput | PoolingRequestOutput | None = None
+    multimodal: MultimodalPayload | None = None
+    images: list[Any] = field(default_factory=list)
+    stage_id: int | None = None
+    prompt: Any = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.request_output, OmniRequestOutput):
+            raise TypeError("OmniRequestOutput does not nest; use wrap_output")
+
+    @classmethod
+    def from_engine_output(cls, request_output: RequestOutput | PoolingRequestOutput, stage_id: int | None,
+                           output_modality: OutputModality | str) -> OmniRequestOutput:
+        """From an engine stage's output; ``multimodal`` is the first completion's payload."""
+        modality = OutputModality.from_string(output_modality) if isinstance(output_modality, str) \
+            else output_modality
+        multimodal = None
+        for completion in getattr(request_output, "outputs", None) or ():
+            if isinstance(completion, MultimodalCompletionOutput) and completion.multimodal_output:
+                multimodal = completion.multimodal_output
+                break
+        return cls(request_id=request_output.request_id, finished=request_output.finished,
+                   output_modality=modality, request_output=request_output, multimodal=multimodal,
+                   stage_id=stage_id, prompt=getattr(request_output, "prompt", None))
+
+    @classmethod
+    def from_diffusion(cls, request_id: str, images: list[Any], *, stage_id: int | None = None, prompt: Any = None,
+                       metrics: dict[str, Any] | None = None) -> OmniRequestOutput:
+        """From a diffusion stage: images, finished, modality IMAGE (no inner output to wrap)."""
+        return cls(request_id=request_id, finished=True, output_modality=OutputModality.IMAGE, images=list(images),
+                   stage_id=stage_id, prompt=prompt, metrics=dict(metrics or {}))
+
+    @property
+    def text(self) -> str | None:
+        outputs = getattr(self.request_output, "outputs", None)
+        return outputs[0].text if outputs and isinstance(outputs[0], CompletionOutput) else None
+
+
+def wrap_output(engine_output: RequestOutput | PoolingRequestOutput | OmniRequestOutput, stage_id: int | None,
+                output_modality: OutputModality | str) -> OmniRequestOutput:
+    """The one wrapping function of sync and async orchestration: an ``OmniRequestOutput`` is
+    returned as it is (its stage id set), anything else is wrapped once."""
+    if isinstance(engine_output, OmniRequestOutput):
+        engine_output.stage_id = stage_id
+        return engine_output
+    return OmniRequestOutput.from_engine_output(engine_output, stage_id, output_modality)
