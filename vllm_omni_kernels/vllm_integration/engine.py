@@ -1,8 +1,9 @@
 """The multimodal field on vLLM's engine-core wire (RFC part I.2) and the decoder that keeps it.
 
 ``OmniEngineCoreOutput`` adds ``multimodal_output: dict[str, Any] | None`` as the last field of
-vLLM's ``EngineCoreOutput`` (an ``array_like``, ``omit_defaults`` msgspec struct: the field costs
-nothing when None, and frames without it decode as before).
+vLLM's ``EngineCoreOutput`` (an ``array_like`` msgspec struct). An empty payload is stored as None;
+vLLM's frames keep every position (its own None fields are encoded as nil too), so the field costs
+one nil byte when absent, and frames without it (plain ``EngineCoreOutput``) decode as before.
 
 vLLM's client decodes every frame as ``EngineCoreOutputs``, whose outputs are plain
 ``EngineCoreOutput``: decoded that way the field would be dropped, and even decoded into our type a
@@ -27,8 +28,8 @@ from vllm.v1.serial_utils import MsgpackDecoder, bytestr
 
 class OmniEngineCoreOutput(EngineCoreOutput, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     """``EngineCoreOutput`` plus the dedicated multimodal channel; ``pooling_output`` keeps vLLM's
-    meaning (pooling tensors only). ``multimodal_output`` is ``{key: tensor or metadata}`` or None
-    (omitted from the frame)."""
+    meaning (pooling tensors only). ``multimodal_output`` is ``{key: tensor or metadata}``, or None
+    when there is none (an empty dict is stored as None)."""
 
     multimodal_output: dict[str, Any] | None = None
 

@@ -1,0 +1,136 @@
+"""End to end on CPU with vLLM's real v1 scheduler (marker vllm).
+
+``OmniScheduler`` (vLLM's ``Scheduler`` with the channel) schedules real requests; a synthetic model
+runner answers each step with an ``OmniModelRunnerOutput`` (tokens, audio chunks and codes in
+``multimodal_outputs``, pooling tensors in ``pooler_output``); the engine-core outputs cross vLLM's
+msgpack encoder and ``OmniMsgpackDecoder`` as bytes; ``MultimodalOutputProcessor`` builds the request
+outputs. Streams in DELTA, CUMULATIVE and FINAL_ONLY, a text+audio request and a pooling request run
+together; a multimodal request with pooling params is not finished by its multimodal output.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.outputs import PoolingRequestOutput  # noqa: E402
+from vllm.pooling_params import PoolingParams  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
+
+from vllm_env import core_request, sampling, sched_request, scheduler, tokenizer, word_ids  # noqa: E402
+from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
+from vllm_omni_kernels.vllm_integration.engine import OmniMsgpackDecoder  # noqa: E402
+from vllm_omni_kernels.vllm_integration.output_processor import MultimodalOutputProcessor  # noqa: E402
+from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput, OmniModelRunnerOutput  # noqa: E402
+from vllm_omni_kernels.vllm_integration.scheduler import OmniScheduler  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+TOK = tokenizer()
+SR = 24000
+
+
+def chunk(rid: str, step: int) -> torch.Tensor:
+    """The synthetic model's audio for one step: a request-specific tone, a varying length."""
+    n = 480 * (1 + (step + len(rid)) % 3)
+    t = torch.arange(n, dtype=torch.float64) + step * 1000
+    return torch.sin(t * (0.01 + 0.001 * len(rid))).float()
+
+
+class SyntheticRunner:
+    """Answers a scheduler step like an omni TTS runner would."""
+
+    def __init__(self, sched, mm_ids, pool_ids, mm_pool_ids, words):
+        self.sched, self.mm_ids, self.pool_ids, self.mm_pool_ids = sched, mm_ids, pool_ids, mm_pool_ids
+        self.words = words
+        self.steps: dict[str, int] = {}
+        self.sent: dict[str, list[torch.Tensor]] = {r: [] for r in mm_ids | mm_pool_ids}
+        self.codes: dict[str, list[torch.Tensor]] = {r: [] for r in mm_ids}
+        self.pooled: dict[str, torch.Tensor] = {}
+
+    def step(self, so) -> OmniModelRunnerOutput:
+        req_ids = list(so.num_scheduled_tokens)
+        sampled, pooled, mm = [], [], {}
+        for rid in req_ids:
+            req = self.sched.requests[rid]
+            done_prompt = req.num_computed_tokens >= req.num_tokens
+            k = self.steps[rid] = self.steps.get(rid, -1) + 1
+            if rid in self.pool_ids or rid in self.mm_pool_ids:
+                sampled.append([])
+                out = torch.arange(8, dtype=torch.float32) * (len(rid) + 1) if done_prompt else None
+                pooled.append(out)
+                if out is not None:
+                    self.pooled[rid] = out
+                if rid in self.mm_pool_ids:
+                    mm[rid] = {"audio": chunk(rid, k)}
+                    self.sent[rid].append(mm[rid]["audio"])
+                continue
+            pooled.append(None)
+            sampled.append([self.words[(k + len(rid)) % len(self.words)]] if done_prompt else [])
+            if rid in self.mm_ids and done_prompt:
+                audio, codes = chunk(rid, k), torch.full((1 + k % 2, 16), k, dtype=torch.int64)
+                mm[rid] = {"audio": audio, "codes": codes, "sr": torch.tensor(SR)}
+                self.sent[rid].append(audio)
+                self.codes[rid].append(codes)
+        return OmniModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                     sampled_token_ids=sampled, pooler_output=pooled, multimodal_outputs=mm)
+
+
+def test_concurrent_streams_text_audio_and_pooling_end_to_end(tmp_path):
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=8)
+    sched.max_num_scheduled_tokens = 24  # small budget: prompts are prefilled in chunks
+    processor = MultimodalOutputProcessor(TOK, log_stats=True, output_modality="text+audio",
+                                          strategies={"audio": S.CONCAT_LAST, "codes": S.CONCAT_DIM0})
+    words = word_ids(TOK, "happy song about audio codes frames voices tones")
+    specs = {  # request id -> (prompt length, params)
+        "delta": (6, sampling(RequestOutputKind.DELTA, max_tokens=7, detokenize=False)),
+        "final": (9, sampling(RequestOutputKind.FINAL_ONLY, max_tokens=5, detokenize=False)),
+        "cumul": (4, sampling(RequestOutputKind.CUMULATIVE, max_tokens=6, detokenize=False)),
+        "talk": (5, sampling(RequestOutputKind.CUMULATIVE, max_tokens=4)),
+        "embed": (30, PoolingParams(task="embed")),
+        "mmpool": (40, PoolingParams(task="embed")),
+    }
+    for rid, (n, params) in specs.items():
+        prompt = [words[i % len(words)] for i in range(n)]
+        sched.add_request(sched_request(rid, prompt, params))
+        processor.add_request(core_request(rid, prompt, params), None)
+    runner = SyntheticRunner(sched, {"delta", "final", "cumul", "talk"}, {"embed"}, {"mmpool"}, words)
+    encoder, decoder = MsgpackEncoder(), OmniMsgpackDecoder()
+    outputs: dict[str, list] = {rid: [] for rid in specs}
+    for _ in range(40):
+        if not sched.has_requests():
+            break
+        so = sched.schedule()
+        engine_outputs = sched.update_from_output(so, runner.step(so))
+        for batch in engine_outputs.values():
+            frames = encoder.encode(batch)  # the engine-core process boundary, as bytes
+            wire = decoder.decode([bytes(f) for f in frames])
+            for out in processor.process_outputs(wire.outputs).request_outputs:
+                outputs[out.request_id].append(out)
+    assert not sched.has_requests() and not processor.has_unfinished_requests()
+
+    def audio_of(out):
+        return out.outputs[0].multimodal_output.tensors["audio"]
+
+    expect = {rid: torch.cat(runner.sent[rid], dim=-1) for rid in runner.sent}
+    delta = torch.cat([audio_of(o) for o in outputs["delta"] if isinstance(o.outputs[0], MultimodalCompletionOutput)
+                       and o.outputs[0].multimodal_output is not None])
+    assert torch.equal(delta, expect["delta"])
+    assert len(outputs["final"]) == 1 and torch.equal(audio_of(outputs["final"][0]), expect["final"])
+    assert torch.equal(outputs["final"][0].outputs[0].multimodal_output.tensors["codes"], torch.cat(runner.codes["final"]))
+    assert int(outputs["final"][0].outputs[0].multimodal_output.metadata["sr"]) == SR
+    assert torch.equal(audio_of(outputs["cumul"][-1]), expect["cumul"])
+    assert len(outputs["cumul"]) > 1 and all(o.outputs[0].multimodal_output is not None for o in outputs["cumul"])
+    talk = outputs["talk"][-1]
+    assert talk.finished and len(talk.outputs[0].token_ids) == 4 and talk.outputs[0].text.strip()
+    assert torch.equal(audio_of(talk), expect["talk"])
+    (pooled,) = outputs["embed"]
+    assert isinstance(pooled, PoolingRequestOutput) and torch.equal(pooled.outputs.data, runner.pooled["embed"])
+    # The multimodal request with pooling params got multimodal output in the steps of its prompt
+    # chunks and finished only with its real pooling output, in its last chunk's step.
+    assert len(runner.sent["mmpool"]) >= 2
+    assert runner.steps["mmpool"] == len(runner.sent["mmpool"]) - 1
+    assert isinstance(outputs["mmpool"][-1], PoolingRequestOutput)
+    assert torch.equal(outputs["mmpool"][-1].outputs.data, runner.pooled["mmpool"])
+    assert processor.accumulation_errors == 0
+    assert all(a["requests"] == 0 for a in processor.accumulator_stats()["devices"].values())

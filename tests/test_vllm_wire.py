@@ -1,0 +1,104 @@
+"""The multimodal field through vLLM's own msgpack encoder and decoder (marker vllm)."""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason  # noqa: E402
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
+
+from vllm_omni_kernels.payload import MultimodalPayload  # noqa: E402
+from vllm_omni_kernels.vllm_integration.engine import (  # noqa: E402
+    OmniEngineCoreOutput, OmniMsgpackDecoder, install_omni_decoder)
+from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput  # noqa: E402
+from vllm_omni_kernels.vllm_integration.serialization import (  # noqa: E402
+    decode_completion, decode_payload, encode_completion, encode_payload)
+
+pytestmark = pytest.mark.vllm
+
+
+def frame():
+    audio = torch.randn(48000)
+    codes = torch.randint(0, 4096, (25, 16), dtype=torch.int64)
+    sr = torch.tensor(24000)
+    outs = EngineCoreOutputs(outputs=[
+        OmniEngineCoreOutput(request_id="tts", new_token_ids=[7, 8],
+                             multimodal_output={"audio": audio, "codes": codes, "sr": sr}),
+        EngineCoreOutput(request_id="text", new_token_ids=[9], finish_reason=FinishReason.STOP),
+        OmniEngineCoreOutput(request_id="quiet", new_token_ids=[1])])
+    return outs, audio, codes, sr
+
+
+def test_multimodal_output_survives_vllm_encoder_and_omni_decoder_exactly():
+    outs, audio, codes, sr = frame()
+    bufs = MsgpackEncoder().encode(outs)
+    assert len(bufs) >= 3  # large tensors travel as zero-copy side buffers
+    got = OmniMsgpackDecoder().decode(bufs)
+    tts, text, quiet = got.outputs
+    mm = tts.multimodal_output
+    assert isinstance(tts, OmniEngineCoreOutput) and tts.new_token_ids == [7, 8]
+    assert mm["audio"].dtype == torch.float32 and torch.equal(mm["audio"], audio)
+    assert mm["codes"].dtype == torch.int64 and torch.equal(mm["codes"], codes)
+    assert mm["sr"].dim() == 0 and int(mm["sr"]) == 24000
+    assert text.multimodal_output is None and text.finish_reason == FinishReason.STOP  # a frame without it
+    assert quiet.multimodal_output is None
+
+
+def test_vllm_own_decoder_drops_the_field_silently():
+    """Why the decoder piece exists: vLLM's client decoder keeps only EngineCoreOutput's fields."""
+    outs, *_ = frame()
+    plain = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outs))
+    assert type(plain.outputs[0]) is EngineCoreOutput
+    assert not hasattr(plain.outputs[0], "multimodal_output")
+
+
+def test_plain_vllm_frames_decode_with_the_omni_decoder():
+    outs = EngineCoreOutputs(outputs=[EngineCoreOutput(request_id="a", new_token_ids=[1, 2])])
+    got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs))
+    assert got.outputs[0].new_token_ids == [1, 2] and got.outputs[0].multimodal_output is None
+
+
+def test_empty_field_is_none_and_costs_one_nil():
+    """An empty payload is stored as None; vLLM's array-like frames keep every position (its own
+    None fields are encoded too), so the field costs one msgpack nil byte and nothing else."""
+    empty = OmniEngineCoreOutput.from_base(EngineCoreOutput(request_id="a", new_token_ids=[1]), {})
+    assert empty.multimodal_output is None
+    with_none = bytes(MsgpackEncoder().encode(empty)[0])
+    base = bytes(MsgpackEncoder().encode(EngineCoreOutput(request_id="a", new_token_ids=[1]))[0])
+    assert len(with_none) == len(base) + 1 and with_none.endswith(b"\xc0")
+
+
+def test_non_tensor_values_stay_as_decoded_for_the_processor_to_reject():
+    outs = EngineCoreOutputs(outputs=[OmniEngineCoreOutput(request_id="a", new_token_ids=[],
+                                                           multimodal_output={"audio": "oops", "n": 3})])
+    got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs))
+    assert got.outputs[0].multimodal_output == {"audio": "oops", "n": 3}
+
+
+def test_install_replaces_a_client_decoder():
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    client = object.__new__(SyncMPClient)
+    client.decoder = MsgpackDecoder(EngineCoreOutputs)
+    install_omni_decoder(client)
+    assert isinstance(client.decoder, OmniMsgpackDecoder)
+    with pytest.raises(TypeError):
+        install_omni_decoder(object())
+
+
+def test_payload_and_completion_round_trip_through_vllm_msgpack():
+    payload = MultimodalPayload(tensors={"audio": torch.randn(2, 480), "codes": torch.arange(32).view(2, 16),
+                                         "frames": [torch.ones(3), torch.zeros(1, 2)]},
+                                metadata={"sr": torch.tensor(24000), "voice": "alto", "speed": 1.25})
+    back = decode_payload(encode_payload(payload))
+    assert list(back.tensors) == list(payload.tensors) and list(back.metadata) == list(payload.metadata)
+    assert torch.equal(back.tensors["audio"], payload.tensors["audio"])
+    assert all(torch.equal(a, b) for a, b in zip(back.tensors["frames"], payload.tensors["frames"]))
+    assert int(back.metadata["sr"]) == 24000 and back.metadata["voice"] == "alto" and back.metadata["speed"] == 1.25
+    assert torch.equal(back.primary_tensor, payload.tensors["audio"])
+    comp = MultimodalCompletionOutput(index=1, text="hi", token_ids=[4, 5], cumulative_logprob=-1.5, logprobs=None,
+                                      finish_reason="stop", stop_reason=None, multimodal_output=payload)
+    out = decode_completion(encode_completion(comp))
+    assert (out.index, out.text, list(out.token_ids), out.finish_reason) == (1, "hi", [4, 5], "stop")
+    assert torch.equal(out.multimodal_output.tensors["codes"], payload.tensors["codes"])
