@@ -74,7 +74,8 @@ void ring_read(const at::Tensor& arena, const at::Tensor& meta, at::Tensor& out,
 
 void row_gather(at::Tensor& anchor, at::Tensor& table, int64_t width, int64_t int_off, int64_t grid_rows,
                 bool aligned) {
-  TORCH_CHECK(anchor.is_cuda() && table.is_cuda(), "row_gather takes CUDA tensors");
+  TORCH_CHECK(anchor.is_cuda() && (table.is_cuda() || table.is_pinned()),
+              "row_gather takes a CUDA anchor and a CUDA or pinned host table");
   TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous(), "table must be contiguous int64");
   if (grid_rows == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(anchor.device());

@@ -1,10 +1,11 @@
 """``RowGather``: one fused launch of row copies per call, with its metadata in a persistent buffer.
 
-The launcher owns a ``GatherJobs`` (what to copy), a device table (where the kernel reads the jobs)
-and pinned staging for the table's upload. ``launch()`` is the eager step: validate, encode on the
-host, one non-blocking table upload, one kernel; nothing else touches the device and nothing is
-allocated on it. For CUDA graphs, ``prepare_static()`` refreshes the resident table (before each
-replay) and ``run_static(grid_rows)`` is the one kernel to capture.
+The launcher owns a ``GatherJobs`` (what to copy), a ring of pinned host tables and a device table.
+``launch()`` is the eager step: validate, encode on the host into the next pinned table, one kernel
+that reads that table in place over the bus (pinned memory is device-addressable): no copy, nothing
+else on the device, nothing allocated. For CUDA graphs, ``prepare_static()`` uploads the table into
+the resident device table (before each replay) and ``run_static(grid_rows)`` is the one kernel to
+capture.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class RowGather:
         self._table_rows = self.table.view(1, -1)
         self.launches = 0
 
-    def _encode(self, layout: TableLayout) -> torch.Tensor | None:
-        """Validate, encode and upload the jobs; return the table the kernel reads (None: reference)."""
+    def _encode(self, layout: TableLayout, resident: bool) -> torch.Tensor | None:
+        """Validate and encode the jobs into the next pinned table; with ``resident`` also upload it
+        into the device table. Returns the table the kernel reads (None: the reference backend)."""
         jobs = self.jobs
         if (jobs.n_float > self.capacity.float_cap or jobs.n_int > self.capacity.int_cap
                 or jobs.n_values > self.capacity.payload_cap):
@@ -51,11 +53,14 @@ class RowGather:
         if not ops.uses_kernel(self.device):
             return None
         i, host = self._staging.host()
-        # On a CPU device (Triton interpreter) the kernel reads the host buffer itself.
-        target = self.table if self._staging.pinned else self._staging.tensor(i)[0]
+        if resident and self._staging.pinned:
+            target = self.table
+            jobs.encode(host[0], layout, self._anchor.data_ptr(), target.data_ptr())
+            self._staging.upload(i, 1, self._table_rows, cols=layout.words)
+            self._resident = target
+            return target
+        target = self._staging.read_in_place(i)[0]  # pinned (CUDA) or plain (Triton interpreter)
         jobs.encode(host[0], layout, self._anchor.data_ptr(), target.data_ptr())
-        self._staging.upload(i, 1, self._table_rows, cols=layout.words)
-        self._resident = target
         return target
 
     def launch(self) -> int:
@@ -64,7 +69,7 @@ class RowGather:
         if jobs.n_float + jobs.n_int == 0:
             return 0
         layout = TableLayout(jobs.n_float, jobs.n_int, jobs.n_values)  # compact: upload only what is used
-        table = self._encode(layout)
+        table = self._encode(layout, resident=False)
         ops.row_gather(jobs, table, self._anchor, layout=layout)
         jobs.clear()
         self.launches += 1
@@ -77,7 +82,7 @@ class RowGather:
         """
         if self._static_aligned and not self.jobs.aligned:
             raise ValueError("the captured gather assumes 16-byte aligned rows; these jobs are not aligned")
-        self._encode(self.capacity)
+        self._encode(self.capacity, resident=True)
 
     def run_static(self, grid_rows: int) -> None:
         """The one kernel of a captured step: reads the resident table; ``grid_rows`` >= its jobs."""

@@ -53,6 +53,17 @@ class PinnedStaging:
         """Host buffer ``i`` as a tensor (on a CPU device it is what the kernels read)."""
         return self._host[i]
 
+    def read_in_place(self, i: int) -> torch.Tensor:
+        """Hand host buffer ``i`` to a kernel that reads it directly (pinned memory is addressable
+        from the device): no copy; the buffer is reused only after work queued now has run.
+        Returns the buffer."""
+        self._count += 1
+        if self.pinned and self._count % _EVENT_EVERY == 0:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._events.append((self._count - 1, ev))
+        return self._host[i]
+
     def upload(self, i: int, rows: int, dst: torch.Tensor, cols: int | None = None) -> torch.Tensor:
         """Copy the first ``rows`` rows (and ``cols`` columns) of host buffer ``i`` into ``dst`` (device).
 
