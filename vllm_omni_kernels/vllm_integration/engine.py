@@ -67,8 +67,8 @@ class OmniMsgpackDecoder(MsgpackDecoder):
         self.aux_buffers = bufs
         try:
             out = self.decoder.decode(bufs[0])
-            for eco in getattr(out, "outputs", None) or ():
-                mm = getattr(eco, "multimodal_output", None)
+            for eco in out.outputs if isinstance(out, OmniEngineCoreOutputs) else ():
+                mm = eco.multimodal_output
                 if mm:
                     eco.multimodal_output = {k: self._decode_tensor(v) if _is_tensor_triple(v) else v
                                              for k, v in mm.items()}

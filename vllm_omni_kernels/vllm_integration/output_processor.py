@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
@@ -36,6 +37,7 @@ from ..accumulator import AccumulatorConfig, EmitPolicy, MultimodalAccumulator
 from ..errors import TensorAccumulationError, TensorConsolidationError
 from ..modality import OutputModality, TensorAccumulationStrategy, parse_strategy
 from ..payload import MultimodalPayload
+from .engine import OmniEngineCoreOutput
 from .outputs import MultimodalCompletionOutput
 
 logger = logging.getLogger(__name__)
@@ -146,9 +148,9 @@ class MultimodalOutputProcessor(OutputProcessor):
         steps: dict[torch.device, tuple[list[str], dict[str, list[Any]]]] = {}
         errors: list[TensorAccumulationError] = []
         for eco in engine_core_outputs:
-            payload = getattr(eco, "multimodal_output", None)
-            if payload is None:
-                continue
+            if not isinstance(eco, OmniEngineCoreOutput) or eco.multimodal_output is None:
+                continue  # plain vLLM outputs (text, pooling) are vLLM's business
+            payload = eco.multimodal_output
             rid = eco.request_id
             state = self.request_states.get(rid)
             if not isinstance(state, OmniRequestState):
@@ -211,7 +213,7 @@ class MultimodalOutputProcessor(OutputProcessor):
             if state.queue is not None:
                 state.queue.put(exc)  # AsyncLLM: the request's generate() raises it
             for out in result.request_outputs:  # LLMEngine: the output says so
-                if out.request_id == state.external_req_id and getattr(out, "outputs", None):
+                if isinstance(out, RequestOutput) and out.request_id == state.external_req_id and out.outputs:
                     out.finished = True
                     out.outputs[0].finish_reason = str(FinishReason.ERROR)
                     out.outputs[0].stop_reason = str(exc)

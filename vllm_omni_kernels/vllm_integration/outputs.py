@@ -84,14 +84,16 @@ class OmniRequestOutput:
         """From an engine stage's output; ``multimodal`` is the first completion's payload."""
         modality = OutputModality.from_string(output_modality) if isinstance(output_modality, str) \
             else output_modality
-        multimodal = None
-        for completion in getattr(request_output, "outputs", None) or ():
-            if isinstance(completion, MultimodalCompletionOutput) and completion.multimodal_output:
-                multimodal = completion.multimodal_output
-                break
+        multimodal, prompt = None, None
+        if isinstance(request_output, RequestOutput):
+            prompt = request_output.prompt
+            for completion in request_output.outputs:
+                if isinstance(completion, MultimodalCompletionOutput) and completion.multimodal_output:
+                    multimodal = completion.multimodal_output
+                    break
         return cls(request_id=request_output.request_id, finished=request_output.finished,
                    output_modality=modality, request_output=request_output, multimodal=multimodal,
-                   stage_id=stage_id, prompt=getattr(request_output, "prompt", None))
+                   stage_id=stage_id, prompt=prompt)
 
     @classmethod
     def from_diffusion(cls, request_id: str, images: list[Any], *, stage_id: int | None = None, prompt: Any = None,
@@ -102,8 +104,9 @@ class OmniRequestOutput:
 
     @property
     def text(self) -> str | None:
-        outputs = getattr(self.request_output, "outputs", None)
-        return outputs[0].text if outputs and isinstance(outputs[0], CompletionOutput) else None
+        if isinstance(self.request_output, RequestOutput) and self.request_output.outputs:
+            return self.request_output.outputs[0].text
+        return None
 
 
 def wrap_output(engine_output: RequestOutput | PoolingRequestOutput | OmniRequestOutput, stage_id: int | None,

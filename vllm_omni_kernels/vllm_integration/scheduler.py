@@ -17,6 +17,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 
 from .engine import OmniEngineCoreOutput
+from .outputs import OmniModelRunnerOutput
 
 
 class OmniScheduler(Scheduler):
@@ -24,7 +25,7 @@ class OmniScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        mm = getattr(model_runner_output, "multimodal_outputs", None)
+        mm = model_runner_output.multimodal_outputs if isinstance(model_runner_output, OmniModelRunnerOutput) else None
         if not mm:
             return outputs
         emitted: set[str] = set()
