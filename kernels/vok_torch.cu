@@ -18,7 +18,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 template <typename Write, typename Read>
 void ring_launch(bool write, const at::Tensor& arena, const at::Tensor& meta, int64_t rows, int64_t frame_elems,
                  bool last, int64_t max_elems, Write w, Read r) {
-  TORCH_CHECK(arena.is_cuda() && meta.is_cuda(), "ring ops take CUDA tensors");
+  TORCH_CHECK(arena.is_cuda() && (meta.is_cuda() || meta.is_pinned()), "ring ops take a CUDA arena and CUDA or pinned metadata");
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.is_contiguous(), "meta must be contiguous int64");
   TORCH_CHECK(rows <= 65535, "at most 65535 rows per launch");
   if (rows == 0 || max_elems == 0) return;

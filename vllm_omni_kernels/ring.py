@@ -11,9 +11,11 @@ Frames: CONCAT_DIM0 chunks are ``[n, *frame_shape]`` (n frames); CONCAT_LAST chu
 
 Host mirrors: every head, tail, unread size and capacity lives in numpy arrays on the host, so all
 validation (dtype, shape, device, unknown slot, overflow) and growth decisions happen before a launch
-and never read the device. A step costs one metadata upload (pinned ring, non-blocking) and one
-kernel launch; the device heads are written by the kernel itself, so a ``StaticAppend`` can be
-captured in a CUDA graph and replayed step after step.
+and never read the device. A step costs one kernel launch and nothing else on the device: the
+kernel reads the step's metadata rows in place from a ring of pinned host buffers (device-addressable;
+a buffer is reused only after the work that read it has run). The device heads are written by the
+kernel itself, so a ``StaticAppend`` (metadata resident on the device) can be captured in a CUDA
+graph and replayed step after step.
 
 Overflow: when a chunk would overwrite unread data the slot grows to the next size class that fits
 (at least double), copying its unread span on the device; with growth off, or the budget spent, that
@@ -131,7 +133,6 @@ class RingPool:
         self._free_slots = list(range(max_slots - 1, -1, -1))
 
         self._staging = PinnedStaging(max_rows, META_COLS, self.device)
-        self._meta = torch.zeros(max_rows, META_COLS, dtype=torch.int64, device=self.device)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
         self._ids_cache: tuple | None = None
         self._arange = np.arange(max_rows, dtype=np.int64)
@@ -266,7 +267,7 @@ class RingPool:
         if size:  # copy the unread span, linearized, to the start of the new region
             i, _ = self._stage(np.array([slot]), new_base, size, frames if self.last else self.frame_elems,
                                pos=self._tail[slot])
-            meta = self._staging.upload(i, 1, self._meta)
+            meta = self._staging.read_in_place(i)
             ops.ring_read(self.arena, meta, self.arena, rows=1, frame_elems=self.frame_elems, last=self.last,
                           max_elems=size * self.frame_elems)
         self.allocator.free(int(self._base[slot] // self.frame_elems))
@@ -452,10 +453,11 @@ class RingPool:
         return packed, slots, n, starts * F, np.full(len(idx), F, np.int64)
 
     def _ensure_rows(self, rows: int) -> None:
-        if rows > self._meta.shape[0]:
+        if rows > self._staging.rows:
             new = 1 << (rows - 1).bit_length()
+            if self._staging.pinned:  # kernels may still be reading the old pinned rows in place
+                torch.cuda.current_stream().synchronize()  # rare: only when a step outgrows the rows
             self._staging = PinnedStaging(new, META_COLS, self.device)
-            self._meta = torch.zeros(new, META_COLS, dtype=torch.int64, device=self.device)
             self._arange = np.arange(new, dtype=np.int64)
 
     def _stage(self, slots: np.ndarray, lin_off, n, lin_stride, pos=None) -> tuple[int, np.ndarray]:
@@ -475,7 +477,7 @@ class RingPool:
 
     def _write_staged(self, i: int, m: np.ndarray, src, slots: np.ndarray, n: np.ndarray) -> int:
         """Upload staged rows, launch the write kernel, advance the host mirrors."""
-        meta = self._staging.upload(i, len(slots), self._meta)
+        meta = self._staging.read_in_place(i)
         ops.ring_write(self.arena, self.state, meta, src, rows=len(slots), frame_elems=self.frame_elems,
                        last=self.last, max_elems=int(n.max()) * self.frame_elems)
         self._size[slots] += n
@@ -535,7 +537,7 @@ class RingPool:
         out = torch.empty(int(n.sum()) * F, dtype=self.dtype, device=self.device)
         if rows and n.any():
             i, _ = self._stage(slots, starts, n, n if self.last else F, pos=self._tail[slots])
-            meta = self._staging.upload(i, rows, self._meta)
+            meta = self._staging.read_in_place(i)
             ops.ring_read(self.arena, meta, out, rows=rows, frame_elems=F, last=self.last,
                           max_elems=int(n.max()) * F)
         views = []
