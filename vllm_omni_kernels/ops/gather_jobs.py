@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_ARANGE = np.arange(4096, dtype=np.int64)
-_ARANGE.flags.writeable = False
 INT_DTYPES = (torch.int32, torch.int64)
+_ARANGE = np.arange(4096, dtype=np.int64)  # source rows 0..n-1 of a block, shared read-only
+_ARANGE.flags.writeable = False
 
 
 @dataclass(frozen=True)
