@@ -16,7 +16,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 constexpr int kRingThreads = 256;
-constexpr int kRingPerThread = 8;  // most elements per thread: 2048 a block; the host may ask for 4 or 2
+constexpr int kRingPerThread = 8;  // elements in flight per thread: kRingThreads * 8 = 2048 a block
 constexpr int kGatherThreads = 128;
 constexpr int kGatherBlockBytes = 4096;  // bytes of a float row per block (2 x 16 B per thread)
 constexpr int kIntBlock = 128;
@@ -38,69 +38,56 @@ __device__ __forceinline__ RingRow load_row(const i64* __restrict__ meta, int ro
   return r;
 }
 
-// Element e (0 <= e < n * F) of a row as (outer, inner): frame and element (DIM0) or channel and
-// sample (LAST); its linear offset needs no head, its ring offset does.
+// Offsets of element e (0 <= e < n * F) of a row, in the ring region and in the linear tensor.
 template <bool LAST>
-__device__ __forceinline__ void split(const RingRow& r, i64 F, bool mono, i64 e, i64* outer, i64* inner) {
+__device__ __forceinline__ void ring_offsets(const RingRow& r, i64 pos, i64 F, bool mono, i64 e, i64* ring,
+                                             i64* lin) {
   if (LAST) {
-    *outer = mono ? 0 : e / r.n;
-    *inner = e - *outer * r.n;
+    i64 outer = 0, inner = e;
+    if (!mono) { outer = e / r.n; inner = e - outer * r.n; }
+    i64 t = pos + inner;
+    if (t >= r.cap) t -= r.cap;
+    *ring = r.base + outer * r.cap + t;
+    *lin = r.lin_off + outer * r.lin_stride + inner;
   } else {
-    *outer = e / F;
-    *inner = e - *outer * F;
+    i64 outer = e / F, inner = e - outer * F;
+    i64 t = pos + outer;
+    if (t >= r.cap) t -= r.cap;
+    *ring = r.base + t * F + inner;
+    *lin = r.lin_off + outer * r.lin_stride + inner;
   }
 }
 
-template <bool LAST>
-__device__ __forceinline__ i64 ring_offset(const RingRow& r, i64 pos, i64 F, i64 outer, i64 inner) {
-  i64 t = pos + (LAST ? inner : outer);
-  if (t >= r.cap) t -= r.cap;
-  return LAST ? r.base + outer * r.cap + t : r.base + t * F + inner;
-}
-
-// Grid (blocks, rows): block x copies elements [x * 256 * per_thread, (x + 1) * 256 * per_thread)
-// of row y (per_thread 8, 4 or 2). WRITE: linear src -> ring, then publish the new head; else
-// ring -> linear out. A write issues its source loads before it reads the device head: the two
-// round trips overlap.
+// Grid (blocks, rows): block x copies elements [x * 2048, (x + 1) * 2048) of row y. WRITE: linear
+// src -> ring (and publish the new head); else ring -> linear out.
 template <int S, bool LAST, bool WRITE>
 __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ arena, i64* __restrict__ state,
                                           const i64* __restrict__ meta, typename Bits<S>::T* __restrict__ lin_ptr,
-                                          i64 F, int mono, int per_thread) {
+                                          i64 F, int mono) {
   typedef typename Bits<S>::T T;
   const RingRow r = load_row(meta, blockIdx.y);
-  const i64 total = r.n * F;
-  const i64 start = (i64)blockIdx.x * kRingThreads * per_thread;
-  T vals[kRingPerThread];
-  i64 outer[kRingPerThread], inner[kRingPerThread];
   i64 pos = r.pos;
-  if (WRITE) {
+  if (WRITE && pos < 0) pos = state[r.slot * 2];
+  const i64 total = r.n * F;
+  const i64 start = (i64)blockIdx.x * (kRingThreads * kRingPerThread);
+  T vals[kRingPerThread];
+  i64 dst[kRingPerThread];
 #pragma unroll
-    for (int k = 0; k < kRingPerThread; ++k) {
-      const i64 e = start + k * kRingThreads + threadIdx.x;
-      if (k < per_thread && e < total) {
-        split<LAST>(r, F, mono != 0, e, &outer[k], &inner[k]);
-        vals[k] = lin_ptr[r.lin_off + outer[k] * r.lin_stride + inner[k]];
-      }
+  for (int k = 0; k < kRingPerThread; ++k) {
+    const i64 e = start + k * kRingThreads + threadIdx.x;
+    if (e < total) {
+      i64 ring, lin;
+      ring_offsets<LAST>(r, pos, F, mono != 0, e, &ring, &lin);
+      if (WRITE) { vals[k] = lin_ptr[lin]; dst[k] = ring; }
+      else { vals[k] = arena[ring]; dst[k] = lin; }
     }
-    if (pos < 0) pos = state[r.slot * 2];
+  }
 #pragma unroll
-    for (int k = 0; k < kRingPerThread; ++k) {
-      const i64 e = start + k * kRingThreads + threadIdx.x;
-      if (k < per_thread && e < total) arena[ring_offset<LAST>(r, pos, F, outer[k], inner[k])] = vals[k];
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kRingPerThread; ++k) {
-      const i64 e = start + k * kRingThreads + threadIdx.x;
-      if (k < per_thread && e < total) {
-        split<LAST>(r, F, mono != 0, e, &outer[k], &inner[k]);
-        vals[k] = arena[ring_offset<LAST>(r, pos, F, outer[k], inner[k])];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kRingPerThread; ++k) {
-      const i64 e = start + k * kRingThreads + threadIdx.x;
-      if (k < per_thread && e < total) lin_ptr[r.lin_off + outer[k] * r.lin_stride + inner[k]] = vals[k];
+  for (int k = 0; k < kRingPerThread; ++k) {
+    const i64 e = start + k * kRingThreads + threadIdx.x;
+    if (e < total) {
+      if (WRITE) arena[dst[k]] = vals[k];
+      else lin_ptr[dst[k]] = vals[k];
     }
   }
   if (!WRITE) return;
@@ -171,15 +158,14 @@ __device__ __forceinline__ void row_gather(char* __restrict__ fbase, int* __rest
 #define VOK_RING(S, NAME, LAST)                                                                        \
   extern "C" __global__ void __launch_bounds__(vok::kRingThreads)                                      \
       vok_ring_write_e##S##_##NAME(void* arena, long long* state, const long long* meta, void* src,    \
-                                   long long F, int mono, int per_thread) {                             \
+                                   long long F, int mono) {                                             \
     vok::ring_copy<S, LAST, true>(static_cast<vok::Bits<S>::T*>(arena), state, meta,                   \
-                                  static_cast<vok::Bits<S>::T*>(src), F, mono, per_thread);             \
+                                  static_cast<vok::Bits<S>::T*>(src), F, mono);                         \
   }                                                                                                     \
   extern "C" __global__ void __launch_bounds__(vok::kRingThreads)                                      \
-      vok_ring_read_e##S##_##NAME(void* arena, const long long* meta, void* out, long long F, int mono,  \
-                                  int per_thread) {                                                     \
+      vok_ring_read_e##S##_##NAME(void* arena, const long long* meta, void* out, long long F, int mono) { \
     vok::ring_copy<S, LAST, false>(static_cast<vok::Bits<S>::T*>(arena), nullptr, meta,                \
-                                   static_cast<vok::Bits<S>::T*>(out), F, mono, per_thread);            \
+                                   static_cast<vok::Bits<S>::T*>(out), F, mono);                        \
   }
 
 VOK_RING(2, dim0, false)

@@ -15,22 +15,6 @@ using vok::i64;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int sm_count(int device) {
-  static int cached[64] = {0};
-  int& n = cached[device & 63];
-  if (n == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
-}
-
-// Elements per thread for a launch (8, 4 or 2): halved while the launch would have fewer than four
-// blocks per SM, so a small latency-bound step keeps more blocks in flight (as triton_ring does).
-int ring_per_thread(int64_t rows, int64_t max_elems, int device) {
-  int per_thread = vok::kRingPerThread;
-  const int64_t want = 4 * (int64_t)sm_count(device);
-  while (per_thread > 2 && rows * ceil_div(max_elems, (int64_t)vok::kRingThreads * per_thread) < want) per_thread /= 2;
-  return per_thread;
-}
-
 template <typename Write, typename Read>
 void ring_launch(bool write, const at::Tensor& arena, const at::Tensor& meta, int64_t rows, int64_t frame_elems,
                  bool last, int64_t max_elems, Write w, Read r) {
@@ -39,13 +23,12 @@ void ring_launch(bool write, const at::Tensor& arena, const at::Tensor& meta, in
   TORCH_CHECK(rows <= 65535, "at most 65535 rows per launch");
   if (rows == 0 || max_elems == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(arena.device());
-  const int per_thread = ring_per_thread(rows, max_elems, arena.get_device());
-  const dim3 grid(ceil_div(max_elems, (int64_t)vok::kRingThreads * per_thread), rows);
+  const dim3 grid(ceil_div(max_elems, vok::kRingThreads * vok::kRingPerThread), rows);
   const int mono = last && frame_elems == 1;
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int es = arena.element_size();
   TORCH_CHECK(es == 2 || es == 4 || es == 8, "element size ", es, " not supported");
-  if (write) w(es, grid, stream, mono, per_thread); else r(es, grid, stream, mono, per_thread);
+  if (write) w(es, grid, stream, mono); else r(es, grid, stream, mono);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -54,35 +37,35 @@ void ring_write(at::Tensor& arena, at::Tensor& state, const at::Tensor& meta, co
   TORCH_CHECK(src.scalar_type() == arena.scalar_type() && src.is_cuda(), "src must match the arena");
   TORCH_CHECK(state.scalar_type() == at::kLong && state.is_contiguous(), "state must be contiguous int64");
   ring_launch(true, arena, meta, rows, frame_elems, last, max_elems,
-      [&](int es, dim3 grid, cudaStream_t s, int mono, int pt) {
+      [&](int es, dim3 grid, cudaStream_t s, int mono) {
         void* a = arena.data_ptr();
         void* x = const_cast<void*>(src.data_ptr());
         i64* st = reinterpret_cast<i64*>(state.data_ptr());
         const i64* m = reinterpret_cast<const i64*>(meta.data_ptr());
 #define VOK_W(S)                                                                                   \
   if (es == S) {                                                                                   \
-    if (last) vok_ring_write_e##S##_last<<<grid, vok::kRingThreads, 0, s>>>(a, st, m, x, frame_elems, mono, pt); \
-    else vok_ring_write_e##S##_dim0<<<grid, vok::kRingThreads, 0, s>>>(a, st, m, x, frame_elems, mono, pt);      \
+    if (last) vok_ring_write_e##S##_last<<<grid, vok::kRingThreads, 0, s>>>(a, st, m, x, frame_elems, mono); \
+    else vok_ring_write_e##S##_dim0<<<grid, vok::kRingThreads, 0, s>>>(a, st, m, x, frame_elems, mono);      \
   }
         VOK_W(2) VOK_W(4) VOK_W(8)
 #undef VOK_W
       },
-      [](int, dim3, cudaStream_t, int, int) {});
+      [](int, dim3, cudaStream_t, int) {});
 }
 
 void ring_read(const at::Tensor& arena, const at::Tensor& meta, at::Tensor& out, int64_t rows, int64_t frame_elems,
                bool last, int64_t max_elems) {
   TORCH_CHECK(out.scalar_type() == arena.scalar_type() && out.is_cuda(), "out must match the arena");
   ring_launch(false, arena, meta, rows, frame_elems, last, max_elems,
-      [](int, dim3, cudaStream_t, int, int) {},
-      [&](int es, dim3 grid, cudaStream_t s, int mono, int pt) {
+      [](int, dim3, cudaStream_t, int) {},
+      [&](int es, dim3 grid, cudaStream_t s, int mono) {
         void* a = const_cast<void*>(arena.data_ptr());
         void* o = out.data_ptr();
         const i64* m = reinterpret_cast<const i64*>(meta.data_ptr());
 #define VOK_R(S)                                                                                   \
   if (es == S) {                                                                                   \
-    if (last) vok_ring_read_e##S##_last<<<grid, vok::kRingThreads, 0, s>>>(a, m, o, frame_elems, mono, pt); \
-    else vok_ring_read_e##S##_dim0<<<grid, vok::kRingThreads, 0, s>>>(a, m, o, frame_elems, mono, pt);      \
+    if (last) vok_ring_read_e##S##_last<<<grid, vok::kRingThreads, 0, s>>>(a, m, o, frame_elems, mono); \
+    else vok_ring_read_e##S##_dim0<<<grid, vok::kRingThreads, 0, s>>>(a, m, o, frame_elems, mono);      \
   }
         VOK_R(2) VOK_R(4) VOK_R(8)
 #undef VOK_R

@@ -74,36 +74,22 @@ def _ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _ring_grid(rows: int, max_elems: int, device: torch.device) -> tuple[tuple[int, int], int]:
-    """Grid and elements per thread, chosen as ``kernels/vok_torch.cu`` does."""
-    per_thread = RING_PER_THREAD
-    want = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    while per_thread > 2 and rows * -(-max_elems // (RING_THREADS * per_thread)) < want:
-        per_thread //= 2
-    return (-(-max_elems // (RING_THREADS * per_thread)), rows), per_thread
-
-
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:
     if rows == 0 or max_elems == 0:
         return
-    grid, per_thread = _ring_grid(rows, max_elems, arena.device)
+    grid = (-(-max_elems // (RING_THREADS * RING_PER_THREAD)), rows)
     name = f"vok_ring_write_e{arena.element_size()}_{'last' if last else 'dim0'}"
     _launch(name, grid, RING_THREADS, (_ptr(arena), _ptr(state), _ptr(meta), _ptr(src), np.int64(frame_elems),
-                                       np.int32(last and frame_elems == 1), np.int32(per_thread)))
+                                       np.int32(last and frame_elems == 1)))
 
 
 def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
     if rows == 0 or max_elems == 0:
         return
-    grid, per_thread = _ring_grid(rows, max_elems, arena.device)
+    grid = (-(-max_elems // (RING_THREADS * RING_PER_THREAD)), rows)
     name = f"vok_ring_read_e{arena.element_size()}_{'last' if last else 'dim0'}"
     _launch(name, grid, RING_THREADS, (_ptr(arena), _ptr(meta), _ptr(out), np.int64(frame_elems),
-                                       np.int32(last and frame_elems == 1), np.int32(per_thread)))
+                                       np.int32(last and frame_elems == 1)))
 
 
 def row_gather(fbase, ibase, table, *, width, int_off, grid_rows, align) -> None:

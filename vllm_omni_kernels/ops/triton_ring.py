@@ -14,9 +14,6 @@ step with the head advancing on the device.
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 
@@ -28,9 +25,10 @@ MULTI_WARPS = 4
 
 
 @triton.jit
-def _lin_offsets(meta_row, e, F, LAST: tl.constexpr, MONO: tl.constexpr):
-    """(outer, inner, lin, mask) of elements ``e`` of a row: everything that does not need the head."""
+def _ring_offsets(meta_row, e, pos, F, LAST: tl.constexpr, MONO: tl.constexpr):
     n = tl.load(meta_row + 2)
+    base = tl.load(meta_row + 3)
+    cap = tl.load(meta_row + 4)
     lin_off = tl.load(meta_row + 1)
     lin_stride = tl.load(meta_row + 6)
     mask = e < n * F
@@ -42,24 +40,18 @@ def _lin_offsets(meta_row, e, F, LAST: tl.constexpr, MONO: tl.constexpr):
             n_safe = tl.maximum(n, 1).to(tl.int32)
             outer = e // n_safe
             inner = e - outer * n_safe
+        t = pos + inner
+        t = tl.where(t >= cap, t - cap, t)
+        ring = base + outer.to(tl.int64) * cap + t
+        lin = lin_off + outer.to(tl.int64) * lin_stride + inner
     else:
         outer = e // F
         inner = e - outer * F
-    lin = lin_off + outer.to(tl.int64) * lin_stride + inner
-    return outer, inner, lin, mask
-
-
-@triton.jit
-def _ring_offsets(meta_row, outer, inner, pos, F, LAST: tl.constexpr):
-    base = tl.load(meta_row + 3)
-    cap = tl.load(meta_row + 4)
-    if LAST:
-        t = pos + inner
+        t = pos + outer
         t = tl.where(t >= cap, t - cap, t)
-        return base + outer.to(tl.int64) * cap + t
-    t = pos + outer
-    t = tl.where(t >= cap, t - cap, t)
-    return base + t * F + inner
+        ring = base + t * F + inner
+        lin = lin_off + outer.to(tl.int64) * lin_stride + inner
+    return ring, lin, mask
 
 
 @triton.jit
@@ -68,16 +60,13 @@ def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F,
     row = tl.program_id(0)
     blk = tl.program_id(1)
     meta_row = meta_ptr + row * 8
-    e = blk * BLOCK + tl.arange(0, BLOCK)
-    # The source reads do not depend on the head: issue them before the head is read, so the two
-    # round trips overlap (small steps are latency-bound).
-    outer, inner, lin, mask = _lin_offsets(meta_row, e, F, LAST, MONO)
-    vals = tl.load(src_ptr + lin, mask=mask)
     slot = tl.load(meta_row + 0)
     pos = tl.load(meta_row + 5)
     if pos < 0:
         pos = tl.load(state_ptr + slot * 2)
-    ring = _ring_offsets(meta_row, outer, inner, pos, F, LAST)
+    e = blk * BLOCK + tl.arange(0, BLOCK)
+    ring, lin, mask = _ring_offsets(meta_row, e, pos, F, LAST, MONO)
+    vals = tl.load(src_ptr + lin, mask=mask)
     tl.store(arena_ptr + ring, vals, mask=mask)
     n = tl.load(meta_row + 2)
     cap = tl.load(meta_row + 4)
@@ -100,8 +89,7 @@ def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
     meta_row = meta_ptr + row * 8
     pos = tl.load(meta_row + 5)
     e = blk * BLOCK + tl.arange(0, BLOCK)
-    outer, inner, lin, mask = _lin_offsets(meta_row, e, F, LAST, MONO)
-    ring = _ring_offsets(meta_row, outer, inner, pos, F, LAST)
+    ring, lin, mask = _ring_offsets(meta_row, e, pos, F, LAST, MONO)
     vals = tl.load(arena_ptr + ring, mask=mask)
     tl.store(out_ptr + lin, vals, mask=mask)
 
@@ -109,34 +97,19 @@ def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
 assert META_COLS == 8  # the kernels hard-code the row pitch
 
 
-@functools.cache
-def _sm_count(index: int | None) -> int:
-    if index is None or not torch.cuda.is_available():
-        return 132  # the interpreter: any value gives the same results
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _shape(max_elems: int, rows: int, device) -> tuple[int, int, int]:
-    """(programs per row, elements per program, warps) for the largest row of a launch.
-
-    Rows of several programs use BLOCK elements each, halved (down to 512) while the launch would
-    have fewer than four programs per SM: a small step (8 rows of 48000 samples) is latency-bound
-    and needs more programs in flight, a large one (64 rows) is better with fewer, longer ones.
-    """
+def _shape(max_elems: int) -> tuple[int, int, int]:
+    """(programs per row, elements per program, warps) for the largest row of a launch."""
     if max_elems <= SINGLE_MAX:
         block = max(128, triton.next_power_of_2(max_elems))
         return 1, block, 4 if block <= 2048 else 8
-    block, want = BLOCK, 4 * _sm_count(device.index if device.type == "cuda" else None)
-    while block > 512 and rows * triton.cdiv(max_elems, block) < want:
-        block //= 2
-    return triton.cdiv(max_elems, block), block, MULTI_WARPS if block >= 1024 else 2
+    return triton.cdiv(max_elems, BLOCK), BLOCK, MULTI_WARPS
 
 
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:
     """Launch the write kernel over ``rows`` rows; see ``reference.ring_write`` for the semantics."""
     if rows == 0:
         return
-    blocks, block, warps = _shape(max_elems, rows, arena.device)
+    blocks, block, warps = _shape(max_elems)
     _ring_write_kernel[(rows, blocks)](
         arena, state, meta, src, frame_elems,
         LAST=last, MONO=last and frame_elems == 1, BLOCK=block, SINGLE=blocks == 1, num_warps=warps,
@@ -147,7 +120,7 @@ def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
     """Launch the read kernel over ``rows`` rows; see ``reference.ring_read`` for the semantics."""
     if rows == 0:
         return
-    blocks, block, warps = _shape(max_elems, rows, arena.device)
+    blocks, block, warps = _shape(max_elems)
     _ring_read_kernel[(rows, blocks)](
         arena, meta, out, frame_elems,
         LAST=last, MONO=last and frame_elems == 1, BLOCK=block, num_warps=warps,
