@@ -5,7 +5,8 @@ runner answers each step with an ``OmniModelRunnerOutput`` (tokens, audio chunks
 ``multimodal_outputs``, pooling tensors in ``pooler_output``); the engine-core outputs cross vLLM's
 msgpack encoder and ``OmniMsgpackDecoder`` as bytes; ``MultimodalOutputProcessor`` builds the request
 outputs. Streams in DELTA, CUMULATIVE and FINAL_ONLY, a text+audio request and a pooling request run
-together; a multimodal request with pooling params is not finished by its multimodal output.
+together; a multimodal request with pooling params is not finished by its multimodal output, and its
+final pooling output carries its audio.
 """
 
 import pytest
@@ -22,7 +23,8 @@ from vllm_env import core_request, sampling, sched_request, scheduler, tokenizer
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.vllm_integration.engine import OmniMsgpackDecoder  # noqa: E402
 from vllm_omni_kernels.vllm_integration.output_processor import MultimodalOutputProcessor  # noqa: E402
-from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput, OmniModelRunnerOutput  # noqa: E402
+from vllm_omni_kernels.vllm_integration.outputs import (  # noqa: E402
+    MultimodalCompletionOutput, MultimodalPoolingOutput, OmniModelRunnerOutput, OmniRequestOutput)
 from vllm_omni_kernels.vllm_integration.scheduler import OmniScheduler  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -130,7 +132,10 @@ def test_concurrent_streams_text_audio_and_pooling_end_to_end(tmp_path):
     # chunks and finished only with its real pooling output, in its last chunk's step.
     assert len(runner.sent["mmpool"]) >= 2
     assert runner.steps["mmpool"] == len(runner.sent["mmpool"]) - 1
-    assert isinstance(outputs["mmpool"][-1], PoolingRequestOutput)
-    assert torch.equal(outputs["mmpool"][-1].outputs.data, runner.pooled["mmpool"])
+    final = outputs["mmpool"][-1]
+    assert isinstance(final, PoolingRequestOutput) and isinstance(final.outputs, MultimodalPoolingOutput)
+    assert torch.equal(final.outputs.data, runner.pooled["mmpool"])
+    assert torch.equal(final.outputs.multimodal_output.tensors["audio"], expect["mmpool"])
+    assert OmniRequestOutput.from_engine_output(final, 0, "audio").multimodal is final.outputs.multimodal_output
     assert processor.accumulation_errors == 0
     assert all(a["requests"] == 0 for a in processor.accumulator_stats()["devices"].values())

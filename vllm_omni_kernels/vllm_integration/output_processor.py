@@ -38,7 +38,7 @@ from ..errors import TensorAccumulationError, TensorConsolidationError
 from ..modality import OutputModality, TensorAccumulationStrategy, parse_strategy
 from ..payload import MultimodalPayload
 from .engine import OmniEngineCoreOutput
-from .outputs import MultimodalCompletionOutput
+from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -83,19 +83,30 @@ class OmniRequestState(RequestState):
         payload = emission.wait().get(self.request_id)
         return payload if payload else None
 
-    def _new_completion_output(self, token_ids, finish_reason, stop_reason):
-        base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
-        if self.accumulator is None:
-            return base
+    def _payload_or_failure(self, finished: bool) -> MultimodalPayload | None:
+        """``take_payload``, with a consolidation failure recorded for the processor (which fails the
+        request visibly after the step) instead of raised into vLLM's loop."""
         try:
-            payload = self.take_payload(finish_reason is not None)
+            return self.take_payload(finished)
         except TensorConsolidationError as exc:
             logger.error("request %s failed: %s", self.request_id, exc)
             if self.failures is None:
                 raise
             self.failures.append((self, exc))
-            payload = None
-        return MultimodalCompletionOutput.from_completion(base, payload)
+            return None
+
+    def _new_completion_output(self, token_ids, finish_reason, stop_reason):
+        base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
+        if self.accumulator is None:
+            return base
+        return MultimodalCompletionOutput.from_completion(base, self._payload_or_failure(finish_reason is not None))
+
+    def _new_pooling_output(self, pooling_output: torch.Tensor):
+        """A request with pooling params that also produced multimodal output ends with its pooling
+        output, which carries the payload due at finish (per its output kind)."""
+        if self.accumulator is None or self.request_id not in self.accumulator:
+            return super()._new_pooling_output(pooling_output)
+        return MultimodalPoolingOutput(data=pooling_output, multimodal_output=self._payload_or_failure(True))
 
 
 class MultimodalOutputProcessor(OutputProcessor):

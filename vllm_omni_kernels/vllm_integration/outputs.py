@@ -2,7 +2,8 @@
 
 * ``OmniModelRunnerOutput``: vLLM's ``ModelRunnerOutput`` plus ``multimodal_outputs`` (request id ->
   ``{key: value}``); ``pooler_output`` keeps vLLM's meaning (pooling-task tensors only).
-* ``MultimodalCompletionOutput``: vLLM's ``CompletionOutput`` with a typed ``multimodal_output``.
+* ``MultimodalCompletionOutput``: vLLM's ``CompletionOutput`` with a typed ``multimodal_output``;
+  ``MultimodalPoolingOutput`` the same for ``PoolingOutput``.
 * ``OmniRequestOutput``: one non-nestable shape for every stage (``from_engine_output``,
   ``from_diffusion``) and ``wrap_output``, shared by sync and async orchestration.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from vllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from vllm.v1.outputs import ModelRunnerOutput
 
 from ..modality import OutputModality
@@ -55,6 +56,14 @@ class MultimodalCompletionOutput(CompletionOutput):
         return cls(**fields, multimodal_output=payload)
 
 
+@dataclass(eq=False)  # vLLM's PoolingOutput equality (data only) is kept
+class MultimodalPoolingOutput(PoolingOutput):
+    """A ``PoolingOutput`` that also carries the multimodal output of a request with pooling params
+    (a generation stage whose request ends with its pooling output)."""
+
+    multimodal_output: MultimodalPayload | None = None
+
+
 @dataclass
 class OmniRequestOutput:
     """The output of one request of one stage. Never nested: wrapping one returns it.
@@ -85,6 +94,9 @@ class OmniRequestOutput:
         modality = OutputModality.from_string(output_modality) if isinstance(output_modality, str) \
             else output_modality
         multimodal, prompt = None, None
+        if isinstance(request_output, PoolingRequestOutput) and isinstance(request_output.outputs,
+                                                                           MultimodalPoolingOutput):
+            multimodal = request_output.outputs.multimodal_output
         if isinstance(request_output, RequestOutput):
             prompt = request_output.prompt
             for completion in request_output.outputs:
