@@ -59,7 +59,7 @@ class RowGather:
             self._staging.upload(i, 1, self._table_rows, cols=layout.words)
             self._resident = target
             return target
-        target = self._staging.read_in_place(i)[0]  # pinned (CUDA) or plain (Triton interpreter)
+        target = self._staging.read_in_place(i, row0=True)  # pinned (CUDA) or plain (Triton interpreter)
         jobs.encode(host[0], layout, self._anchor.data_ptr(), target.data_ptr())
         return target
 

@@ -34,6 +34,7 @@ class PinnedStaging:
         depth = _DEPTH if self.pinned else 1
         self._host = [torch.zeros(rows, cols, dtype=torch.int64, pin_memory=self.pinned) for _ in range(depth)]
         self._np = [h.numpy() for h in self._host]
+        self._rows0 = [h[0] for h in self._host]  # row 0 of each buffer (a flat table), made once
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._count = 0  # uploads so far
         self._events: list[tuple[int, torch.cuda.Event]] = []  # (upload index, event after it)
@@ -53,16 +54,16 @@ class PinnedStaging:
         """Host buffer ``i`` as a tensor (on a CPU device it is what the kernels read)."""
         return self._host[i]
 
-    def read_in_place(self, i: int) -> torch.Tensor:
+    def read_in_place(self, i: int, row0: bool = False) -> torch.Tensor:
         """Hand host buffer ``i`` to a kernel that reads it directly (pinned memory is addressable
         from the device): no copy; the buffer is reused only after work queued now has run.
-        Returns the buffer."""
+        Returns the buffer (``row0``: its first row, for flat tables)."""
         self._count += 1
         if self.pinned and self._count % _EVENT_EVERY == 0:
             ev = torch.cuda.Event()
             ev.record()
             self._events.append((self._count - 1, ev))
-        return self._host[i]
+        return self._rows0[i] if row0 else self._host[i]
 
     def upload(self, i: int, rows: int, dst: torch.Tensor, cols: int | None = None) -> torch.Tensor:
         """Copy the first ``rows`` rows (and ``cols`` columns) of host buffer ``i`` into ``dst`` (device).

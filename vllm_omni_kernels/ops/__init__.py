@@ -11,6 +11,8 @@ Row gather (the fused decode gather; jobs and table in ``gather_jobs.py``):
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from .. import backend as _backend
@@ -18,27 +20,22 @@ from . import reference
 from .layout import META_COLS  # noqa: F401  (re-exported for callers building metadata)
 
 
+_MODULES = {("cuda", "ring"): "cuda_ext", ("cuda", "gather"): "cuda_ext", ("cupy", "ring"): "cupy_nvrtc",
+            ("cupy", "gather"): "cupy_nvrtc", ("triton", "ring"): "triton_ring", ("triton", "gather"): "triton_gather"}
+_loaded: dict[str, object] = {}
+
+
 def _impl(device: torch.device, module: str = "ring"):
     """The backend module that implements ``module`` ("ring" or "gather") for ``device``, or None
-    for the torch reference."""
+    for the torch reference. Every launch asks, so the module lookup is a dict hit."""
     name, _ = _backend.select(device)
-    if name == "cuda":
-        from . import cuda_ext
-
-        return cuda_ext
-    if name == "cupy":
-        from . import cupy_nvrtc
-
-        return cupy_nvrtc
-    if name == "triton":
-        if module == "ring":
-            from . import triton_ring
-
-            return triton_ring
-        from . import triton_gather
-
-        return triton_gather
-    return None
+    if name == "torch":
+        return None
+    mod_name = _MODULES[(name, module)]
+    mod = _loaded.get(mod_name)
+    if mod is None:
+        mod = _loaded[mod_name] = importlib.import_module(f"{__name__}.{mod_name}")
+    return mod
 
 
 def uses_kernel(device: torch.device) -> bool:

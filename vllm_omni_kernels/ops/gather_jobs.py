@@ -305,6 +305,8 @@ class GatherJobs:
                 out[pos + k:end:4] = single[k]
             pos = end
         pos = (pos - layout.int_off) // 4
+        if not self.value_blocks:
+            return
         payload = out[layout.payload_off:layout.words].view(np.int32)
         p = 0
         for dst, v in self.value_blocks:
