@@ -192,6 +192,17 @@ def test_payloads_per_output_kind_are_exact_for_every_modality(kind, key, chunks
     assert int(payloads[-1].metadata["sr"]) == 24000
 
 
+def test_producer_keys_are_renamed_only_where_the_stage_says_so():
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio",
+                                  key_aliases={"model_outputs": "audio"})
+    p.add_request(core_request("r", [3], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=2)), None)
+    p.process_outputs([mm_step("r", 5, {"model_outputs": torch.ones(3), "hidden": torch.zeros(2, 4)})])
+    res = p.process_outputs([mm_step("r", 6, {"model_outputs": torch.ones(2)}, FinishReason.LENGTH)])
+    payload = res.request_outputs[0].outputs[0].multimodal_output
+    assert torch.equal(payload.tensors["audio"], torch.ones(5)) and "model_outputs" not in payload.tensors
+    assert "hidden" in payload.tensors  # not named by the stage: kept under its own key
+
+
 def test_append_list_and_replace_strategies():
     items = [torch.randn(3), torch.randn(5)]
     lists = run_stream(RequestOutputKind.FINAL_ONLY, "frames", items, strategy=S.APPEND_LIST)

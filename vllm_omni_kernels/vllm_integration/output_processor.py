@@ -21,6 +21,7 @@ in ``stop_reason``; the engine core is asked to abort it. Anything else propagat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -128,10 +129,8 @@ class MultimodalOutputProcessor(OutputProcessor):
         modality = OutputModality.from_string(output_modality) if isinstance(output_modality, str) \
             else OutputModality(output_modality)
         self.output_modality = modality
-        config = accumulator_config or AccumulatorConfig()
-        config.modality = modality
-        config.strategies = {k: parse_strategy(v) for k, v in (strategies or {}).items()}
-        self._config = config
+        self._config = dataclasses.replace(accumulator_config or AccumulatorConfig(), modality=modality,
+                                           strategies={k: parse_strategy(v) for k, v in (strategies or {}).items()})
         self._key_aliases = dict(key_aliases or {})
         self._accumulators: dict[torch.device, MultimodalAccumulator] = {}
         self._failures: list[tuple[OmniRequestState, TensorConsolidationError]] = []
