@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm.exceptions import GenerationError, VLLMValidationError  # noqa: E402
 from vllm.outputs import PoolingRequestOutput, RequestError  # noqa: E402
 from vllm.pooling_params import PoolingParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
@@ -21,7 +22,7 @@ from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollec
 from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402
 
 from vllm_env import EOS, core_request, sampling, token_output, tokenizer, word_ids  # noqa: E402
-from vllm_omni_kernels.errors import TensorConsolidationError  # noqa: E402
+from vllm_omni_kernels.errors import MultimodalOutputError, TensorConsolidationError  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.vllm_integration.engine import OmniEngineCoreOutput  # noqa: E402
 from vllm_omni_kernels.vllm_integration.output_processor import (  # noqa: E402
@@ -59,7 +60,7 @@ def drive(processor, requests, steps, *, queues=False, aborts=()):
                 continue
             try:
                 item = q.get_nowait()
-            except Exception as exc:  # noqa: BLE001 - what the collector raises is what we record
+            except (GenerationError, VLLMValidationError, MultimodalOutputError) as exc:  # what generate() raises
                 got.append(("err", rid, type(exc).__name__, str(exc)))
                 continue
             if item is not None:
