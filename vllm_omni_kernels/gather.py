@@ -53,18 +53,20 @@ class RowGather:
         if not ops.uses_kernel(self.device):
             return None
         i, host = self._staging.host()
-        if resident and self._staging.pinned:
-            target = self.table
-            jobs.encode(host[0], layout, self._anchor.data_ptr(), target.data_ptr())
-            self._staging.upload(i, 1, self._table_rows, cols=layout.words)
-            self._resident = target
-            return target
-        target = self._staging.read_in_place(i, row0=True)  # pinned (CUDA) or plain (Triton interpreter)
+        upload = resident and self._staging.pinned
+        # The kernel reads the device table after an upload, else the host buffer in place (pinned on
+        # CUDA; on CPU, under the Triton interpreter, that buffer is the table).
+        target = self.table if upload else self._staging.read_in_place(i, row0=True)
         jobs.encode(host[0], layout, self._anchor.data_ptr(), target.data_ptr())
+        if upload:
+            self._staging.upload(i, 1, self._table_rows, cols=layout.words)
+        if resident:
+            self._resident = target
         return target
 
     def launch(self) -> int:
-        """Run and clear the recorded jobs: one upload and one kernel (0 launches when empty)."""
+        """Run and clear the recorded jobs: one kernel reading its table in place (0 launches when
+        empty)."""
         jobs = self.jobs
         if jobs.n_float + jobs.n_int == 0:
             return 0
