@@ -50,10 +50,6 @@ class PinnedStaging:
                 self._events[0][1].synchronize()  # a no-op unless the GPU is far behind (back-pressure)
         return i, self._np[i]
 
-    def tensor(self, i: int) -> torch.Tensor:
-        """Host buffer ``i`` as a tensor (on a CPU device it is what the kernels read)."""
-        return self._host[i]
-
     def read_in_place(self, i: int, row0: bool = False) -> torch.Tensor:
         """Hand host buffer ``i`` to a kernel that reads it directly (pinned memory is addressable
         from the device): no copy; the buffer is reused only after work queued now has run.

@@ -71,9 +71,6 @@ class _Block:
     dst: torch.Tensor
     dst_rows: np.ndarray | int
 
-    def __len__(self) -> int:
-        return 1 if isinstance(self.dst_rows, int) else len(self.dst_rows)
-
 
 @dataclass
 class GatherJobs:
@@ -142,6 +139,7 @@ class GatherJobs:
         """
         if type(dst_rows) is int and (src_rows is None or type(src_rows) is int) and self._plain(dst, src, True):
             self._single(self.float_blocks, dst, dst_rows, src, 0 if src_rows is None else src_rows)
+            self._note_alignment(dst, src)
             self.n_float += 1
             return
         self._check(dst, "destination", FLOAT_DTYPES)
@@ -155,9 +153,7 @@ class GatherJobs:
             raise ValueError("destination rows must be contiguous")
         if src.dtype != self.dtype or src.stride(1) != 1:
             src = src.to(self.dtype).contiguous()
-        if self.aligned:
-            self.aligned = (self._width_aligned and (src.data_ptr() | dst.data_ptr()) % 16 == 0
-                            and (src.stride(0) | dst.stride(0)) % self.vector == 0)
+        self._note_alignment(dst, src)
         self.n_float += self._add(self.float_blocks, dst, dst_rows, src, src_rows)
 
     def ints(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
@@ -193,6 +189,12 @@ class GatherJobs:
             self.n_int += 1
             self.n_values += v.size
 
+    def _note_alignment(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Keep ``aligned`` true only while every float row starts on a 16-byte boundary."""
+        if self.aligned:
+            self.aligned = (self._width_aligned and (src.data_ptr() | dst.data_ptr()) % 16 == 0
+                            and (src.stride(0) | dst.stride(0)) % self.vector == 0)
+
     def _plain(self, dst, src, floating: bool) -> bool:
         """Whether a single-row job needs none of the slow path's checks or conversions."""
         try:
@@ -201,12 +203,8 @@ class GatherJobs:
             if floating:
                 if src.dtype is not self.dtype or dst.dtype is not self.dtype or src.dim() != 2 or dst.dim() != 2:
                     return False
-                if src.shape[1] != self.width or dst.shape[1] != self.width or src.stride(1) != 1 or dst.stride(1) != 1:
-                    return False
-                if self.aligned:
-                    self.aligned = (self._width_aligned and (src.data_ptr() | dst.data_ptr()) % 16 == 0
-                                    and (src.stride(0) | dst.stride(0)) % self.vector == 0)
-                return True
+                return not (src.shape[1] != self.width or dst.shape[1] != self.width
+                            or src.stride(1) != 1 or dst.stride(1) != 1)
             return (src.dtype in INT_DTYPES and dst.dtype in INT_DTYPES and src.dim() == 1 and dst.dim() == 1)
         except AttributeError:  # not a tensor: the full path raises the typed error
             return False
