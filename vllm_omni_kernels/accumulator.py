@@ -269,14 +269,12 @@ class MultimodalAccumulator:
                 is freed, every other request is left as it was (call ``collect`` again for them).
         """
         finished = set(finished)
-        due: list[tuple[str, _Request, bool]] = []
         if request_ids is not None:
             wanted = set(request_ids) | finished
             due = [(rid, self._requests[rid], rid in finished) for rid in wanted if rid in self._requests]
-        for rid, req in self._requests.items() if request_ids is None else ():
-            done = rid in finished
-            if done or (req.emit is not EmitPolicy.FINAL_ONLY and req.steps >= req.interval):
-                due.append((rid, req, done))
+        else:
+            due = [(rid, req, rid in finished) for rid, req in self._requests.items()
+                   if rid in finished or (req.emit is not EmitPolicy.FINAL_ONLY and req.steps >= req.interval)]
         for rid in finished:
             if rid not in self._requests:
                 raise TensorAccumulationError("finish of an unknown or already finished request", request_id=rid)

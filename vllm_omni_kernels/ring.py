@@ -349,7 +349,7 @@ class RingPool:
             self._ids_cache = self._ids_cache[:3] + (lin_off,)
         i, m = self._stage(slots, lin_off[0], n, axis_len if self.last else self.frame_elems)
         if (n > m[:, CAP] - m[:, _SIZE]).any():
-            return None  # the staged buffer was not uploaded: the next step reuses it
+            return None  # the staged buffer was not handed to a kernel: the next step reuses it
         return self._write_staged(i, m, data, slots, n)
 
     def _lookup(self, request_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
