@@ -50,12 +50,6 @@ from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
 
 Q = 16
 PREFILL_SPAN = 4
-
-
-def kernel_backends() -> list[str]:
-    """The kernel backends that can run here (triton, cuda = the compiled extension, cupy = NVRTC)."""
-    avail = backend._availability()
-    return [name for name in ("triton", "cuda", "cupy") if avail[name] is None]
 DTYPE = torch.bfloat16
 
 
@@ -285,7 +279,7 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     res["ours_graph_us_per_launch"] = statistics.median(runs) / launches
 
     # Every kernel backend available here: eager steps and the two kernels in a graph.
-    for name in kernel_backends():
+    for name in backend.kernel_backends():
         os.environ["VLLM_OMNI_KERNELS_BACKEND"] = name
         try:
             g.pre.jobs.clear()  # the graph's recorded jobs
@@ -332,7 +326,7 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     loop = res["paths"]["row_loop"]["us_per_step_median"]
     res["speedup_vs_row_loop"] = {p: loop / v["us_per_step_median"] for p, v in res["paths"].items()}
     res["GBps_by_backend"] = {name: step_bytes / (res["paths"][f"ours_graph[{name}]"]["us_per_step_median"] * 1e3)
-                              for name in kernel_backends()}
+                              for name in backend.kernel_backends()}
     del graph, cg, src, dst, sc
     torch.cuda.empty_cache()
     return res

@@ -48,12 +48,6 @@ from vllm_omni_kernels.ring import PaddedBatch, RingPool  # noqa: E402
 WORKLOADS = [(64, 1920), (256, 1920), (64, 48000), (8, 48000)]
 
 
-def kernel_backends() -> list[str]:
-    """The kernel backends that can run here (triton, cuda, cupy)."""
-    avail = backend._availability()
-    return [name for name in ("triton", "cuda", "cupy") if avail[name] is None]
-
-
 def time_episode(fn, repeats: int) -> list[float]:
     """Run fn() once to warm up, then `repeats` times; return milliseconds per run (CUDA events)."""
     fn()
@@ -200,7 +194,7 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
         for s in range(steps):
             pool.append(ids, PaddedBatch(sources[s], lens))
 
-    for name in kernel_backends():
+    for name in backend.kernel_backends():
         os.environ["VLLM_OMNI_KERNELS_BACKEND"] = name
         try:
             record(f"ours_append[{name}]", time_episode(appends_only, repeats), "eager appends, no finish")
@@ -232,7 +226,7 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
     # The copy reference moves the same bytes the same way: one static source, a fresh destination
     # every step (as the ring writes new arena memory every step), so neither is served from L2.
     del pool, sa, g1, gN
-    for name in kernel_backends():
+    for name in backend.kernel_backends():
         k_b = result["paths"][f"ours_kernel_ingraph[{name}]"]["us_per_step_median"]
         result.setdefault("kernel_GBps_by_backend", {})[name] = 2 * step_bytes / (k_b * 1e3)
     dst = torch.empty(steps, *sources[0].shape, device=dev)

@@ -64,3 +64,8 @@ def test_report_gives_every_op_its_backend_and_reason(availability, monkeypatch)
 def test_real_availability_on_this_machine_has_a_reason_for_each_missing_backend():
     for name, why in backend._availability().items():
         assert why is None or isinstance(why, str) and why
+
+
+def test_kernel_backends_lists_the_available_ones_in_order(availability):
+    availability(cupy=None, triton=None)
+    assert backend.kernel_backends() == ["triton", "cupy"]

@@ -84,6 +84,14 @@ def _select(want: str, device_type: str) -> tuple[str, str]:
 
 
 OPS = ("ring_write", "ring_read", "row_gather")
+KERNEL_BACKENDS = ("triton", "cuda", "cupy")
+
+
+def kernel_backends() -> list[str]:
+    """The kernel backends that can run here, in the benchmarks' order (triton, cuda = the compiled
+    extension, cupy = the same sources through NVRTC)."""
+    avail = _availability()
+    return [name for name in KERNEL_BACKENDS if avail[name] is None]
 
 
 def describe() -> dict[str, dict]:
