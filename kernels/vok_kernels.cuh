@@ -7,7 +7,8 @@
 //
 // Ring metadata (vllm_omni_kernels/ops/layout.py): int64 rows of 8 columns
 //   0 SLOT, 1 LIN_OFF, 2 N, 3 BASE, 4 CAP, 5 POS (-1: the device head), 6 LIN_STRIDE.
-// state: int64 [slots, 2] = (head, ticket). Gather table: vllm_omni_kernels/ops/gather_jobs.py.
+// state: int64 [slots], one word per slot: head << kHeadShift | ticket (layout.py says how the ticket
+// protects the head). Gather table: vllm_omni_kernels/ops/gather_jobs.py.
 #pragma once
 
 namespace vok {
@@ -20,6 +21,7 @@ constexpr int kRingPerThread = 8;  // elements in flight per thread: kRingThread
 constexpr int kGatherThreads = 128;
 constexpr int kGatherBlockBytes = 4096;  // bytes of a float row per block (2 x 16 B per thread)
 constexpr int kIntBlock = 128;
+constexpr int kHeadShift = 24;  // layout.py HEAD_SHIFT
 
 template <int S> struct Bits;
 template <> struct Bits<2> { typedef unsigned short T; };
@@ -38,71 +40,72 @@ __device__ __forceinline__ RingRow load_row(const i64* __restrict__ meta, int ro
   return r;
 }
 
-// Offsets of element e (0 <= e < n * F) of a row, in the ring region and in the linear tensor.
+// Element e (0 <= e < n * F) of a row as (outer, inner) coordinates, and its offset in the linear
+// tensor; the ring offset needs the head, the linear one does not.
 template <bool LAST>
-__device__ __forceinline__ void ring_offsets(const RingRow& r, i64 pos, i64 F, bool mono, i64 e, i64* ring,
-                                             i64* lin) {
+__device__ __forceinline__ i64 lin_offset(const RingRow& r, i64 F, bool mono, i64 e, i64* outer, i64* inner) {
   if (LAST) {
-    i64 outer = 0, inner = e;
-    if (!mono) { outer = e / r.n; inner = e - outer * r.n; }
-    i64 t = pos + inner;
-    if (t >= r.cap) t -= r.cap;
-    *ring = r.base + outer * r.cap + t;
-    *lin = r.lin_off + outer * r.lin_stride + inner;
+    *outer = mono ? 0 : e / r.n;
+    *inner = e - *outer * r.n;
   } else {
-    i64 outer = e / F, inner = e - outer * F;
-    i64 t = pos + outer;
-    if (t >= r.cap) t -= r.cap;
-    *ring = r.base + t * F + inner;
-    *lin = r.lin_off + outer * r.lin_stride + inner;
+    *outer = e / F;
+    *inner = e - *outer * F;
   }
+  return r.lin_off + *outer * r.lin_stride + *inner;
+}
+
+template <bool LAST>
+__device__ __forceinline__ i64 ring_offset(const RingRow& r, i64 pos, i64 F, i64 outer, i64 inner) {
+  i64 t = pos + (LAST ? inner : outer);
+  if (t >= r.cap) t -= r.cap;
+  return LAST ? r.base + outer * r.cap + t : r.base + t * F + inner;
 }
 
 // Grid (blocks, rows): block x copies elements [x * 2048, (x + 1) * 2048) of row y. WRITE: linear
-// src -> ring (and publish the new head); else ring -> linear out.
+// src -> ring (and publish the new head); else ring -> linear out. A write issues its source loads
+// before it reads the device head, so the two memory round trips overlap, and nothing waits on the
+// head update.
 template <int S, bool LAST, bool WRITE>
 __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ arena, i64* __restrict__ state,
                                           const i64* __restrict__ meta, typename Bits<S>::T* __restrict__ lin_ptr,
                                           i64 F, int mono) {
   typedef typename Bits<S>::T T;
   const RingRow r = load_row(meta, blockIdx.y);
-  i64 pos = r.pos;
-  if (WRITE && pos < 0) pos = state[r.slot * 2];
   const i64 total = r.n * F;
   const i64 start = (i64)blockIdx.x * (kRingThreads * kRingPerThread);
   T vals[kRingPerThread];
-  i64 dst[kRingPerThread];
+  i64 outer[kRingPerThread], inner[kRingPerThread], lin[kRingPerThread];
 #pragma unroll
   for (int k = 0; k < kRingPerThread; ++k) {
     const i64 e = start + k * kRingThreads + threadIdx.x;
     if (e < total) {
-      i64 ring, lin;
-      ring_offsets<LAST>(r, pos, F, mono != 0, e, &ring, &lin);
-      if (WRITE) { vals[k] = lin_ptr[lin]; dst[k] = ring; }
-      else { vals[k] = arena[ring]; dst[k] = lin; }
+      lin[k] = lin_offset<LAST>(r, F, mono != 0, e, &outer[k], &inner[k]);
+      vals[k] = WRITE ? lin_ptr[lin[k]] : arena[ring_offset<LAST>(r, r.pos, F, outer[k], inner[k])];
     }
+  }
+  i64 pos = r.pos;
+  if (WRITE) {
+    // One atomic takes this block's ticket and reads the head word; the block with the last ticket
+    // publishes the new head at once (every block of the row has read it by then).
+    __shared__ i64 head_word;
+    if (threadIdx.x == 0) {
+      const i64 word = (i64)atomicAdd(reinterpret_cast<u64*>(state + r.slot), 1ULL);
+      const i64 p = pos < 0 ? word >> kHeadShift : pos;
+      if ((word & ((1LL << kHeadShift) - 1)) == gridDim.x - 1) {
+        i64 head = p + r.n;
+        if (head >= r.cap) head -= r.cap;
+        state[r.slot] = head << kHeadShift;
+      }
+      head_word = p;
+    }
+    __syncthreads();
+    pos = head_word;
   }
 #pragma unroll
   for (int k = 0; k < kRingPerThread; ++k) {
-    const i64 e = start + k * kRingThreads + threadIdx.x;
-    if (e < total) {
-      if (WRITE) arena[dst[k]] = vals[k];
-      else lin_ptr[dst[k]] = vals[k];
-    }
-  }
-  if (!WRITE) return;
-  i64 head = pos + r.n;
-  if (head >= r.cap) head -= r.cap;
-  __syncthreads();  // every thread of this block has read the head
-  if (threadIdx.x != 0) return;
-  if (gridDim.x == 1) {
-    state[r.slot * 2] = head;
-  } else {  // the block that takes the last ticket of the row publishes the head
-    __threadfence();
-    const u64 ticket = atomicAdd(reinterpret_cast<u64*>(state + r.slot * 2 + 1), 1ULL);
-    if (ticket == gridDim.x - 1) {
-      state[r.slot * 2] = head;
-      state[r.slot * 2 + 1] = 0;
+    if (start + k * kRingThreads + threadIdx.x < total) {
+      if (WRITE) arena[ring_offset<LAST>(r, pos, F, outer[k], inner[k])] = vals[k];
+      else lin_ptr[lin[k]] = vals[k];
     }
   }
 }

@@ -7,6 +7,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "vok_kernels.cuh"
 
 namespace {
@@ -21,9 +23,10 @@ void ring_launch(bool write, const at::Tensor& arena, const at::Tensor& meta, in
   TORCH_CHECK(arena.is_cuda() && (meta.is_cuda() || meta.is_pinned()), "ring ops take a CUDA arena and CUDA or pinned metadata");
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.is_contiguous(), "meta must be contiguous int64");
   TORCH_CHECK(rows <= 65535, "at most 65535 rows per launch");
-  if (rows == 0 || max_elems == 0) return;
+  // A write with nothing to copy still runs one block per row: it publishes head overrides (POS).
+  if (rows == 0 || (!write && max_elems == 0)) return;
   const c10::cuda::OptionalCUDAGuard guard(arena.device());
-  const dim3 grid(ceil_div(max_elems, vok::kRingThreads * vok::kRingPerThread), rows);
+  const dim3 grid(std::max<int64_t>(1, ceil_div(max_elems, vok::kRingThreads * vok::kRingPerThread)), rows);
   const int mono = last && frame_elems == 1;
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int es = arena.element_size();
@@ -97,6 +100,71 @@ void row_gather(at::Tensor& anchor, at::Tensor& table, int64_t width, int64_t in
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// ---- Host planning of one ring append step (the compiled fast path of RingPool.append) -------------
+//
+// `table` is the pool's host slot table (int64 [slots, 8], laid out like a metadata row with the
+// unread size in column 7); `slots` and `n` are the step's B distinct slots and frame counts (int64,
+// host; n may be longer, its first B entries count); `staged` receives the B metadata rows (host, pinned when a kernel reads it in place).
+// Every row is checked before anything is written: 0 <= n <= axis_len and n fits in the slot's free
+// frames. On success the rows are staged, each slot's unread size advances by n and its head
+// override (POS) is cleared, and the largest n is returned; else -(b + 1) for the first row b that
+// does not fit, with nothing written. Same contract as RingPool._plan_numpy.
+constexpr int kSlot = 0, kLinOff = 1, kN = 2, kBase = 3, kCap = 4, kPos = 5, kLinStride = 6, kSize = 7;
+
+void check_host_i64(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), what,
+              " must be a contiguous int64 host tensor");
+}
+
+int64_t ring_plan(at::Tensor& table, const at::Tensor& slots, const at::Tensor& n, at::Tensor& staged,
+                  int64_t row_elems, int64_t axis_len, int64_t lin_stride) {
+  check_host_i64(table, "table");
+  check_host_i64(slots, "slots");
+  check_host_i64(n, "n");
+  check_host_i64(staged, "staged");
+  const int64_t B = slots.numel();
+  TORCH_CHECK(table.dim() == 2 && table.size(1) == 8, "table must be [slots, 8]");
+  TORCH_CHECK(n.numel() >= B && staged.numel() >= B * 8, "n and staged must cover every slot");
+  i64* t = reinterpret_cast<i64*>(table.data_ptr());
+  const i64* sl = reinterpret_cast<const i64*>(slots.data_ptr());
+  const i64* nn = reinterpret_cast<const i64*>(n.data_ptr());
+  i64* st = reinterpret_cast<i64*>(staged.data_ptr());
+  const int64_t num_slots = table.size(0);
+  int64_t max_n = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const i64 s = sl[b], k = nn[b];
+    if (s < 0 || s >= num_slots || k < 0 || k > axis_len) return -(b + 1);
+    const i64* row = t + s * 8;
+    if (k > row[kCap] - row[kSize]) return -(b + 1);
+    max_n = std::max<int64_t>(max_n, k);
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    i64* row = t + sl[b] * 8;
+    i64* m = st + b * 8;
+    m[kSlot] = sl[b];
+    m[kLinOff] = b * row_elems;
+    m[kN] = nn[b];
+    m[kBase] = row[kBase];
+    m[kCap] = row[kCap];
+    m[kPos] = row[kPos];
+    m[kLinStride] = lin_stride;
+    m[kSize] = row[kSize];
+    row[kSize] += nn[b];
+    row[kPos] = -1;
+  }
+  return max_n;
+}
+
+// Plan (above) and launch the write kernel reading the staged rows in place: one host call per step.
+int64_t ring_append(at::Tensor& arena, at::Tensor& state, at::Tensor& table, const at::Tensor& slots,
+                    const at::Tensor& n, at::Tensor& staged, const at::Tensor& src, int64_t row_elems,
+                    int64_t axis_len, int64_t lin_stride, int64_t frame_elems, bool last) {
+  TORCH_CHECK(staged.is_pinned(), "staged metadata must be pinned (the kernel reads it in place)");
+  const int64_t max_n = ring_plan(table, slots, n, staged, row_elems, axis_len, lin_stride);
+  if (max_n >= 0) ring_write(arena, state, staged, src, slots.numel(), frame_elems, last, max_n * frame_elems);
+  return max_n;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vllm_omni_kernels, m) {
@@ -105,10 +173,20 @@ TORCH_LIBRARY(vllm_omni_kernels, m) {
   m.def("ring_read(Tensor arena, Tensor meta, Tensor(a!) out, int rows, int frame_elems, bool last, "
         "int max_elems) -> ()");
   m.def("row_gather(Tensor(a!) anchor, Tensor(b!) table, int width, int int_off, int grid_rows, bool aligned) -> ()");
+  // Host-side planning ops (they read and advance host slot tables, so torch.compile cannot trace them).
+  m.def("ring_plan(Tensor(a!) table, Tensor slots, Tensor n, Tensor(b!) staged, int row_elems, int axis_len, "
+        "int lin_stride) -> int");
+  m.def("ring_append(Tensor(a!) arena, Tensor(b!) state, Tensor(c!) table, Tensor slots, Tensor n, Tensor(d!) staged, "
+        "Tensor src, int row_elems, int axis_len, int lin_stride, int frame_elems, bool last) -> int");
 }
 
 TORCH_LIBRARY_IMPL(vllm_omni_kernels, CUDA, m) {
   m.impl("ring_write", &ring_write);
   m.impl("ring_read", &ring_read);
   m.impl("row_gather", &row_gather);
+  m.impl("ring_append", &ring_append);
+}
+
+TORCH_LIBRARY_IMPL(vllm_omni_kernels, CPU, m) {
+  m.impl("ring_plan", &ring_plan);
 }

@@ -9,13 +9,16 @@ Paths:
                list; ``torch.cat`` per request at finish
   gpu_list     per request per step: keep the GPU slice in a list; ``torch.cat`` at finish
   cat_step     per request per step: ``acc = torch.cat([acc, chunk])`` (quadratic; 1920 workloads only)
-  ours_eager   ``RingPool.append`` (one metadata upload + one kernel per step); ``consolidate`` at finish
+  ours_eager   ``RingPool.append`` (one kernel per step, reading its metadata in place from pinned host
+               memory; with the compiled backend the host planning and the launch are one call);
+               ``consolidate`` at finish
   ours_graph   ``StaticAppend`` captured in a CUDA graph of one step, replayed per step
   ours_ingraph the same kernel captured ``steps`` times in one graph: the per-step device cost when the
                append is part of the model's captured step
   ours_append[b], ours_kernel_ingraph[b]
                per kernel backend b (triton, cuda = the compiled extension, cupy = NVRTC): eager
-               appends only (no finish), and the kernel alone in a graph
+               appends only (slot reset before and finish after not timed), and the kernel alone in
+               a graph
   copy_ingraph a plain device-to-device copy of the step's bytes, captured the same way (the copy
                bandwidth the kernel is compared with), plus one large copy for the peak
 
@@ -48,12 +51,17 @@ from vllm_omni_kernels.ring import PaddedBatch, RingPool  # noqa: E402
 WORKLOADS = [(64, 1920), (256, 1920), (64, 48000), (8, 48000)]
 
 
-def time_episode(fn, repeats: int) -> list[float]:
-    """Run fn() once to warm up, then `repeats` times; return milliseconds per run (CUDA events)."""
+def time_episode(fn, repeats: int, setup=None) -> list[float]:
+    """Run fn() once to warm up, then `repeats` times; return milliseconds per run (CUDA events).
+    ``setup()`` runs before every run, outside the timed span."""
+    if setup is not None:
+        setup()
     fn()
     torch.cuda.synchronize()
     out = []
     for _ in range(repeats):
+        if setup is not None:
+            setup()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
@@ -188,16 +196,17 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
     record("ours_kernel_ingraph", time_episode(kernel_only, repeats), "append kernels only, in one graph")
 
     # Every kernel backend available here, in the same process: eager appends only (metadata upload
-    # included, the finish excluded) and the append kernel alone in a graph.
+    # included; the slot reset before and the finish after are not timed) and the append kernel
+    # alone in a graph.
     def appends_only():
-        reset()
         for s in range(steps):
             pool.append(ids, PaddedBatch(sources[s], lens))
 
     for name in backend.kernel_backends():
         os.environ["VLLM_OMNI_KERNELS_BACKEND"] = name
         try:
-            record(f"ours_append[{name}]", time_episode(appends_only, repeats), "eager appends, no finish")
+            record(f"ours_append[{name}]", time_episode(appends_only, repeats, setup=reset),
+                   "eager appends only (slot reset and finish not timed)")
             got = ours_eager()
             torch.cuda.synchronize()
             assert torch.equal(got[B - 1], torch.cat([sources[s][B - 1] for s in range(steps)])), name

@@ -14,10 +14,10 @@ def availability(monkeypatch):
         full = {"cuda": "not built", "cupy": "not installed", "triton": "not installed", "torch": None}
         full.update(reasons)
         monkeypatch.setattr(backend, "_availability", lambda: full)
-        backend._select.cache_clear()
+        backend._decide.cache_clear()
 
     yield _set
-    backend._select.cache_clear()
+    backend._decide.cache_clear()
 
 
 @pytest.mark.parametrize("available, chosen", [
@@ -43,6 +43,18 @@ def test_explicit_request_of_an_unavailable_backend_says_why(availability, monke
     monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", "cupy")
     with pytest.raises(backend.BackendUnavailableError, match="not installed"):
         backend.select(torch.device("cuda"))
+
+
+def test_every_change_of_the_setting_reaches_the_next_launch(availability, monkeypatch):
+    """Launches read the setting through a cached fast path; set, changed and removed values all count."""
+    availability(triton=None)
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", "torch")
+    assert backend.name_for(True) == "torch"
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", " Triton ")
+    assert backend.name_for(True) == "triton" and backend.requested() == "triton"
+    monkeypatch.delenv("VLLM_OMNI_KERNELS_BACKEND")
+    assert backend.requested() == "auto" and backend.name_for(True) == "triton"
+    assert backend.name_for(False) == "torch"
 
 
 def test_unknown_backend_name_is_rejected(monkeypatch):

@@ -2,7 +2,8 @@
 
 A syntax or template error in kernels/ fails here: the kernel header is compiled to PTX for
 compute_90 and SASS for sm_90a with every entry point checked, and the CMake project configures and
-builds the torch extension (host and device code).
+builds the torch extension (host and device code). The extension's host planner (the CPU half of
+the compiled ring append) runs here too, against the pool's numpy planner.
 """
 
 import re
@@ -11,8 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
+from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "kernels"
@@ -35,20 +42,93 @@ def test_kernel_header_compiles_to_ptx_and_sass_with_every_entry_point(tmp_path)
                    check=True, capture_output=True, text=True)
 
 
-@needs_nvcc
-@pytest.mark.skipif(shutil.which("cmake") is None or torch.version.cuda is None, reason="cmake or CUDA torch missing")
-def test_cmake_configures_and_builds_the_torch_extension(tmp_path):
-    build = tmp_path / "build"
+needs_cmake = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None
+                                 or torch.version.cuda is None, reason="nvcc, cmake or a CUDA torch missing")
+
+
+@pytest.fixture(scope="module")
+def cmake_build(tmp_path_factory):
+    """Configure and build the extension once for this module: (configure stdout, library path)."""
+    build = tmp_path_factory.mktemp("build")
     run = subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), f"-DPython3_EXECUTABLE={sys.executable}"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "arch=compute_90a,code=sm_90a" in run.stdout and "code=compute_90" in run.stdout
+    configure = run.stdout
     run = subprocess.run(["cmake", "--build", str(build), "-j", "2"], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    lib = build / "_vok_ops.so"
+    return configure, build / "_vok_ops.so"
+
+
+@needs_cmake
+def test_cmake_configures_and_builds_the_torch_extension(cmake_build):
+    configure, lib = cmake_build
+    assert "arch=compute_90a,code=sm_90a" in configure and "code=compute_90" in configure
     assert lib.is_file()
     # The library registers its ops with the dispatcher (loading needs no GPU).
     code = (f"import torch; torch.ops.load_library({str(lib)!r}); "
             "print(torch.ops.vllm_omni_kernels.ring_write.default._schema)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and "Tensor(a!) arena" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def ring_plan(cmake_build):
+    """The compiled host planner op (from this build, or from the extension already loaded)."""
+    if not hasattr(torch.ops.vllm_omni_kernels, "ring_plan"):
+        torch.ops.load_library(str(cmake_build[1]))
+    return torch.ops.vllm_omni_kernels.ring_plan
+
+
+def _pool_in_some_state(rng):
+    """A CPU pool after a few real steps: varied unread sizes, capacities, tails and head overrides."""
+    pool = RingPool("audio", torch.float32, (), "cpu", S.CONCAT_LAST, budget_bytes=1 << 16, initial_frames=32,
+                    max_slots=12, growth=True)
+    ids = [f"r{i}" for i in range(int(rng.integers(1, 12)))]
+    for r in ids:
+        pool.alloc(r)
+    for _ in range(int(rng.integers(0, 5))):
+        sub = [ids[i] for i in rng.permutation(len(ids))[: int(rng.integers(1, len(ids) + 1))]]
+        pool.append(sub, PaddedBatch(torch.zeros(len(sub), 48), rng.integers(0, 49, len(sub))))
+        if rng.random() < 0.5:
+            pool.drain(sub[:1])
+    for r in ids[len(ids) // 2:] if rng.random() < 0.3 else []:  # fresh slots: head overrides again
+        pool.free(r)
+        pool.alloc(r)
+    return pool, ids
+
+
+@needs_cmake
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), bad=st.sampled_from(["none", "negative", "too_long", "overflow"]))
+def test_compiled_ring_plan_matches_the_numpy_plan(ring_plan, seed, bad):
+    """The compiled planner (the host half of the compiled append) and RingPool._plan_numpy agree on
+    the staged rows, the advanced slot table and the status, for valid steps and for each way a row
+    can fail (the first failing row is reported, and the table is left as it was)."""
+    rng = np.random.default_rng(seed)
+    pool, ids = _pool_in_some_state(rng)
+    sub = [ids[i] for i in rng.permutation(len(ids))[: int(rng.integers(1, len(ids) + 1))]]
+    slots = np.array([pool.slot_of(r) for r in sub], np.int64)
+    axis_len = 40
+    free = pool._cap[slots] - pool._size[slots]
+    n = np.minimum(rng.integers(0, axis_len + 1, len(slots)), free)
+    b = int(rng.integers(0, len(slots)))
+    if bad == "negative":
+        n[b] = -1
+    elif bad == "too_long":
+        n[b] = axis_len + 1
+    elif bad == "overflow":
+        pool._size[slots[b]] = pool._cap[slots[b]] - 1
+        n[b] = 2
+    before = pool._table.copy()
+    staged_np = np.zeros((len(slots), 8), np.int64)
+    got_np = pool._plan_numpy(staged_np, slots, n, 3 * axis_len, axis_len, axis_len)
+    table = torch.from_numpy(before.copy())
+    staged = torch.zeros(len(slots), 8, dtype=torch.int64)
+    got = ring_plan(table, torch.from_numpy(slots), torch.from_numpy(n), staged, 3 * axis_len, axis_len, axis_len)
+    assert got == got_np
+    assert np.array_equal(table.numpy(), pool._table)
+    if bad == "none":
+        assert got == n.max() and np.array_equal(staged.numpy(), staged_np)
+    else:
+        assert got == -(b + 1)
+        assert np.array_equal(pool._table, before)

@@ -82,6 +82,26 @@ def test_gather_property(kernel_backend, seed, dtype, width):
         check_gather_case(seed, dtype, width, "cuda", kernel_backend, mp)
 
 
+@pytest.mark.parametrize("lengths", [[0], [0, 3]], ids=["nothing_copied", "one_row_empty"])
+def test_reused_slot_gets_its_head_reset_by_an_empty_first_append(kernel_backend, lengths):
+    """A reused slot's device head still holds its last owner's value; the first launch after alloc
+    overrides it even when that launch copies nothing, so the next chunk lands at frame 0."""
+    pool = RingPool("k", torch.float32, (), "cuda", S.CONCAT_LAST, budget_bytes=1 << 16, initial_frames=64)
+    pool.alloc("old")
+    pool.append(["old"], PaddedBatch(torch.ones(1, 10, device="cuda"), [10]))
+    pool.free("old")
+    ids = ["new", "other"][: len(lengths)]
+    for r in ids:
+        pool.alloc(r)
+    pool.append(ids, PaddedBatch(torch.zeros(len(ids), 5, device="cuda"), lengths))
+    x = torch.arange(1.0, 8.0, device="cuda").view(1, 7).expand(len(ids), 7).contiguous()
+    pool.append(ids, PaddedBatch(x, [7] * len(ids)))
+    got = pool.consolidate(ids)
+    assert torch.equal(got[0], x[0])
+    if len(ids) == 2:
+        assert torch.equal(got[1], torch.cat([torch.zeros(3, device="cuda"), x[1]]))
+
+
 @pytest.mark.parametrize("strategy, frame", [(S.CONCAT_LAST, ()), (S.CONCAT_LAST, (2,)), (S.CONCAT_DIM0, (16,))])
 def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, monkeypatch):
     """The same lifecycle on a CUDA pool (this backend) and a CPU pool (the reference)."""

@@ -23,8 +23,26 @@ class BackendUnavailableError(RuntimeError):
     """The backend named in the environment cannot run here."""
 
 
+# Every launch asks for its backend, and os.environ.get costs microseconds (a missed key raises and
+# catches inside the Mapping); on POSIX CPython the environment's bytes live in a dict that setenv
+# and monkeypatch update in place, so one dict lookup reads the setting.
+_ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_KEY = _ENV.encode()
+
+
+def _raw() -> bytes | str | None:
+    return _ENV_BYTES.get(_ENV_KEY) if _ENV_BYTES is not None else os.environ.get(_ENV)
+
+
 def requested() -> str:
-    value = os.environ.get(_ENV, "auto").strip().lower() or "auto"
+    return _parse(_raw())
+
+
+@functools.cache
+def _parse(raw: bytes | str | None) -> str:
+    if raw is None:
+        return "auto"
+    value = (raw.decode(errors="replace") if isinstance(raw, bytes) else raw).strip().lower() or "auto"
     if value not in BACKENDS:
         raise BackendUnavailableError(f"{_ENV}={value!r} is not one of {BACKENDS}")
     return value
@@ -61,10 +79,20 @@ def select(device: torch.device) -> tuple[str, str]:
     Raises:
         BackendUnavailableError: the environment names a backend that cannot run here.
     """
-    return _select(requested(), device.type)
+    return _decide(_raw(), device.type)
+
+
+def name_for(is_cuda: bool) -> str:
+    """``select``'s backend name for a CUDA (True) or CPU (False) tensor, for launch paths: a
+    tensor's ``is_cuda`` is much cheaper than its ``device.type``."""
+    return _decide(_raw(), "cuda" if is_cuda else "cpu")[0]
 
 
 @functools.cache
+def _decide(raw: bytes | str | None, device_type: str) -> tuple[str, str]:
+    return _select(_parse(raw), device_type)
+
+
 def _select(want: str, device_type: str) -> tuple[str, str]:
     avail = _availability()
     if want != "auto":

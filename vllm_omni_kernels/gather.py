@@ -50,7 +50,7 @@ class RowGather:
             raise ValueError(f"{jobs.n_float} float rows / {jobs.n_int} int jobs / {jobs.n_values} values exceed "
                              f"this gather's capacity {self.capacity}")
         jobs.check_disjoint()
-        if not ops.uses_kernel(self.device):
+        if not ops.uses_kernel(self.jobs.is_cuda):
             return None
         i, host = self._staging.host()
         upload = resident and self._staging.pinned

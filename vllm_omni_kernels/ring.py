@@ -36,8 +36,8 @@ from . import ops
 from .allocator import BuddyAllocator
 from .errors import TensorAccumulationError, TensorConsolidationError
 from .modality import TensorAccumulationStrategy as Strategy
-from .ops.layout import BASE, CAP, HEAD, LIN_OFF, LIN_STRIDE, META_COLS, N, POS, SLOT
-from .profiling import nvtx_range
+from .ops.layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, META_COLS, N, POS, SLOT
+from .profiling import enabled as nvtx_enabled, nvtx_range
 from .staging import PinnedStaging
 
 _INT32_MAX = 2**31 - 1
@@ -112,7 +112,7 @@ class RingPool:
         min_frames = 1 << max(0, int(initial_frames) - 1).bit_length()
         self.allocator = BuddyAllocator(max(budget_bytes // self.frame_bytes, min_frames), min_frames)
         self.arena = torch.empty(self.allocator.total_frames * self.frame_elems, dtype=dtype, device=self.device)
-        self.state = torch.zeros(max_slots, 2, dtype=torch.int64, device=self.device)
+        self.state = torch.zeros(max_slots, dtype=torch.int64, device=self.device)  # layout.py: head words
 
         # Host mirrors, one entry per slot. ``_table`` is laid out like a metadata row (SLOT, BASE,
         # CAP, POS) so a step's metadata starts as one gather of it. POS is -1 ("the kernel reads the
@@ -123,6 +123,7 @@ class RingPool:
         self._base = self._table[:, BASE]  # element offset of the region (a view: writes go to _table)
         self._cap = self._table[:, CAP]    # frames
         self._table[:, POS] = -1
+        self._table_t = torch.from_numpy(self._table)  # the same memory, for the compiled planner
         self._stale: set[int] = set()
         self._size = self._table[:, _SIZE]  # unread frames (the kernels ignore this column)
         self._tail = np.zeros(max_slots, np.int64)   # next frame to read
@@ -136,6 +137,9 @@ class RingPool:
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
         self._ids_cache: tuple | None = None
         self._arange = np.arange(max_rows, dtype=np.int64)
+        self._n_host_t = torch.zeros(max_rows, dtype=torch.int64)  # a step's lengths, for the compiled planner
+        self._n_host = self._n_host_t.numpy()
+        self._device_index = self.device.index if self.device.type == "cuda" else -1  # Tensor.get_device()
         self.growths = 0
         self.rejected = 0
         self.high_water_bytes = 0
@@ -291,16 +295,22 @@ class RingPool:
         Requests must hold a slot (``alloc``). Invalid requests are skipped with a
         ``TensorAccumulationError`` each in the result; the valid ones are written by one launch.
         """
-        self._errors: list[TensorAccumulationError] = []
-        with nvtx_range(f"ring.append[{self.key}]"):
-            done = self._fast_append(request_ids, chunks) if isinstance(chunks, PaddedBatch) else None
+        if nvtx_enabled():
+            with nvtx_range(f"ring.append[{self.key}]"):
+                return self._append(request_ids, chunks)
+        return self._append(request_ids, chunks)
+
+    def _append(self, request_ids, chunks) -> AppendResult:
+        if type(chunks) is PaddedBatch:
+            done = self._fast_append(request_ids, chunks)
             if done is not None:
-                return AppendResult(appended=done, errors=self._errors)
-            if isinstance(chunks, PaddedBatch):
-                rows = self._rows_from_batch(request_ids, chunks)
-            else:
-                rows = self._rows_from_list(request_ids, chunks)
-            appended = self._launch_append(*rows) if rows is not None else 0
+                return AppendResult(appended=done)
+        self._errors: list[TensorAccumulationError] = []
+        if isinstance(chunks, PaddedBatch):
+            rows = self._rows_from_batch(request_ids, chunks)
+        else:
+            rows = self._rows_from_list(request_ids, chunks)
+        appended = self._launch_append(*rows) if rows is not None else 0
         self.rejected += len(self._errors)
         return AppendResult(appended=appended, errors=self._errors)
 
@@ -309,18 +319,22 @@ class RingPool:
         batch of the pool's dtype and frame shape, lengths in range, no overflow. Returns the rows
         launched, or None (nothing done) to send the step to the general path, which finds and
         reports whatever is off. Slot lookups are cached while the request list and pool are unchanged.
+
+        The step is planned (checked, staged, host mirrors advanced) by the compiled extension in the
+        same host call as its launch when that backend runs, else by ``_plan_numpy``; both have one
+        contract (``kernels/vok_torch.cu``, ``ring_plan``).
         """
         data = batch.data
-        if data.dtype != self.dtype or data.device != self.device or not data.is_contiguous():
+        if data.dtype is not self.dtype or data.get_device() != self._device_index or not data.is_contiguous():
             return None
         shape = data.shape
         if len(shape) != len(self.frame_shape) + 2 or \
-                (shape[1:-1] if self.last else shape[2:]) != self.frame_shape:
+                (self.frame_shape and (shape[1:-1] if self.last else shape[2:]) != self.frame_shape):
             return None
         ids = tuple(request_ids)
         cached = self._ids_cache
         if cached is not None and cached[1] == self.version and cached[0] == ids:
-            slots, lin_off = cached[2], cached[3]
+            slots, slots_t = cached[2], cached[3]
         else:
             owner = self._owner
             try:
@@ -329,8 +343,8 @@ class RingPool:
                 return None
             if len(set(ids)) != len(ids):
                 return None
-            lin_off = None
-            self._ids_cache = (ids, self.version, slots, None)
+            slots_t = torch.from_numpy(slots)
+            self._ids_cache = (ids, self.version, slots, slots_t)
         B = len(slots)
         n = batch.lengths
         if not isinstance(n, np.ndarray) or n.dtype != np.int64:
@@ -338,19 +352,55 @@ class RingPool:
                 return None
             n = np.asarray(n, dtype=np.int64)
         axis_len = shape[-1] if self.last else shape[1]
-        # One reduction checks 0 <= n <= axis_len: negative lengths are huge as unsigned.
-        if shape[0] != B or n.shape != (B,) or B == 0 or n.view(np.uint64).max() > axis_len \
-                or axis_len * self.frame_elems > _INT32_MAX:
+        if shape[0] != B or n.shape != (B,) or B == 0 or axis_len * self.frame_elems > _INT32_MAX:
             return None
-        self._ensure_rows(B)
+        if B > self._staging.rows:
+            self._ensure_rows(B)
         row_elems = axis_len * self.frame_elems
-        if lin_off is None or lin_off[1] != row_elems:
-            lin_off = (self._arange[:B] * row_elems, row_elems)
-            self._ids_cache = self._ids_cache[:3] + (lin_off,)
-        i, m = self._stage(slots, lin_off[0], n, axis_len if self.last else self.frame_elems)
-        if (n > m[:, CAP] - m[:, _SIZE]).any():
-            return None  # the staged buffer was not handed to a kernel: the next step reuses it
-        return self._write_staged(i, m, data, slots, n)
+        lin_stride = axis_len if self.last else self.frame_elems
+        i, host = self._staging.host()
+        planned_append = ops.ring_planned_append(self._device_index >= 0)
+        if planned_append is not None:
+            self._n_host[:B] = n  # a persistent host tensor: cheaper than wrapping n every step
+            max_n = planned_append(self.arena, self.state, self._table_t, slots_t, self._n_host_t,
+                                   self._staging.read_in_place(i), data, row_elems, axis_len, lin_stride,
+                                   self.frame_elems, self.last)
+        else:
+            max_n = self._plan_numpy(host, slots, n, row_elems, axis_len, lin_stride)
+            if max_n >= 0:
+                ops.ring_write(self.arena, self.state, self._staging.read_in_place(i), data, rows=B,
+                               frame_elems=self.frame_elems, last=self.last, max_elems=max_n * self.frame_elems)
+        if max_n < 0:
+            return None  # nothing was planned or launched
+        if self._stale:
+            self._stale.difference_update(slots.tolist())
+        return B
+
+    def _plan_numpy(self, staged: np.ndarray, slots: np.ndarray, n: np.ndarray, row_elems: int, axis_len: int,
+                    lin_stride: int) -> int:
+        """Plan one step into ``staged``: the numpy twin of the compiled ``ring_plan``.
+
+        ``slots`` are distinct; row b's chunk starts at element ``b * row_elems`` of the source. Every
+        row is checked first (0 <= n <= axis_len, n fits in the slot's free frames); then the rows are
+        staged, unread sizes advance and head overrides are cleared, and the largest n is returned.
+        Else -(b + 1) for the first row b that does not fit, with nothing changed.
+        """
+        B = len(slots)
+        # One reduction checks 0 <= n <= axis_len: negative lengths are huge as unsigned.
+        if n.view(np.uint64).max() > axis_len:
+            return -int(np.flatnonzero((n < 0) | (n > axis_len))[0]) - 1
+        m = staged[:B]
+        np.take(self._table, slots, axis=0, out=m)
+        over = n > m[:, CAP] - m[:, _SIZE]
+        if over.any():
+            return -int(np.flatnonzero(over)[0]) - 1
+        np.multiply(self._arange[:B], row_elems, out=m[:, LIN_OFF])
+        m[:, N] = n
+        m[:, LIN_STRIDE] = lin_stride
+        self._size[slots] += n
+        if self._stale:
+            self._table[slots, POS] = -1
+        return int(n.max())
 
     def _lookup(self, request_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Slots of the requests (-1 where unknown, with an error recorded) and a keep-mask."""
@@ -459,6 +509,8 @@ class RingPool:
                 torch.cuda.current_stream().synchronize()  # rare: only when a step outgrows the rows
             self._staging = PinnedStaging(new, META_COLS, self.device)
             self._arange = np.arange(new, dtype=np.int64)
+            self._n_host_t = torch.zeros(new, dtype=torch.int64)
+            self._n_host = self._n_host_t.numpy()
 
     def _stage(self, slots: np.ndarray, lin_off, n, lin_stride, pos=None) -> tuple[int, np.ndarray]:
         """Metadata rows for ``slots`` in the next staging buffer: one gather of the slot table
@@ -618,7 +670,7 @@ class StaticAppend:
         if hit:
             idx = np.array(sorted(hit), np.int64)
             heads = torch.from_numpy(pool._table[idx, POS].copy()).to(pool.device)
-            pool.state[torch.from_numpy(idx).to(pool.device), HEAD] = heads
+            pool.state[torch.from_numpy(idx).to(pool.device)] = heads << HEAD_SHIFT
             pool._unstale(idx)
 
     def launch(self) -> None:

@@ -38,16 +38,20 @@ class PinnedStaging:
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._count = 0  # uploads so far
         self._events: list[tuple[int, torch.cuda.Event]] = []  # (upload index, event after it)
+        self._done = 0  # uploads before this index are known to have run (no need to ask the device)
 
     def host(self) -> tuple[int, np.ndarray]:
         """(index, host buffer) of the next buffer to fill; waits only if the GPU is far behind."""
-        i = self._count % len(self._host)
-        if self.pinned and self._count >= len(self._host):
-            last_use = self._count - len(self._host)
+        depth = len(self._host)
+        i = self._count % depth
+        if self.pinned and self._count - depth >= self._done:
+            last_use = self._count - depth
             while self._events and self._events[0][0] < last_use:
                 self._events.pop(0)
             if self._events:
-                self._events[0][1].synchronize()  # a no-op unless the GPU is far behind (back-pressure)
+                k, ev = self._events.pop(0)
+                ev.synchronize()  # at once unless the GPU is far behind (back-pressure); once per event
+                self._done = k + 1
         return i, self._np[i]
 
     def read_in_place(self, i: int, row0: bool = False) -> torch.Tensor:

@@ -3,6 +3,7 @@
 Ring copies (semantics in ``reference.py``, layout in ``layout.py``):
     ring_write(arena, state, meta, src, rows=, frame_elems=, last=, max_elems=)
     ring_read(arena, meta, out, rows=, frame_elems=, last=, max_elems=)
+    ring_planned_append(is_cuda) -> a one-call plan + ring_write, or None (compiled backend only)
 ``max_elems`` is the host-known largest ``N * F`` of the step; it sizes the grid.
 
 Row gather (the fused decode gather; jobs and table in ``gather_jobs.py``):
@@ -25,10 +26,10 @@ _MODULES = {("cuda", "ring"): "cuda_ext", ("cuda", "gather"): "cuda_ext", ("cupy
 _loaded: dict[str, object] = {}
 
 
-def _impl(device: torch.device, module: str = "ring"):
-    """The backend module that implements ``module`` ("ring" or "gather") for ``device``, or None
-    for the torch reference. Every launch asks, so the module lookup is a dict hit."""
-    name, _ = _backend.select(device)
+def _impl(is_cuda: bool, module: str = "ring"):
+    """The backend module that implements ``module`` ("ring" or "gather") for CUDA (``is_cuda``) or
+    CPU tensors, or None for the torch reference. Every launch asks, so this is two dict hits."""
+    name = _backend.name_for(is_cuda)
     if name == "torch":
         return None
     mod_name = _MODULES[(name, module)]
@@ -38,9 +39,10 @@ def _impl(device: torch.device, module: str = "ring"):
     return mod
 
 
-def uses_kernel(device: torch.device) -> bool:
-    """Whether ops on ``device`` run a kernel backend (which reads device metadata) or the reference."""
-    return _impl(device if isinstance(device, torch.device) else torch.device(device)) is not None
+def uses_kernel(is_cuda: bool) -> bool:
+    """Whether ops on CUDA (``is_cuda``) or CPU tensors run a kernel backend (which reads device
+    metadata) or the reference."""
+    return _impl(is_cuda) is not None
 
 
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
@@ -50,7 +52,7 @@ def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bo
     ``src`` any contiguous tensor of the arena's dtype (addressed by element offsets). All on one
     device. No host sync on the kernel backends; validation is the caller's (``ring.RingPool``).
     """
-    impl = _impl(arena.device)
+    impl = _impl(arena.is_cuda)
     if impl is None:
         reference.ring_write(arena, state, meta, src, rows=rows, frame_elems=frame_elems, last=last)
     else:
@@ -60,11 +62,26 @@ def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bo
 
 def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
     """Copy each metadata row's ring span (from POS, N frames) into ``out`` at its LIN_OFF."""
-    impl = _impl(arena.device)
+    impl = _impl(arena.is_cuda)
     if impl is None:
         reference.ring_read(arena, meta, out, rows=rows, frame_elems=frame_elems, last=last)
     else:
         impl.ring_read(arena, meta, out, rows=rows, frame_elems=frame_elems, last=last, max_elems=max_elems)
+
+
+def ring_planned_append(is_cuda: bool):
+    """The backend's one-call append step (plan on the host and launch), or None when the backend has
+    none and the caller plans with ``RingPool._plan_numpy`` and calls ``ring_write``.
+
+    The function takes ``(arena, state, table, slots, n, staged, src, row_elems, axis_len, lin_stride,
+    frame_elems, last)``: ``table`` the pool's host slot table (int64 ``[slots, 8]``, advanced in
+    place), ``slots`` host int64 ``[B]`` (distinct), ``n`` host int64 ``[>= B]`` (the first B
+    count), ``staged`` the pinned buffer the
+    kernel reads in place. It returns the step's largest frame count, or ``-(b + 1)`` for the first
+    row ``b`` that does not fit, in which case nothing was changed or launched.
+    """
+    impl = _impl(is_cuda)
+    return None if impl is None else getattr(impl, "ring_planned_append", None)
 
 
 def row_gather(jobs, table, anchor, *, layout, grid_rows: int | None = None, aligned: bool | None = None) -> None:
@@ -76,7 +93,7 @@ def row_gather(jobs, table, anchor, *, layout, grid_rows: int | None = None, ali
     count; a captured graph passes its upper bound). ``aligned``: promise 16-byte aligned float rows
     (default: ``jobs.aligned``). One launch, no host sync; nothing at all when there are no jobs.
     """
-    impl = _impl(jobs.device, "gather")
+    impl = _impl(jobs.is_cuda, "gather")
     if impl is None:
         reference.row_gather(jobs)
         return

@@ -4,7 +4,9 @@ The extension (``_vok_ops*.so``, built by CMakeLists.txt through setup.py or by 
 ``torch.ops.vllm_omni_kernels.{ring_write, ring_read, row_gather}`` with ``TORCH_LIBRARY`` (def +
 impl: the dispatcher's direct path, a few microseconds a call). This module finds and loads it,
 registers fake implementations so ``torch.compile`` can trace callers, and exposes the same launch
-functions as ``triton_ring``/``triton_gather``.
+functions as ``triton_ring``/``triton_gather``, plus ``ring_planned_append``: the pool's host planning
+of an append step (``ring_plan``) and its launch in one call. The planning ops read and advance host
+tables, so they have no fake implementation.
 
 Search order: ``$VLLM_OMNI_KERNELS_EXT`` (a path to the .so), the package directory, ``build/`` of
 a source checkout.
@@ -58,6 +60,13 @@ def _register_fakes() -> None:
 
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:
     torch.ops.vllm_omni_kernels.ring_write(arena, state, meta, src, rows, frame_elems, last, max_elems)
+
+
+def ring_planned_append(arena, state, table, slots, n, staged, src, row_elems, axis_len, lin_stride, frame_elems,
+                        last) -> int:
+    """Plan and launch one append step in one host call (``ops.ring_planned_append`` has the contract)."""
+    return torch.ops.vllm_omni_kernels.ring_append(arena, state, table, slots, n, staged, src, row_elems, axis_len,
+                                                   lin_stride, frame_elems, last)
 
 
 def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:

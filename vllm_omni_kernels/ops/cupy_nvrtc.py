@@ -75,9 +75,10 @@ def _ptr(t: torch.Tensor) -> np.uint64:
 
 
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:
-    if rows == 0 or max_elems == 0:
+    if rows == 0:
         return
-    grid = (-(-max_elems // (RING_THREADS * RING_PER_THREAD)), rows)
+    # A write with nothing to copy still runs one block per row: it publishes head overrides (POS).
+    grid = (max(1, -(-max_elems // (RING_THREADS * RING_PER_THREAD))), rows)
     name = f"vok_ring_write_e{arena.element_size()}_{'last' if last else 'dim0'}"
     _launch(name, grid, RING_THREADS, (_ptr(arena), _ptr(state), _ptr(meta), _ptr(src), np.int64(frame_elems),
                                        np.int32(last and frame_elems == 1)))

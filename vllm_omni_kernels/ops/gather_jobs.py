@@ -110,6 +110,7 @@ class GatherJobs:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._device_index = -1 if self.device.type == "cpu" else self.device.index  # Tensor.get_device()
+        self.is_cuda = self.device.type == "cuda"
         self.elem_size = self.dtype.itemsize
         self.vector = 16 // self.elem_size  # elements per 16-byte vector
         self._width_aligned = self.width % self.vector == 0

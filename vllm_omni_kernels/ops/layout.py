@@ -20,11 +20,13 @@ Linear layout of a request's chunk:
     CONCAT_DIM0: frame j, element f at ``LIN_OFF + j*LIN_STRIDE + f``.
     CONCAT_LAST: channel c, sample j at ``LIN_OFF + c*LIN_STRIDE + j``.
 
-``state`` is int64 ``[slots, 2]``: column 0 the device head (next frame to write), column 1 a ticket
-counter that the write kernel uses to let the last program of a row publish the new head; it is 0
-between launches.
+``state`` is int64 ``[slots]``, one word per slot: ``head << HEAD_SHIFT | ticket``. The head is the
+next frame to write; the ticket counts the programs of a write launch that have read the head: each
+program takes its ticket and reads the head in one atomic add, and the program that takes the last
+ticket stores the new head with ticket 0 (so the word is ``head << HEAD_SHIFT`` between launches).
+No program can read the head after it moved, and nobody waits for the update.
 """
 
 META_COLS = 8
 SLOT, LIN_OFF, N, BASE, CAP, POS, LIN_STRIDE = range(7)  # column 7: not read by kernels
-HEAD, TICKET = 0, 1
+HEAD_SHIFT = 24  # ticket bits: a row has at most 2**31 / 2048 programs; heads up to 2**39 frames

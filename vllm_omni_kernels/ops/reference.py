@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import BASE, CAP, HEAD, LIN_OFF, LIN_STRIDE, N, POS, SLOT
+from .layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, N, POS, SLOT
 
 
 def _ring_index(pos: int, n: int, cap: int, device: torch.device) -> torch.Tensor:
@@ -32,7 +32,7 @@ def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bo
     """Copy each row's chunk from ``src`` into its ring region at the head; advance the head."""
     for row in meta[:rows].tolist():
         n, cap = row[N], row[CAP]
-        pos = row[POS] if row[POS] >= 0 else int(state[row[SLOT], HEAD])
+        pos = row[POS] if row[POS] >= 0 else int(state[row[SLOT]]) >> HEAD_SHIFT
         if n:
             ring, flat = _views(arena, src, row, frame_elems, last)
             idx = _ring_index(pos, n, cap, arena.device)
@@ -40,7 +40,7 @@ def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bo
                 ring[:, idx] = flat
             else:
                 ring[idx] = flat
-        state[row[SLOT], HEAD] = (pos + n) % cap
+        state[row[SLOT]] = ((pos + n) % cap) << HEAD_SHIFT
 
 
 def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool) -> None:

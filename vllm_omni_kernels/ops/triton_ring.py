@@ -4,11 +4,11 @@ Grid: ``(rows, blocks)``; program ``(r, b)`` copies elements ``[b*BLOCK, (b+1)*B
 ``N*F`` elements. All rows get the same number of programs (from the largest row) so the grid is
 fixed for a fixed step shape, which is what CUDA-graph replay needs.
 
-The write kernel publishes the new head itself. With one program per row (rows of up to
-``SINGLE_MAX`` elements: the usual decode-step chunk) that program reads the head, copies and stores
-``(head + N) % CAP``. With several programs per row, each reads the head before it takes a ticket
-(an acq_rel atomic) and the program that takes the last ticket stores the new head and resets the
-ticket. Nothing else reads the head in that launch, so a captured graph can be replayed step after
+The write kernel publishes the new head itself (``layout.py`` has the head word). With one program
+per row (rows of up to ``SINGLE_MAX`` elements: the usual decode-step chunk) that program reads the
+head and stores ``(head + N) % CAP``. With several programs per row, each takes its ticket and reads
+the head in one atomic add, and the program that takes the last ticket stores the new head. Source
+loads are issued before the head is read, so the two round trips overlap. Nothing else reads the head in that launch, so a captured graph can be replayed step after
 step with the head advancing on the device.
 """
 
@@ -17,18 +17,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .layout import META_COLS
+from .layout import HEAD_SHIFT as _HEAD_SHIFT, META_COLS
 
 BLOCK = 2048  # elements per program when a row needs several programs (sweep_block.py on the H200)
 SINGLE_MAX = 4096  # rows up to this many elements are copied by one program each
 MULTI_WARPS = 4
+HEAD_SHIFT = tl.constexpr(_HEAD_SHIFT)
+TICKET_MASK = tl.constexpr((1 << _HEAD_SHIFT) - 1)
 
 
 @triton.jit
-def _ring_offsets(meta_row, e, pos, F, LAST: tl.constexpr, MONO: tl.constexpr):
+def _lin_offsets(meta_row, e, F, LAST: tl.constexpr, MONO: tl.constexpr):
+    """(outer, inner) coordinates of elements ``e`` of a row, their linear-tensor offsets, and the mask;
+    none of it depends on the head."""
     n = tl.load(meta_row + 2)
-    base = tl.load(meta_row + 3)
-    cap = tl.load(meta_row + 4)
     lin_off = tl.load(meta_row + 1)
     lin_stride = tl.load(meta_row + 6)
     mask = e < n * F
@@ -40,18 +42,25 @@ def _ring_offsets(meta_row, e, pos, F, LAST: tl.constexpr, MONO: tl.constexpr):
             n_safe = tl.maximum(n, 1).to(tl.int32)
             outer = e // n_safe
             inner = e - outer * n_safe
-        t = pos + inner
-        t = tl.where(t >= cap, t - cap, t)
-        ring = base + outer.to(tl.int64) * cap + t
-        lin = lin_off + outer.to(tl.int64) * lin_stride + inner
     else:
         outer = e // F
         inner = e - outer * F
-        t = pos + outer
+    lin = lin_off + outer.to(tl.int64) * lin_stride + inner
+    return outer, inner, lin, mask
+
+
+@triton.jit
+def _ring_index(meta_row, outer, inner, pos, F, LAST: tl.constexpr):
+    """Ring-region offsets of (outer, inner) for a span starting at ring frame ``pos``."""
+    base = tl.load(meta_row + 3)
+    cap = tl.load(meta_row + 4)
+    if LAST:
+        t = pos + inner
         t = tl.where(t >= cap, t - cap, t)
-        ring = base + t * F + inner
-        lin = lin_off + outer.to(tl.int64) * lin_stride + inner
-    return ring, lin, mask
+        return base + outer.to(tl.int64) * cap + t
+    t = pos + outer
+    t = tl.where(t >= cap, t - cap, t)
+    return base + t * F + inner
 
 
 @triton.jit
@@ -60,25 +69,30 @@ def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F,
     row = tl.program_id(0)
     blk = tl.program_id(1)
     meta_row = meta_ptr + row * 8
+    e = blk * BLOCK + tl.arange(0, BLOCK)
+    outer, inner, lin, mask = _lin_offsets(meta_row, e, F, LAST, MONO)
+    vals = tl.load(src_ptr + lin, mask=mask)  # issued before the head is read: the round trips overlap
     slot = tl.load(meta_row + 0)
     pos = tl.load(meta_row + 5)
-    if pos < 0:
-        pos = tl.load(state_ptr + slot * 2)
-    e = blk * BLOCK + tl.arange(0, BLOCK)
-    ring, lin, mask = _ring_offsets(meta_row, e, pos, F, LAST, MONO)
-    vals = tl.load(src_ptr + lin, mask=mask)
-    tl.store(arena_ptr + ring, vals, mask=mask)
     n = tl.load(meta_row + 2)
     cap = tl.load(meta_row + 4)
-    head = pos + n
-    head = tl.where(head >= cap, head - cap, head)
     if SINGLE:
-        tl.store(state_ptr + slot * 2, head)
+        if pos < 0:
+            pos = tl.load(state_ptr + slot) >> HEAD_SHIFT
+        tl.store(arena_ptr + _ring_index(meta_row, outer, inner, pos, F, LAST), vals, mask=mask)
+        tl.debug_barrier()  # every warp has used the head (its stores' addresses) before it moves
+        head = pos + n
+        tl.store(state_ptr + slot, tl.where(head >= cap, head - cap, head) << HEAD_SHIFT)
     else:
-        ticket = tl.atomic_add(state_ptr + slot * 2 + 1, 1, sem="acq_rel")
-        if ticket == tl.num_programs(1) - 1:
-            tl.store(state_ptr + slot * 2, head)
-            tl.store(state_ptr + slot * 2 + 1, 0)
+        # One atomic takes the ticket and reads the head word; the program with the last ticket
+        # publishes the new head at once (every program of the row has read it by then).
+        word = tl.atomic_add(state_ptr + slot, 1, sem="relaxed")
+        if pos < 0:
+            pos = word >> HEAD_SHIFT
+        if (word & TICKET_MASK) == tl.num_programs(1) - 1:
+            head = pos + n
+            tl.store(state_ptr + slot, tl.where(head >= cap, head - cap, head) << HEAD_SHIFT)
+        tl.store(arena_ptr + _ring_index(meta_row, outer, inner, pos, F, LAST), vals, mask=mask)
 
 
 @triton.jit
@@ -89,8 +103,8 @@ def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
     meta_row = meta_ptr + row * 8
     pos = tl.load(meta_row + 5)
     e = blk * BLOCK + tl.arange(0, BLOCK)
-    ring, lin, mask = _ring_offsets(meta_row, e, pos, F, LAST, MONO)
-    vals = tl.load(arena_ptr + ring, mask=mask)
+    outer, inner, lin, mask = _lin_offsets(meta_row, e, F, LAST, MONO)
+    vals = tl.load(arena_ptr + _ring_index(meta_row, outer, inner, pos, F, LAST), mask=mask)
     tl.store(out_ptr + lin, vals, mask=mask)
 
 
