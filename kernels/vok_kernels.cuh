@@ -40,72 +40,90 @@ __device__ __forceinline__ RingRow load_row(const i64* __restrict__ meta, int ro
   return r;
 }
 
-// Element e (0 <= e < n * F) of a row as (outer, inner) coordinates, and its offset in the linear
-// tensor; the ring offset needs the head, the linear one does not.
+// Element e (0 <= e < n * F <= 2**31 - 1, checked on the host) of a row as (outer, inner): the lead
+// row and the position along the append axis (CONCAT_LAST), or the frame and the element in it
+// (CONCAT_DIM0). 32-bit: the per-element math is the kernel's instruction cost.
 template <bool LAST>
-__device__ __forceinline__ i64 lin_offset(const RingRow& r, i64 F, bool mono, i64 e, i64* outer, i64* inner) {
+__device__ __forceinline__ void split(int e, int n, int F, bool mono, int* outer, int* inner) {
   if (LAST) {
-    *outer = mono ? 0 : e / r.n;
-    *inner = e - *outer * r.n;
+    *outer = mono ? 0 : e / n;
+    *inner = e - *outer * n;
   } else {
     *outer = e / F;
     *inner = e - *outer * F;
   }
-  return r.lin_off + *outer * r.lin_stride + *inner;
+}
+
+__device__ __forceinline__ i64 lin_offset(const RingRow& r, int outer, int inner) {
+  return r.lin_off + (i64)outer * r.lin_stride + inner;
 }
 
 template <bool LAST>
-__device__ __forceinline__ i64 ring_offset(const RingRow& r, i64 pos, i64 F, i64 outer, i64 inner) {
+__device__ __forceinline__ i64 ring_offset(const RingRow& r, i64 pos, i64 F, int outer, int inner) {
   i64 t = pos + (LAST ? inner : outer);
   if (t >= r.cap) t -= r.cap;
-  return LAST ? r.base + outer * r.cap + t : r.base + t * F + inner;
+  return LAST ? r.base + (i64)outer * r.cap + t : r.base + t * F + inner;
 }
 
 // Grid (blocks, rows): block x copies elements [x * 2048, (x + 1) * 2048) of row y. WRITE: linear
-// src -> ring (and publish the new head); else ring -> linear out. A write issues its source loads
-// before it reads the device head, so the two memory round trips overlap, and nothing waits on the
-// head update.
+// src -> ring, and publish the new head; else ring -> linear out. A write issues its source loads
+// before it reads the device head, so the two memory round trips overlap. With one block per row
+// the block reads the head and stores the new one after every thread has used it; with several,
+// thread 0 takes the block's ticket and reads the head in one atomic (layout.py: the head word),
+// and the block with the last ticket publishes the new head at once.
 template <int S, bool LAST, bool WRITE>
 __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ arena, i64* __restrict__ state,
                                           const i64* __restrict__ meta, typename Bits<S>::T* __restrict__ lin_ptr,
-                                          i64 F, int mono) {
+                                          i64 F64, int mono) {
   typedef typename Bits<S>::T T;
   const RingRow r = load_row(meta, blockIdx.y);
-  const i64 total = r.n * F;
-  const i64 start = (i64)blockIdx.x * (kRingThreads * kRingPerThread);
+  const int F = (int)F64, n = (int)r.n, total = n * F;
+  const int start = blockIdx.x * (kRingThreads * kRingPerThread);
   T vals[kRingPerThread];
-  i64 outer[kRingPerThread], inner[kRingPerThread], lin[kRingPerThread];
+  int outer[kRingPerThread], inner[kRingPerThread];
 #pragma unroll
   for (int k = 0; k < kRingPerThread; ++k) {
-    const i64 e = start + k * kRingThreads + threadIdx.x;
+    const int e = start + k * kRingThreads + threadIdx.x;
     if (e < total) {
-      lin[k] = lin_offset<LAST>(r, F, mono != 0, e, &outer[k], &inner[k]);
-      vals[k] = WRITE ? lin_ptr[lin[k]] : arena[ring_offset<LAST>(r, r.pos, F, outer[k], inner[k])];
+      split<LAST>(e, n, F, mono != 0, &outer[k], &inner[k]);
+      vals[k] = WRITE ? lin_ptr[lin_offset(r, outer[k], inner[k])]
+                      : arena[ring_offset<LAST>(r, r.pos, F64, outer[k], inner[k])];
     }
+  }
+  if (!WRITE) {
+#pragma unroll
+    for (int k = 0; k < kRingPerThread; ++k) {
+      if (start + k * kRingThreads + (int)threadIdx.x < total) lin_ptr[lin_offset(r, outer[k], inner[k])] = vals[k];
+    }
+    return;
   }
   i64 pos = r.pos;
-  if (WRITE) {
-    // One atomic takes this block's ticket and reads the head word; the block with the last ticket
-    // publishes the new head at once (every block of the row has read it by then).
-    __shared__ i64 head_word;
+  const bool single = gridDim.x == 1;
+  if (single) {
+    if (pos < 0) pos = state[r.slot] >> kHeadShift;
+  } else {
+    __shared__ i64 shared_pos;
     if (threadIdx.x == 0) {
       const i64 word = (i64)atomicAdd(reinterpret_cast<u64*>(state + r.slot), 1ULL);
-      const i64 p = pos < 0 ? word >> kHeadShift : pos;
+      if (pos < 0) pos = word >> kHeadShift;
       if ((word & ((1LL << kHeadShift) - 1)) == gridDim.x - 1) {
-        i64 head = p + r.n;
-        if (head >= r.cap) head -= r.cap;
-        state[r.slot] = head << kHeadShift;
+        const i64 head = pos + r.n;
+        state[r.slot] = (head >= r.cap ? head - r.cap : head) << kHeadShift;
       }
-      head_word = p;
+      shared_pos = pos;
     }
     __syncthreads();
-    pos = head_word;
+    pos = shared_pos;
   }
 #pragma unroll
   for (int k = 0; k < kRingPerThread; ++k) {
-    if (start + k * kRingThreads + threadIdx.x < total) {
-      if (WRITE) arena[ring_offset<LAST>(r, pos, F, outer[k], inner[k])] = vals[k];
-      else lin_ptr[lin[k]] = vals[k];
+    if (start + k * kRingThreads + (int)threadIdx.x < total) arena[ring_offset<LAST>(r, pos, F64, outer[k], inner[k])] = vals[k];
+  }
+  if (single) {
+    __syncthreads();  // every thread has used the head (its stores' addresses) before it moves
+    if (threadIdx.x == 0) {
+      const i64 head = pos + r.n;
+      state[r.slot] = (head >= r.cap ? head - r.cap : head) << kHeadShift;
     }
   }
 }

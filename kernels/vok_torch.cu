@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "vok_kernels.cuh"
 
@@ -23,6 +24,7 @@ void ring_launch(bool write, const at::Tensor& arena, const at::Tensor& meta, in
   TORCH_CHECK(arena.is_cuda() && (meta.is_cuda() || meta.is_pinned()), "ring ops take a CUDA arena and CUDA or pinned metadata");
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.is_contiguous(), "meta must be contiguous int64");
   TORCH_CHECK(rows <= 65535, "at most 65535 rows per launch");
+  TORCH_CHECK(max_elems <= INT32_MAX, "a row of at most 2**31 - 1 elements per launch");
   // A write with nothing to copy still runs one block per row: it publishes head overrides (POS).
   if (rows == 0 || (!write && max_elems == 0)) return;
   const c10::cuda::OptionalCUDAGuard guard(arena.device());
@@ -155,6 +157,60 @@ int64_t ring_plan(at::Tensor& table, const at::Tensor& slots, const at::Tensor& 
   return max_n;
 }
 
+// ---- Host encoding of a row gather's job table (the compiled path of RowGather.launch) -----------
+//
+// `desc` lists the launch's blocks of jobs, 8 ints each (GatherJobs.describe):
+//   is_int, src_off, src_stride, dst_off, dst_stride, count, rows_at, width_flags
+// Job k of a block copies row s_k of the source to row d_k of the destination, at
+// src_off + s_k * src_stride and dst_off + d_k * dst_stride (float jobs in elements from the float
+// base, int jobs in int32 words from the table), where s_k = rowbuf[rows_at + k] and
+// d_k = rowbuf[rows_at + count + k], or s_k = d_k = 0 when rows_at < 0 (a single job with its rows
+// folded into the offsets). Int jobs also carry width_flags = width | flags << 32. Float jobs fill
+// the table from entry 2 in desc order, int jobs from int_off: the same table GatherJobs.encode
+// writes (gather_jobs.py has the layout).
+void gather_encode(at::Tensor& table, at::IntArrayRef desc, const at::Tensor& rowbuf, int64_t n_float, int64_t n_int,
+                   int64_t int_off) {
+  check_host_i64(table, "table");
+  check_host_i64(rowbuf, "rowbuf");
+  TORCH_CHECK(desc.size() % 8 == 0, "desc holds 8 ints per block");
+  TORCH_CHECK(table.numel() >= int_off + 4 * n_int && int_off >= 2 + 2 * n_float, "table too small for the jobs");
+  i64* t = reinterpret_cast<i64*>(table.data_ptr());
+  const i64* rb = reinterpret_cast<const i64*>(rowbuf.data_ptr());
+  const int64_t rb_n = rowbuf.numel();
+  t[0] = n_float;
+  t[1] = n_int;
+  int64_t f = 0, i = 0;
+  for (size_t b = 0; b < desc.size(); b += 8) {
+    const int64_t* d = desc.data() + b;
+    const int64_t count = d[5], at = d[6];
+    TORCH_CHECK(count >= 0 && (at < 0 ? count == 1 : at + 2 * count <= rb_n), "block rows out of the row buffer");
+    TORCH_CHECK(d[0] ? i + count <= n_int : f + count <= n_float, "more jobs than declared");
+    for (int64_t k = 0; k < count; ++k) {
+      const i64 s = at < 0 ? 0 : rb[at + k], dr = at < 0 ? 0 : rb[at + count + k];
+      if (d[0]) {
+        i64* rec = t + int_off + 4 * i++;
+        rec[0] = d[1] + s * d[2];
+        rec[1] = d[3] + dr * d[4];
+        rec[2] = d[7] & 0xffffffffLL;
+        rec[3] = d[7] >> 32;
+      } else {
+        t[2 + 2 * f] = d[1] + s * d[2];
+        t[3 + 2 * f] = d[3] + dr * d[4];
+        ++f;
+      }
+    }
+  }
+  TORCH_CHECK(f == n_float && i == n_int, "fewer jobs than declared");
+}
+
+// Encode (above) into a pinned table and launch the gather kernel that reads it in place.
+void gather_launch(at::Tensor& anchor, at::Tensor& table, at::IntArrayRef desc, const at::Tensor& rowbuf,
+                   int64_t n_float, int64_t n_int, int64_t int_off, int64_t width, bool aligned) {
+  TORCH_CHECK(table.is_pinned(), "the table must be pinned (the kernel reads it in place)");
+  gather_encode(table, desc, rowbuf, n_float, n_int, int_off);
+  row_gather(anchor, table, width, int_off, n_float + n_int, aligned);
+}
+
 // Plan (above) and launch the write kernel reading the staged rows in place: one host call per step.
 int64_t ring_append(at::Tensor& arena, at::Tensor& state, at::Tensor& table, const at::Tensor& slots,
                     const at::Tensor& n, at::Tensor& staged, const at::Tensor& src, int64_t row_elems,
@@ -178,6 +234,9 @@ TORCH_LIBRARY(vllm_omni_kernels, m) {
         "int lin_stride) -> int");
   m.def("ring_append(Tensor(a!) arena, Tensor(b!) state, Tensor(c!) table, Tensor slots, Tensor n, Tensor(d!) staged, "
         "Tensor src, int row_elems, int axis_len, int lin_stride, int frame_elems, bool last) -> int");
+  m.def("gather_encode(Tensor(a!) table, int[] desc, Tensor rowbuf, int n_float, int n_int, int int_off) -> ()");
+  m.def("gather_launch(Tensor(a!) anchor, Tensor(b!) table, int[] desc, Tensor rowbuf, int n_float, int n_int, "
+        "int int_off, int width, bool aligned) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vllm_omni_kernels, CUDA, m) {
@@ -185,8 +244,10 @@ TORCH_LIBRARY_IMPL(vllm_omni_kernels, CUDA, m) {
   m.impl("ring_read", &ring_read);
   m.impl("row_gather", &row_gather);
   m.impl("ring_append", &ring_append);
+  m.impl("gather_launch", &gather_launch);
 }
 
 TORCH_LIBRARY_IMPL(vllm_omni_kernels, CPU, m) {
   m.impl("ring_plan", &ring_plan);
+  m.impl("gather_encode", &gather_encode);
 }

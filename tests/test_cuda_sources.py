@@ -2,8 +2,8 @@
 
 A syntax or template error in kernels/ fails here: the kernel header is compiled to PTX for
 compute_90 and SASS for sm_90a with every entry point checked, and the CMake project configures and
-builds the torch extension (host and device code). The extension's host planner (the CPU half of
-the compiled ring append) runs here too, against the pool's numpy planner.
+builds the torch extension (host and device code). The extension's host halves (the ring append's
+planner and the gather's table encoder) run here too, against their numpy twins.
 """
 
 import re
@@ -18,7 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gather_cases import make_gather_case
+from vllm_omni_kernels.gather import RowGather
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
+from vllm_omni_kernels.ops.gather_jobs import TableLayout
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +76,8 @@ def test_cmake_configures_and_builds_the_torch_extension(cmake_build):
 
 @pytest.fixture(scope="module")
 def ring_plan(cmake_build):
-    """The compiled host planner op (from this build, or from the extension already loaded)."""
+    """The compiled host planner op (from this build, or from the extension already loaded); loading
+    it also brings the gather encoder."""
     if not hasattr(torch.ops.vllm_omni_kernels, "ring_plan"):
         torch.ops.load_library(str(cmake_build[1]))
     return torch.ops.vllm_omni_kernels.ring_plan
@@ -132,3 +136,30 @@ def test_compiled_ring_plan_matches_the_numpy_plan(ring_plan, seed, bad):
     else:
         assert got == -(b + 1)
         assert np.array_equal(pool._table, before)
+
+
+@needs_cmake
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       width=st.sampled_from([1, 8, 33, 256]))
+def test_compiled_gather_encoder_writes_the_numpy_encoders_table(ring_plan, seed, dtype, width):
+    """GatherJobs.describe expanded by the compiled gather_encode (the host half of the compiled
+    gather launch) is the table GatherJobs.encode writes, word for word: float rows, every int
+    pairing, single-row jobs and value payloads."""
+    dsts, srcs, jobs = make_gather_case(seed, dtype, width)
+    gather = RowGather(dtype, width, "cpu", max_float_rows=64, max_int_rows=64, max_values=64)
+    for kind, dst, dst_rows, src, src_rows in jobs:
+        if kind == "values":
+            gather.jobs.values(dsts[dst], dst_rows)
+        else:
+            getattr(gather.jobs, kind)(dsts[dst], dst_rows, srcs[src], src_rows)
+    j = gather.jobs
+    layout = TableLayout(j.n_float, j.n_int, j.n_values)
+    anchor = torch.zeros(1, dtype=dtype)
+    compiled = torch.full((layout.words,), -7, dtype=torch.int64)
+    numpy_table = compiled.numpy().copy()
+    fb, ib = anchor.data_ptr(), compiled.data_ptr()
+    j.encode(numpy_table, layout, fb, ib)
+    desc = j.describe(compiled.numpy(), layout, fb, ib)
+    torch.ops.vllm_omni_kernels.gather_encode(compiled, desc, j._rowbuf_t, j.n_float, j.n_int, layout.int_off)
+    assert np.array_equal(compiled.numpy(), numpy_table)

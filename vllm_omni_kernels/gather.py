@@ -40,17 +40,22 @@ class RowGather:
         self._static_aligned: bool | None = None  # the alignment promise baked into a captured kernel
         self._table_rows = self.table.view(1, -1)
         self.launches = 0
+        self._layouts: dict[tuple[int, int, int], TableLayout] = {}
 
-    def _encode(self, layout: TableLayout, resident: bool) -> torch.Tensor | None:
-        """Validate and encode the jobs into the next pinned table; with ``resident`` also upload it
-        into the device table. Returns the table the kernel reads (None: the reference backend)."""
+    def _validate(self) -> None:
         jobs = self.jobs
         if (jobs.n_float > self.capacity.float_cap or jobs.n_int > self.capacity.int_cap
                 or jobs.n_values > self.capacity.payload_cap):
             raise ValueError(f"{jobs.n_float} float rows / {jobs.n_int} int jobs / {jobs.n_values} values exceed "
                              f"this gather's capacity {self.capacity}")
         jobs.check_disjoint()
-        if not ops.uses_kernel(self.jobs.is_cuda):
+
+    def _encode(self, layout: TableLayout, resident: bool) -> torch.Tensor | None:
+        """Validate and encode the jobs into the next pinned table; with ``resident`` also upload it
+        into the device table. Returns the table the kernel reads (None: the reference backend)."""
+        jobs = self.jobs
+        self._validate()
+        if not ops.uses_kernel(jobs.is_cuda):
             return None
         i, host = self._staging.host()
         upload = resident and self._staging.pinned
@@ -70,9 +75,23 @@ class RowGather:
         jobs = self.jobs
         if jobs.n_float + jobs.n_int == 0:
             return 0
-        layout = TableLayout(jobs.n_float, jobs.n_int, jobs.n_values)  # compact: upload only what is used
-        table = self._encode(layout, resident=False)
-        ops.row_gather(jobs, table, self._anchor, layout=layout)
+        key = (jobs.n_float, jobs.n_int, jobs.n_values)
+        layout = self._layouts.get(key)
+        if layout is None:  # compact: only what is used (few distinct step shapes: cached)
+            if len(self._layouts) > 1024:
+                self._layouts.clear()
+            layout = self._layouts[key] = TableLayout(*key)
+        planned_launch = ops.gather_planned_launch(jobs.is_cuda)
+        if planned_launch is not None:  # the compiled backend encodes and launches in one host call
+            self._validate()
+            i, host = self._staging.host()
+            table = self._staging.read_in_place(i, row0=True)
+            desc = jobs.describe(host[0], layout, self._anchor.data_ptr(), table.data_ptr())
+            planned_launch(self._anchor, table, desc, jobs._rowbuf_t, jobs.n_float, jobs.n_int, layout.int_off,
+                           jobs.width, jobs.aligned)
+        else:
+            table = self._encode(layout, resident=False)
+            ops.row_gather(jobs, table, self._anchor, layout=layout)
         jobs.clear()
         self.launches += 1
         return 1

@@ -8,6 +8,7 @@ Ring copies (semantics in ``reference.py``, layout in ``layout.py``):
 
 Row gather (the fused decode gather; jobs and table in ``gather_jobs.py``):
     row_gather(jobs, table, anchor, layout=, grid_rows=)
+    gather_planned_launch(is_cuda) -> a one-call encode + row_gather, or None (compiled backend only)
 """
 
 from __future__ import annotations
@@ -82,6 +83,18 @@ def ring_planned_append(is_cuda: bool):
     """
     impl = _impl(is_cuda)
     return None if impl is None else getattr(impl, "ring_planned_append", None)
+
+
+def gather_planned_launch(is_cuda: bool):
+    """The backend's one-call gather step (encode the job table on the host and launch), or None when
+    the backend has none and the caller encodes with ``GatherJobs.encode`` and calls ``row_gather``.
+
+    The function takes ``(anchor, table, desc, rowbuf, n_float, n_int, int_off, width, aligned)``:
+    ``table`` the pinned host table the kernel reads in place (float offsets relative to ``anchor``,
+    int offsets to ``table``), ``desc``/``rowbuf`` from ``GatherJobs.describe``.
+    """
+    impl = _impl(is_cuda, "gather")
+    return None if impl is None else getattr(impl, "gather_planned_launch", None)
 
 
 def row_gather(jobs, table, anchor, *, layout, grid_rows: int | None = None, aligned: bool | None = None) -> None:

@@ -73,5 +73,10 @@ def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
     torch.ops.vllm_omni_kernels.ring_read(arena, meta, out, rows, frame_elems, last, max_elems)
 
 
+def gather_planned_launch(anchor, table, desc, rowbuf, n_float, n_int, int_off, width, aligned) -> None:
+    """Encode the job table and launch the gather in one host call (``ops.gather_planned_launch``)."""
+    torch.ops.vllm_omni_kernels.gather_launch(anchor, table, desc, rowbuf, n_float, n_int, int_off, width, aligned)
+
+
 def row_gather(fbase, ibase, table, *, width, int_off, grid_rows, align) -> None:
     torch.ops.vllm_omni_kernels.row_gather(fbase, table, width, int_off, grid_rows, align > 1)

@@ -102,6 +102,7 @@ class GatherJobs:
     n_int: int = 0
     n_values: int = 0
     aligned: bool = True
+    _block_rows: int = 0  # rows of the array-row blocks (what ``describe`` stages)
 
     def __post_init__(self):
         if self.dtype not in FLOAT_DTYPES:
@@ -111,6 +112,8 @@ class GatherJobs:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._device_index = -1 if self.device.type == "cpu" else self.device.index  # Tensor.get_device()
         self.is_cuda = self.device.type == "cuda"
+        self._rowbuf_t = torch.zeros(256, dtype=torch.int64)  # row indices for the compiled encoder
+        self._rowbuf = self._rowbuf_t.numpy()
         self.elem_size = self.dtype.itemsize
         self.vector = 16 // self.elem_size  # elements per 16-byte vector
         self._width_aligned = self.width % self.vector == 0
@@ -120,6 +123,7 @@ class GatherJobs:
         self.int_blocks.clear()
         self.value_blocks.clear()
         self.n_float = self.n_int = self.n_values = 0
+        self._block_rows = 0
         self.aligned = True
 
     def _check(self, t: torch.Tensor, what: str, dtypes, dims=(2,)) -> torch.Tensor:
@@ -235,6 +239,7 @@ class GatherJobs:
             raise ValueError(f"{len(s)} source rows for {len(d)} destination rows")
         if len(d):
             blocks.append(_Block(src, s, dst, d))
+            self._block_rows += len(d)
         return len(d)
 
     # ------------------------------------------------------------------ encoding
@@ -253,15 +258,70 @@ class GatherJobs:
             if np.unique(starts).size != starts.size:
                 raise ValueError("two jobs of one launch write the same destination row")
 
+    def describe(self, out: np.ndarray, layout: TableLayout, float_base: int, int_base: int) -> list[int]:
+        """The compiled encoder's input: 8 ints per block of jobs (``kernels/vok_torch.cu``,
+        ``gather_encode``, has the format), with row indices staged in ``self.rowbuf`` and value
+        payloads written into ``out`` (the table). Expanded by ``gather_encode`` it is exactly the
+        table ``encode`` writes, with the jobs in the same order."""
+        self._check_capacity(layout)
+        rows = self._rowbuf
+        need = 2 * self._block_rows
+        if need > rows.size:
+            self._rowbuf_t = torch.zeros(max(need, 2 * rows.size), dtype=torch.int64)
+            rows = self._rowbuf = self._rowbuf_t.numpy()
+        desc: list[int] = []
+        singles: list[int] = []
+        at = 0
+        es = self.elem_size
+        for b in self.float_blocks:
+            src_off, dst_off = (b.src.data_ptr() - float_base) // es, (b.dst.data_ptr() - float_base) // es
+            ss, ds = b.src.stride(0), b.dst.stride(0)
+            if isinstance(b.dst_rows, int):
+                singles += (0, src_off + b.src_rows * ss, 0, dst_off + b.dst_rows * ds, 0, 1, -1, 0)
+                continue
+            k = len(b.dst_rows)
+            rows[at:at + k] = b.src_rows
+            rows[at + k:at + 2 * k] = b.dst_rows
+            desc += (0, src_off, ss, dst_off, ds, k, at, 0)
+            at += 2 * k
+        desc += singles
+        singles = []
+        for b in self.int_blocks:
+            sw, dw = b.src.element_size() // 4, b.dst.element_size() // 4
+            src_off, dst_off = (b.src.data_ptr() - int_base) // 4, (b.dst.data_ptr() - int_base) // 4
+            ss, ds = b.src.stride(0) * sw, b.dst.stride(0) * dw
+            wf = (b.dst.shape[1] if b.dst.dim() == 2 else 1) | (((sw == 2) | ((dw == 2) << 1)) << 32)
+            if isinstance(b.dst_rows, int):
+                singles += (1, src_off + b.src_rows * ss, 0, dst_off + b.dst_rows * ds, 0, 1, -1, wf)
+                continue
+            k = len(b.dst_rows)
+            rows[at:at + k] = b.src_rows
+            rows[at + k:at + 2 * k] = b.dst_rows
+            desc += (1, src_off, ss, dst_off, ds, k, at, wf)
+            at += 2 * k
+        desc += singles
+        if self.value_blocks:
+            payload = out[layout.payload_off:layout.words].view(np.int32)
+            p = 0
+            for dst, v in self.value_blocks:
+                payload[p:p + v.size] = v
+                desc += (1, 2 * layout.payload_off + p, 0, (dst.data_ptr() - int_base) // 4, 0, 1, -1,
+                         v.size | (((dst.element_size() == 8) << 1) << 32))
+                p += v.size
+        return desc
+
+    def _check_capacity(self, layout: TableLayout) -> None:
+        if self.n_float > layout.float_cap or self.n_int > layout.int_cap or self.n_values > layout.payload_cap:
+            raise ValueError(f"{self.n_float} float / {self.n_int} int jobs / {self.n_values} values exceed "
+                             f"the table's {layout.float_cap} / {layout.int_cap} / {layout.payload_cap}")
+
     def encode(self, out: np.ndarray, layout: TableLayout, float_base: int, int_base: int) -> None:
         """Fill the flat int64 ``out`` (>= ``layout.words``) with this launch's table.
 
         ``float_base``/``int_base`` are the data pointers the kernel gets as its two bases (a float
         anchor tensor of the launcher, and the device table itself).
         """
-        if self.n_float > layout.float_cap or self.n_int > layout.int_cap or self.n_values > layout.payload_cap:
-            raise ValueError(f"{self.n_float} float / {self.n_int} int jobs / {self.n_values} values exceed "
-                             f"the table's {layout.float_cap} / {layout.int_cap} / {layout.payload_cap}")
+        self._check_capacity(layout)
         out[0], out[1] = self.n_float, self.n_int
         es = self.elem_size
         pos, single = 2, ([], [])
