@@ -16,8 +16,16 @@ namespace vok {
 typedef long long i64;
 typedef unsigned long long u64;
 
-constexpr int kRingThreads = 256;
-constexpr int kRingPerThread = 8;  // elements in flight per thread: kRingThreads * 8 = 2048 a block
+// Ring block shape (profiling/sweep_ring_cuda.py compiles variants with -D overrides; the launchers
+// in vok_torch.cu and cupy_nvrtc.py size grids from the defaults).
+#ifndef VOK_RING_THREADS
+#define VOK_RING_THREADS 256
+#endif
+#ifndef VOK_RING_PER_THREAD
+#define VOK_RING_PER_THREAD 8
+#endif
+constexpr int kRingThreads = VOK_RING_THREADS;
+constexpr int kRingPerThread = VOK_RING_PER_THREAD;  // elements in flight per thread
 constexpr int kGatherThreads = 128;
 constexpr int kGatherBlockBytes = 4096;  // bytes of a float row per block (2 x 16 B per thread)
 constexpr int kIntBlock = 128;
@@ -43,10 +51,10 @@ __device__ __forceinline__ RingRow load_row(const i64* __restrict__ meta, int ro
 // Element e (0 <= e < n * F <= 2**31 - 1, checked on the host) of a row as (outer, inner): the lead
 // row and the position along the append axis (CONCAT_LAST), or the frame and the element in it
 // (CONCAT_DIM0). 32-bit: the per-element math is the kernel's instruction cost.
-template <bool LAST>
-__device__ __forceinline__ void split(int e, int n, int F, bool mono, int* outer, int* inner) {
+template <bool LAST, bool MONO>
+__device__ __forceinline__ void split(int e, int n, int F, int* outer, int* inner) {
   if (LAST) {
-    *outer = mono ? 0 : e / n;
+    *outer = MONO ? 0 : e / n;
     *inner = e - *outer * n;
   } else {
     *outer = e / F;
@@ -71,10 +79,11 @@ __device__ __forceinline__ i64 ring_offset(const RingRow& r, i64 pos, i64 F, int
 // the block reads the head and stores the new one after every thread has used it; with several,
 // thread 0 takes the block's ticket and reads the head in one atomic (layout.py: the head word),
 // and the block with the last ticket publishes the new head at once.
-template <int S, bool LAST, bool WRITE>
+// MONO: CONCAT_LAST with one channel (audio [T]); the index math is then an add per element.
+template <int S, bool LAST, bool WRITE, bool MONO>
 __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ arena, i64* __restrict__ state,
                                           const i64* __restrict__ meta, typename Bits<S>::T* __restrict__ lin_ptr,
-                                          i64 F64, int mono) {
+                                          i64 F64) {
   typedef typename Bits<S>::T T;
   const RingRow r = load_row(meta, blockIdx.y);
   const int F = (int)F64, n = (int)r.n, total = n * F;
@@ -85,7 +94,7 @@ __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ aren
   for (int k = 0; k < kRingPerThread; ++k) {
     const int e = start + k * kRingThreads + threadIdx.x;
     if (e < total) {
-      split<LAST>(e, n, F, mono != 0, &outer[k], &inner[k]);
+      split<LAST, MONO>(e, n, F, &outer[k], &inner[k]);
       vals[k] = WRITE ? lin_ptr[lin_offset(r, outer[k], inner[k])]
                       : arena[ring_offset<LAST>(r, r.pos, F64, outer[k], inner[k])];
     }
@@ -180,13 +189,15 @@ __device__ __forceinline__ void row_gather(char* __restrict__ fbase, int* __rest
   extern "C" __global__ void __launch_bounds__(vok::kRingThreads)                                      \
       vok_ring_write_e##S##_##NAME(void* arena, long long* state, const long long* meta, void* src,    \
                                    long long F, int mono) {                                             \
-    vok::ring_copy<S, LAST, true>(static_cast<vok::Bits<S>::T*>(arena), state, meta,                   \
-                                  static_cast<vok::Bits<S>::T*>(src), F, mono);                         \
+    typedef vok::Bits<S>::T T;                                                                          \
+    if (LAST && mono) vok::ring_copy<S, LAST, true, true>(static_cast<T*>(arena), state, meta, static_cast<T*>(src), F); \
+    else vok::ring_copy<S, LAST, true, false>(static_cast<T*>(arena), state, meta, static_cast<T*>(src), F); \
   }                                                                                                     \
   extern "C" __global__ void __launch_bounds__(vok::kRingThreads)                                      \
       vok_ring_read_e##S##_##NAME(void* arena, const long long* meta, void* out, long long F, int mono) { \
-    vok::ring_copy<S, LAST, false>(static_cast<vok::Bits<S>::T*>(arena), nullptr, meta,                \
-                                   static_cast<vok::Bits<S>::T*>(out), F, mono);                        \
+    typedef vok::Bits<S>::T T;                                                                          \
+    if (LAST && mono) vok::ring_copy<S, LAST, false, true>(static_cast<T*>(arena), nullptr, meta, static_cast<T*>(out), F); \
+    else vok::ring_copy<S, LAST, false, false>(static_cast<T*>(arena), nullptr, meta, static_cast<T*>(out), F); \
   }
 
 VOK_RING(2, dim0, false)

@@ -26,8 +26,8 @@ for B, T in [(64, 48000), (8, 48000)]:
         pool.alloc(r)
     sa = pool.static_append(ids, src, np.full(B, T))
     for block in (1024, 2048, 4096):
-        for warps in (4, 8):
-            triton_ring.BLOCK, triton_ring.MULTI_WARPS = block, warps
+        for warps in (4, 8, 16):
+            triton_ring.BLOCK, triton_ring.MULTI_WARPS, triton_ring.SMALL_GRID = block, warps, 0
             sa.prepare(1)
             sa.launch()
             g = torch.cuda.CUDAGraph()

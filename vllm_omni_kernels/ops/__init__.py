@@ -49,7 +49,7 @@ def uses_kernel(is_cuda: bool) -> bool:
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
     """Append each metadata row's chunk of ``src`` into its ring region; advance device heads.
 
-    Shapes: ``arena`` 1-D pool storage, ``state`` int64 [slots, 2], ``meta`` int64 [>=rows, 8],
+    Shapes: ``arena`` 1-D pool storage, ``state`` int64 [slots] (head words), ``meta`` int64 [>=rows, 8],
     ``src`` any contiguous tensor of the arena's dtype (addressed by element offsets). All on one
     device. No host sync on the kernel backends; validation is the caller's (``ring.RingPool``).
     """

@@ -4,7 +4,7 @@ A step's metadata is an int64 tensor ``[rows, META_COLS]`` in device memory; one
 Element offsets (never byte offsets) are int64 so pools larger than 2**31 elements work.
 
 Columns:
-    SLOT        slot index into the ``state`` table (head, ticket)
+    SLOT        slot index into the ``state`` table (one head word per slot)
     LIN_OFF     element offset of the request's first element in the linear tensor
     N           frames to copy (0 allowed)
     BASE        element offset of the slot's region in the arena

@@ -19,9 +19,13 @@ import triton.language as tl
 
 from .layout import HEAD_SHIFT as _HEAD_SHIFT, META_COLS
 
-BLOCK = 2048  # elements per program when a row needs several programs (sweep_block.py on the H200)
+# Rows of more than SINGLE_MAX elements: BLOCK elements per program, MULTI_WARPS warps, doubled for a
+# launch of at most SMALL_GRID programs (latency-bound: more threads issue the loads sooner).
+# profiling/sweep_block.py on the H200: 1024 x 4 warps best at 64x48000, 1024 x 8 at 8x48000.
+BLOCK = 1024
 SINGLE_MAX = 4096  # rows up to this many elements are copied by one program each
 MULTI_WARPS = 4
+SMALL_GRID = 1024
 HEAD_SHIFT = tl.constexpr(_HEAD_SHIFT)
 TICKET_MASK = tl.constexpr((1 << _HEAD_SHIFT) - 1)
 
@@ -111,19 +115,21 @@ def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
 assert META_COLS == 8  # the kernels hard-code the row pitch
 
 
-def _shape(max_elems: int) -> tuple[int, int, int]:
-    """(programs per row, elements per program, warps) for the largest row of a launch."""
+def _shape(max_elems: int, rows: int) -> tuple[int, int, int]:
+    """(programs per row, elements per program, warps) for a launch of ``rows`` rows of at most
+    ``max_elems`` elements."""
     if max_elems <= SINGLE_MAX:
         block = max(128, triton.next_power_of_2(max_elems))
         return 1, block, 4 if block <= 2048 else 8
-    return triton.cdiv(max_elems, BLOCK), BLOCK, MULTI_WARPS
+    blocks = triton.cdiv(max_elems, BLOCK)
+    return blocks, BLOCK, 2 * MULTI_WARPS if rows * blocks <= SMALL_GRID else MULTI_WARPS
 
 
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:
     """Launch the write kernel over ``rows`` rows; see ``reference.ring_write`` for the semantics."""
     if rows == 0:
         return
-    blocks, block, warps = _shape(max_elems)
+    blocks, block, warps = _shape(max_elems, rows)
     _ring_write_kernel[(rows, blocks)](
         arena, state, meta, src, frame_elems,
         LAST=last, MONO=last and frame_elems == 1, BLOCK=block, SINGLE=blocks == 1, num_warps=warps,
@@ -134,7 +140,7 @@ def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
     """Launch the read kernel over ``rows`` rows; see ``reference.ring_read`` for the semantics."""
     if rows == 0:
         return
-    blocks, block, warps = _shape(max_elems)
+    blocks, block, warps = _shape(max_elems, rows)
     _ring_read_kernel[(rows, blocks)](
         arena, meta, out, frame_elems,
         LAST=last, MONO=last and frame_elems == 1, BLOCK=block, num_warps=warps,
