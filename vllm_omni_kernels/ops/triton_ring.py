@@ -8,8 +8,9 @@ The write kernel publishes the new head itself (``layout.py`` has the head word)
 per row (rows of up to ``SINGLE_MAX`` elements: the usual decode-step chunk) that program reads the
 head and stores ``(head + N) % CAP``. With several programs per row, each takes its ticket and reads
 the head in one atomic add, and the program that takes the last ticket stores the new head. Source
-loads are issued before the head is read, so the two round trips overlap. Nothing else reads the head in that launch, so a captured graph can be replayed step after
-step with the head advancing on the device.
+loads are issued before the head is read, so the two round trips overlap. Nothing else reads the
+head in that launch, so a captured graph can be replayed step after step with the head advancing on
+the device.
 """
 
 from __future__ import annotations
