@@ -1,8 +1,10 @@
 """Block-size sweep of the multi-program ring append (in a CUDA graph of 200 appends).
 
-Usage: python profiling/sweep_block.py   (prints us/step and GB/s per BLOCK x warps x workload)
+Usage: VLLM_OMNI_KERNELS_BACKEND=triton python profiling/sweep_block.py [--blocks 512,1024,2048]
+       [--warps 4,8] [--workloads 64x48000,8x48000]   (prints us/step and GB/s per BLOCK x warps x workload)
 """
 
+import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -16,7 +18,12 @@ from vllm_omni_kernels.ops import triton_ring  # noqa: E402
 from vllm_omni_kernels.ring import RingPool  # noqa: E402
 
 STEPS = 200
-for B, T in [(64, 48000), (8, 48000)]:
+ap = argparse.ArgumentParser()
+ap.add_argument("--blocks", default="1024,2048,4096")
+ap.add_argument("--warps", default="4,8,16")
+ap.add_argument("--workloads", default="64x48000,8x48000")
+args = ap.parse_args()
+for B, T in [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]:
     src = torch.randn(B, T, device="cuda")
     ids = [f"r{i}" for i in range(B)]
     frames = 1 << (T * STEPS - 1).bit_length()
@@ -25,8 +32,8 @@ for B, T in [(64, 48000), (8, 48000)]:
     for r in ids:
         pool.alloc(r)
     sa = pool.static_append(ids, src, np.full(B, T))
-    for block in (1024, 2048, 4096):
-        for warps in (4, 8, 16):
+    for block in [int(b) for b in args.blocks.split(",")]:
+        for warps in [int(w) for w in args.warps.split(",")]:
             triton_ring.BLOCK, triton_ring.MULTI_WARPS, triton_ring.SMALL_GRID = block, warps, 0
             sa.prepare(1)
             sa.launch()
@@ -47,3 +54,21 @@ for B, T in [(64, 48000), (8, 48000)]:
             us = statistics.median(times[1:])
             print(f"{B}x{T} BLOCK={block} warps={warps}: {us:6.2f} us/step {2 * B * T * 4 / us / 1e3:7.0f} GB/s", flush=True)
             pool._size[sa.slots] = 0
+    # The same bytes copied to a fresh destination per step, in one graph: the bandwidth reference.
+    dst = torch.empty(STEPS, B, T, device="cuda")
+    gc = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gc):
+        for s in range(STEPS):
+            dst[s].copy_(src)
+    times = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        gc.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / STEPS)
+    us = statistics.median(times[1:])
+    print(f"{B}x{T} copy: {us:6.2f} us/step {2 * B * T * 4 / us / 1e3:7.0f} GB/s", flush=True)
+    del dst, gc, pool, sa
+    torch.cuda.empty_cache()
