@@ -44,31 +44,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cuda_timing import us_per_call  # noqa: E402
 from vllm_omni_kernels import backend  # noqa: E402
+from vllm_omni_kernels.cuda_graphs import capture  # noqa: E402
 from vllm_omni_kernels.decode_gather import DecodeGather  # noqa: E402
 from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
 
 Q = 16
 PREFILL_SPAN = 4
 DTYPE = torch.bfloat16
-
-
-def time_steps(fn, steps: int, repeats: int) -> list[float]:
-    """Microseconds per step: fn() ``steps`` times per repeat, CUDA events, after one warm-up repeat."""
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1000 / steps)
-    return out
 
 
 def count_device_ops(fn, steps: int = 5) -> dict | None:
@@ -244,7 +228,7 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
         sc.check(fn)
         n = steps if name != "row_loop" or B <= 256 else max(3, steps // 10)
         with nvtx_range(f"{kind}.{name}"):
-            record(name, time_steps(fn, n, repeats), count_device_ops(fn))
+            record(name, us_per_call(fn, n, repeats), count_device_ops(fn))
 
     # In a CUDA graph: the two kernels captured graph_steps times, tables prepared outside the graph.
     g = sc.g
@@ -263,18 +247,10 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
         if sc.mtp:
             g.post.run_static(post_rows)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        kernels()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(graph_steps):
-            kernels()
+    graph = capture(kernels, graph_steps)
     sc.check(graph.replay)
     launches = 2 if sc.mtp else 1
-    runs = [t / graph_steps for t in time_steps(graph.replay, 3, repeats)]
+    runs = [t / graph_steps for t in us_per_call(graph.replay, 3, repeats)]
     record("ours_graph", runs, {"kernels": launches, "memcpys": 0}, f"{graph_steps} steps in one graph")
     res["ours_graph_us_per_launch"] = statistics.median(runs) / launches
 
@@ -285,7 +261,7 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
             g.pre.jobs.clear()  # the graph's recorded jobs
             g.post.jobs.clear()
             sc.check(sc.ours_eager)
-            record(f"ours_eager[{name}]", time_steps(sc.ours_eager, steps, repeats))
+            record(f"ours_eager[{name}]", us_per_call(sc.ours_eager, steps, repeats))
             g.pre.jobs.clear()
             sc.record_pre()
             g.pre.prepare_static()
@@ -293,16 +269,9 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
                 g.post.jobs.clear()
                 sc.record_post()
                 g.post.prepare_static()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                kernels()
-            torch.cuda.current_stream().wait_stream(side)
-            gb = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gb):
-                for _ in range(graph_steps):
-                    kernels()
+            gb = capture(kernels, graph_steps)
             sc.check(gb.replay)
-            runs = [t / graph_steps for t in time_steps(gb.replay, 3, repeats)]
+            runs = [t / graph_steps for t in us_per_call(gb.replay, 3, repeats)]
             record(f"ours_graph[{name}]", runs, {"kernels": launches, "memcpys": 0})
             del gb
         finally:
@@ -315,7 +284,7 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     with torch.cuda.graph(cg):
         for _ in range(graph_steps):
             dst.copy_(src)
-    runs = [t / graph_steps for t in time_steps(cg.replay, 3, repeats)]
+    runs = [t / graph_steps for t in us_per_call(cg.replay, 3, repeats)]
     record("copy_graph", runs, {"kernels": 1, "memcpys": 0}, "the same float bytes, one copy_")
     step_bytes = 2 * rows * H * es
     k = res["paths"]["ours_graph"]["us_per_step_median"]

@@ -43,33 +43,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cuda_timing import event_ms  # noqa: E402
 from vllm_omni_kernels import backend  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
 from vllm_omni_kernels.ring import PaddedBatch, RingPool  # noqa: E402
 
 WORKLOADS = [(64, 1920), (256, 1920), (64, 48000), (8, 48000)]
-
-
-def time_episode(fn, repeats: int, setup=None) -> list[float]:
-    """Run fn() once to warm up, then `repeats` times; return milliseconds per run (CUDA events).
-    ``setup()`` runs before every run, outside the timed span."""
-    if setup is not None:
-        setup()
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
 
 
 def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
@@ -130,14 +110,14 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
         return pool.consolidate(ids)
 
     with nvtx_range("upstream"):
-        record("upstream", time_episode(upstream, max(1, repeats // 2)))
+        record("upstream", event_ms(upstream, max(1, repeats // 2)))
     with nvtx_range("gpu_list"):
-        record("gpu_list", time_episode(gpu_list, repeats))
+        record("gpu_list", event_ms(gpu_list, repeats))
     if T <= 1920:
         with nvtx_range("cat_step"):
-            record("cat_step", time_episode(cat_step, max(1, repeats // 2)))
+            record("cat_step", event_ms(cat_step, max(1, repeats // 2)))
     with nvtx_range("ours_eager"):
-        record("ours_eager", time_episode(ours_eager, repeats), f"backend {backend.select(dev)[0]}")
+        record("ours_eager", event_ms(ours_eager, repeats), f"backend {backend.select(dev)[0]}")
 
     # Check ours against the reference concatenation once (outside timing).
     got = ours_eager()
@@ -150,19 +130,8 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
     # Graph paths: a static source (the model's captured output buffer).
     reset()
     sa = pool.static_append(ids, sources[0], lens)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        sa.prepare(1)
-        sa.launch()
-    torch.cuda.current_stream().wait_stream(side)
-    g1 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g1):
-        sa.launch()
-    gN = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gN):
-        for _ in range(steps):
-            sa.launch()
+    g1 = sa.capture_graph(1)
+    gN = sa.capture_graph(steps)
 
     def ours_graph():
         reset()
@@ -178,9 +147,9 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
         return pool.consolidate(ids)
 
     with nvtx_range("ours_graph"):
-        record("ours_graph", time_episode(ours_graph, repeats), "1-step graph replayed per step, host prepare included")
+        record("ours_graph", event_ms(ours_graph, repeats), "1-step graph replayed per step, host prepare included")
     with nvtx_range("ours_ingraph"):
-        record("ours_ingraph", time_episode(ours_ingraph, repeats), f"{steps} appends in one graph")
+        record("ours_ingraph", event_ms(ours_ingraph, repeats), f"{steps} appends in one graph")
     got = ours_ingraph()
     torch.cuda.synchronize()
     assert torch.equal(got[B - 1], sources[0][B - 1].repeat(steps)), "graph path wrong"
@@ -193,7 +162,7 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
         pool._size[sa.slots] = 0  # rewind the host mirrors: the ring wraps, content is not checked here
 
     reset()
-    record("ours_kernel_ingraph", time_episode(kernel_only, repeats), "append kernels only, in one graph")
+    record("ours_kernel_ingraph", event_ms(kernel_only, repeats), "append kernels only, in one graph")
 
     # Every kernel backend available here, in the same process: eager appends only (metadata upload
     # included; the slot reset before and the finish after are not timed) and the append kernel
@@ -205,22 +174,14 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
     for name in backend.kernel_backends():
         os.environ["VLLM_OMNI_KERNELS_BACKEND"] = name
         try:
-            record(f"ours_append[{name}]", time_episode(appends_only, repeats, setup=reset),
+            record(f"ours_append[{name}]", event_ms(appends_only, repeats, setup=reset),
                    "eager appends only (slot reset and finish not timed)")
             got = ours_eager()
             torch.cuda.synchronize()
             assert torch.equal(got[B - 1], torch.cat([sources[s][B - 1] for s in range(steps)])), name
             reset()
             sb = pool.static_append(ids, sources[0], lens)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                sb.prepare(1)
-                sb.launch()
-            torch.cuda.current_stream().wait_stream(side)
-            gb = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gb):
-                for _ in range(steps):
-                    sb.launch()
+            gb = sb.capture_graph(steps)
 
             def kernel_only_b(sb=sb, gb=gb):
                 sb.prepare(steps)
@@ -228,7 +189,7 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
                 pool._size[sb.slots] = 0
 
             reset()
-            record(f"ours_kernel_ingraph[{name}]", time_episode(kernel_only_b, repeats), "append kernels only")
+            record(f"ours_kernel_ingraph[{name}]", event_ms(kernel_only_b, repeats), "append kernels only")
             del gb, sb
         finally:
             os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "auto"
@@ -243,7 +204,7 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
     with torch.cuda.graph(gc):
         for s in range(steps):
             dst[s].copy_(sources[0])
-    record("copy_ingraph", time_episode(gc.replay, repeats), "same bytes to a fresh destination per step, in one graph")
+    record("copy_ingraph", event_ms(gc.replay, repeats), "same bytes to a fresh destination per step, in one graph")
     k = result["paths"]["ours_kernel_ingraph"]["us_per_step_median"]
     c = result["paths"]["copy_ingraph"]["us_per_step_median"]
     result["kernel_GBps"] = 2 * step_bytes / (k * 1e3)
@@ -259,7 +220,7 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
 def peak_copy_GBps() -> float:
     n = 1 << 28  # 1 GiB of float32
     a, b = torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
-    ms = statistics.median(time_episode(lambda: b.copy_(a), 20))
+    ms = statistics.median(event_ms(lambda: b.copy_(a), 20))
     return 2 * n * 4 / (ms * 1e6)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import event_ms  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.ops import triton_ring  # noqa: E402
 from vllm_omni_kernels.ring import RingPool  # noqa: E402
@@ -32,26 +33,16 @@ for B, T in [tuple(int(x) for x in w.split("x")) for w in args.workloads.split("
     for r in ids:
         pool.alloc(r)
     sa = pool.static_append(ids, src, np.full(B, T))
+
+    def rewind():  # the ring wraps; content is not checked here
+        pool._size[sa.slots] = 0
+        sa.prepare(STEPS)
+
     for block in [int(b) for b in args.blocks.split(",")]:
         for warps in [int(w) for w in args.warps.split(",")]:
             triton_ring.BLOCK, triton_ring.MULTI_WARPS, triton_ring.SMALL_GRID = block, warps, 0
-            sa.prepare(1)
-            sa.launch()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(STEPS):
-                    sa.launch()
-            times = []
-            for _ in range(7):
-                pool._size[sa.slots] = 0
-                sa.prepare(STEPS)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1000 / STEPS)
-            us = statistics.median(times[1:])
+            g = sa.capture_graph(STEPS)
+            us = statistics.median(event_ms(g.replay, 6, setup=rewind)) * 1000 / STEPS
             print(f"{B}x{T} BLOCK={block} warps={warps}: {us:6.2f} us/step {2 * B * T * 4 / us / 1e3:7.0f} GB/s", flush=True)
             pool._size[sa.slots] = 0
     # The same bytes copied to a fresh destination per step, in one graph: the bandwidth reference.
@@ -60,15 +51,7 @@ for B, T in [tuple(int(x) for x in w.split("x")) for w in args.workloads.split("
     with torch.cuda.graph(gc):
         for s in range(STEPS):
             dst[s].copy_(src)
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        gc.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / STEPS)
-    us = statistics.median(times[1:])
+    us = statistics.median(event_ms(gc.replay, 6)) * 1000 / STEPS
     print(f"{B}x{T} copy: {us:6.2f} us/step {2 * B * T * 4 / us / 1e3:7.0f} GB/s", flush=True)
     del dst, gc, pool, sa
     torch.cuda.empty_cache()

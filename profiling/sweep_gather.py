@@ -16,7 +16,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gather import Scenario, time_steps  # noqa: E402
+from bench_gather import Scenario  # noqa: E402
+from cuda_timing import us_per_call  # noqa: E402
+from vllm_omni_kernels.cuda_graphs import capture  # noqa: E402
 from vllm_omni_kernels.ops import triton_gather  # noqa: E402
 
 
@@ -34,7 +36,7 @@ def main() -> None:
     with torch.cuda.graph(cg):
         for _ in range(20):
             dst.copy_(src)
-    copy_us = statistics.median(time_steps(cg.replay, 3, 7)) / 20
+    copy_us = statistics.median(us_per_call(cg.replay, 3, 7)) / 20
     print(f"{args.kind} B={args.B} H={args.H}: copy of the same bytes {copy_us:.2f} us")
     for block, warps in itertools.product((1024, 2048, 4096), (2, 4, 8, 16)):
         triton_gather.MAX_BLOCK_F, triton_gather.MAX_WARPS, triton_gather.ELEMS_PER_WARP = block, warps, 1
@@ -53,13 +55,8 @@ def main() -> None:
             if sc.mtp:
                 sc.g.post.run_static(n_post)
 
-        step()  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                step()
-        us = statistics.median(time_steps(graph.replay, 3, 7)) / 20
+        graph = capture(step, 20)  # its warm-up step compiles outside the capture
+        us = statistics.median(us_per_call(graph.replay, 3, 7)) / 20
         print(f"  block {block:5d} warps {warps:2d}: {us:7.2f} us/step = {100 * copy_us / us:5.1f}% of copy", flush=True)
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import event_ms  # noqa: E402
+from vllm_omni_kernels.cuda_graphs import capture  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.ring import RingPool  # noqa: E402
 
@@ -28,25 +30,10 @@ SHAPES = "256x8,128x16,128x8,256x4,512x4,64x32"
 SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "vok_kernels.cuh"
 
 
-def graph_time(launch, rewind, repeats=7) -> float:
-    """Median us per launch of ``STEPS`` launches captured in one graph (first replay dropped)."""
-    rewind()
-    launch()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(STEPS):
-            launch()
-    times = []
-    for _ in range(repeats):
-        rewind()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / STEPS)
-    return statistics.median(times[1:])
+def graph_time(launch, rewind) -> float:
+    """Median us per launch of ``STEPS`` launches captured in one graph (``rewind()`` before each replay)."""
+    g = capture(launch, STEPS, warmup=lambda: (rewind(), launch()))
+    return statistics.median(event_ms(g.replay, 6, setup=rewind)) * 1000 / STEPS
 
 
 def main() -> None:

@@ -17,7 +17,9 @@ import torch
 
 from conftest import random_tensor
 from vllm_omni_kernels import ops
+from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ops.layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, META_COLS, N, POS, SLOT
+from vllm_omni_kernels.ring import RingPool
 
 
 @dataclasses.dataclass
@@ -107,3 +109,23 @@ def check_case(seed: int, *, dtype, frame_shape, last: bool, read: bool, rows: i
     case = make_case(np.random.default_rng(seed), dtype=dtype, last=last, frame_shape=frame_shape, rows=rows,
                      max_cap=max_cap, device=device, read=read)
     assert_same(case, backend, read=read)
+
+
+def check_graph_of_appends(launches: int, replays: int = 2) -> None:
+    """One CUDA graph holding ``launches`` appends of CONCAT_DIM0 rows (16 requests, lengths 0..60),
+    replayed ``replays`` times: the heads advance on the device, so every request ends up with its
+    chunk 1 + launches * replays times (the warm-up appended it once)."""
+    pool = RingPool("codes", torch.float32, (3,), "cuda", S.CONCAT_DIM0, budget_bytes=64 << 20,
+                    initial_frames=1 << 14)
+    ids = [f"r{i}" for i in range(16)]
+    for r in ids:
+        pool.alloc(r)
+    src = torch.randn(16, 64, 3, device="cuda")
+    lens = np.arange(16) * 4
+    sa = pool.static_append(ids, src, lens)
+    graph = sa.capture_graph(launches)
+    for _ in range(replays):
+        sa.prepare(launches)
+        graph.replay()
+    for b, out in enumerate(pool.consolidate(ids)):
+        assert torch.equal(out, src[b, : lens[b]].repeat(1 + launches * replays, 1))

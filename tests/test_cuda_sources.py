@@ -75,12 +75,11 @@ def test_cmake_configures_and_builds_the_torch_extension(cmake_build):
 
 
 @pytest.fixture(scope="module")
-def ring_plan(cmake_build):
-    """The compiled host planner op (from this build, or from the extension already loaded); loading
-    it also brings the gather encoder."""
+def compiled_ops(cmake_build):
+    """The extension's ops, from this build or from the extension already loaded in this process."""
     if not hasattr(torch.ops.vllm_omni_kernels, "ring_plan"):
         torch.ops.load_library(str(cmake_build[1]))
-    return torch.ops.vllm_omni_kernels.ring_plan
+    return torch.ops.vllm_omni_kernels
 
 
 def _pool_in_some_state(rng):
@@ -104,7 +103,7 @@ def _pool_in_some_state(rng):
 @needs_cmake
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), bad=st.sampled_from(["none", "negative", "too_long", "overflow"]))
-def test_compiled_ring_plan_matches_the_numpy_plan(ring_plan, seed, bad):
+def test_compiled_ring_plan_matches_the_numpy_plan(compiled_ops, seed, bad):
     """The compiled planner (the host half of the compiled append) and RingPool._plan_numpy agree on
     the staged rows, the advanced slot table and the status, for valid steps and for each way a row
     can fail (the first failing row is reported, and the table is left as it was)."""
@@ -128,7 +127,8 @@ def test_compiled_ring_plan_matches_the_numpy_plan(ring_plan, seed, bad):
     got_np = pool._plan_numpy(staged_np, slots, n, 3 * axis_len, axis_len, axis_len)
     table = torch.from_numpy(before.copy())
     staged = torch.zeros(len(slots), 8, dtype=torch.int64)
-    got = ring_plan(table, torch.from_numpy(slots), torch.from_numpy(n), staged, 3 * axis_len, axis_len, axis_len)
+    got = compiled_ops.ring_plan(table, torch.from_numpy(slots), torch.from_numpy(n), staged, 3 * axis_len, axis_len,
+                                 axis_len)
     assert got == got_np
     assert np.array_equal(table.numpy(), pool._table)
     if bad == "none":
@@ -142,7 +142,7 @@ def test_compiled_ring_plan_matches_the_numpy_plan(ring_plan, seed, bad):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        width=st.sampled_from([1, 8, 33, 256]))
-def test_compiled_gather_encoder_writes_the_numpy_encoders_table(ring_plan, seed, dtype, width):
+def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_ops, seed, dtype, width):
     """GatherJobs.describe expanded by the compiled gather_encode (the host half of the compiled
     gather launch) is the table GatherJobs.encode writes, word for word: float rows, every int
     pairing, single-row jobs and value payloads."""
@@ -161,5 +161,5 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(ring_plan, seed
     fb, ib = anchor.data_ptr(), compiled.data_ptr()
     j.encode(numpy_table, layout, fb, ib)
     desc = j.describe(compiled.numpy(), layout, fb, ib)
-    torch.ops.vllm_omni_kernels.gather_encode(compiled, desc, j._rowbuf_t, j.n_float, j.n_int, layout.int_off)
+    compiled_ops.gather_encode(compiled, desc, j._rowbuf_t, j.n_float, j.n_int, layout.int_off)
     assert np.array_equal(compiled.numpy(), numpy_table)

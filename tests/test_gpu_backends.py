@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import ALL_DTYPES
 from gather_cases import check_gather_case
 from phase_fakes import FakeRunner, FakeTalker
-from ring_cases import check_case
+from ring_cases import check_case, check_graph_of_appends
 from test_phase_routing import MIXED, PROMPTS, check_step
 from vllm_omni_kernels import backend as _backend
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
@@ -140,29 +140,7 @@ def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, monkey
 
 
 def test_graph_of_appends_replayed(kernel_backend):
-    pool = RingPool("codes", torch.float32, (3,), "cuda", S.CONCAT_DIM0, budget_bytes=64 << 20,
-                    initial_frames=1 << 14)
-    ids = [f"r{i}" for i in range(16)]
-    for r in ids:
-        pool.alloc(r)
-    src = torch.randn(16, 64, 3, device="cuda")
-    lens = np.arange(16) * 4
-    sa = pool.static_append(ids, src, lens)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        sa.prepare(1)
-        sa.launch()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(50):
-            sa.launch()
-    for _ in range(2):
-        sa.prepare(50)
-        graph.replay()
-    for b, out in enumerate(pool.consolidate(ids)):
-        assert torch.equal(out, src[b, : lens[b]].repeat(101, 1))
+    check_graph_of_appends(50)
 
 
 @pytest.mark.parametrize("mtp", [True, False])

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from gather_cases import check_gather_case
 from phase_fakes import FakeRunner, FakeTalker
 from test_phase_routing import MIXED, PROMPTS, check_step
+from vllm_omni_kernels.cuda_graphs import capture
 from vllm_omni_kernels.gather import RowGather
 
 pytestmark = pytest.mark.gpu
@@ -56,14 +57,7 @@ def test_cuda_gather_graph_replay_with_changing_offsets(use_backend):
 
     record(np.arange(rows))
     gather.prepare_static()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        gather.run_static(2 * rows)  # warm-up compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gather.run_static(2 * rows)
+    graph = capture(lambda: gather.run_static(2 * rows))  # its warm-up run is outside the capture
     for step in range(20):
         n = rows if step % 2 else int(rng.integers(1, rows))
         offsets = rng.permutation(256)[:n]

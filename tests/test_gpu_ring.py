@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ALL_DTYPES, random_tensor
-from ring_cases import check_case
+from ring_cases import check_case, check_graph_of_appends
 from vllm_omni_kernels.errors import TensorAccumulationError
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
@@ -100,20 +100,6 @@ def test_eager_append_makes_no_host_sync_and_no_allocation():
     assert torch.equal(out, data[7].repeat(23))
 
 
-def _graph_of(sa, launches):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        sa.prepare(1)
-        sa.launch()  # warm-up outside capture (compiles)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(launches):
-            sa.launch()
-    return g
-
-
 def test_cuda_graph_100_replays_with_growth_and_changing_data():
     pool = cuda_pool(initial_frames=2048)
     ids = [f"r{i}" for i in range(8)]
@@ -122,7 +108,7 @@ def test_cuda_graph_100_replays_with_growth_and_changing_data():
     src = torch.randn(8, 1000, device="cuda")
     lens = np.array([1000, 999, 1, 0, 500, 1000, 7, 640])
     sa = pool.static_append(ids, src, lens)
-    g = _graph_of(sa, 1)  # its warm-up launch appends the current src once
+    g = sa.capture_graph(1)  # its warm-up launch appends the current src once
     expected = {r: [src[b, : lens[b]].clone()] for b, r in enumerate(ids)}
     for step in range(100):
         src.copy_(torch.randn(8, 1000, device="cuda"))
@@ -138,21 +124,7 @@ def test_cuda_graph_100_replays_with_growth_and_changing_data():
 
 def test_cuda_graph_of_100_appends_replayed():
     """One graph holding 100 appends (CONCAT_DIM0 rows), replayed twice: heads advance on the device."""
-    pool = RingPool("codes", torch.float32, (3,), "cuda", S.CONCAT_DIM0, budget_bytes=64 << 20,
-                    initial_frames=1 << 14)
-    ids = [f"r{i}" for i in range(16)]
-    for r in ids:
-        pool.alloc(r)
-    src = torch.randn(16, 64, 3, device="cuda")
-    lens = np.arange(16) * 4
-    sa = pool.static_append(ids, src, lens)
-    g = _graph_of(sa, 100)  # the warm-up appended one step already
-    for _ in range(2):
-        sa.prepare(100)
-        g.replay()
-    outs = pool.consolidate(ids)
-    for b, out in enumerate(outs):
-        assert torch.equal(out, src[b, : lens[b]].repeat(201, 1))
+    check_graph_of_appends(100)
 
 
 def test_ten_thousand_lifecycles_leave_the_pool_empty():

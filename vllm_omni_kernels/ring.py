@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import ops
+from . import cuda_graphs, ops
 from .allocator import BuddyAllocator
 from .errors import TensorAccumulationError, TensorConsolidationError
 from .modality import TensorAccumulationStrategy as Strategy
@@ -373,7 +373,7 @@ class RingPool:
         if max_n < 0:
             return None  # nothing was planned or launched
         if self._stale:
-            self._stale.difference_update(slots.tolist())
+            self._unstale(slots)
         return B
 
     def _plan_numpy(self, staged: np.ndarray, slots: np.ndarray, n: np.ndarray, row_elems: int, axis_len: int,
@@ -672,6 +672,15 @@ class StaticAppend:
             heads = torch.from_numpy(pool._table[idx, POS].copy()).to(pool.device)
             pool.state[torch.from_numpy(idx).to(pool.device)] = heads << HEAD_SHIFT
             pool._unstale(idx)
+
+    def capture_graph(self, launches: int = 1) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of ``launches`` appends. Its warm-up (``prepare(1)`` and one launch, outside
+        the capture) appends the current source once; call ``prepare(launches)`` before each replay."""
+        return cuda_graphs.capture(self.launch, launches, warmup=self._warm_up)
+
+    def _warm_up(self) -> None:
+        self.prepare(1)
+        self.launch()
 
     def launch(self) -> None:
         """One kernel: append every request's chunk at its device head and advance the head."""

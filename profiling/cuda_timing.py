@@ -1,0 +1,36 @@
+"""CUDA-event timing shared by the benchmarks and sweeps of ``profiling/``."""
+
+from __future__ import annotations
+
+import torch
+
+
+def event_ms(fn, repeats: int, setup=None) -> list[float]:
+    """Milliseconds of each of ``repeats`` runs of ``fn()``, timed with CUDA events from a synchronized
+    start, after one untimed warm-up run. ``setup()`` runs before every run, outside the timed span."""
+    if setup is not None:
+        setup()
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
+def us_per_call(fn, calls: int, repeats: int) -> list[float]:
+    """Microseconds per call of ``fn()``: ``calls`` calls per timed run (``event_ms``)."""
+
+    def run():
+        for _ in range(calls):
+            fn()
+
+    return [ms * 1000 / calls for ms in event_ms(run, repeats)]
