@@ -18,7 +18,8 @@ Paths (the hooks' and MTP's outputs are prepared tensors: only the data movement
   ours_graph   the same two kernels captured ``graph_steps`` times in one CUDA graph (table prepared
                per step outside the graph); also reported per launch
   ours_eager[b], ours_graph[b]
-               the same per kernel backend b (triton, cuda, cupy)
+               the same per kernel backend b (triton, cuda, cupy); for each also the host time of one
+               eager launch call alone (``launch_pre``/``launch_post``, recording excluded)
   copy_graph   one plain copy of the same float bytes per step, captured the same way (the copy
                bandwidth the kernels are compared with)
 
@@ -154,6 +155,27 @@ class Scenario:
             self.record_post()
             self.g.launch_post()
 
+    def launch_host_us(self, steps: int, repeats: int) -> list[float]:
+        """Host microseconds per eager launch call alone (recording excluded): ``launch_pre`` and
+        ``launch_post`` timed with the host clock around the calls; the kernels run asynchronously."""
+        runs = []
+        clock = time.perf_counter
+        for _ in range(repeats + 1):  # the first run warms up
+            spent = 0.0
+            for _ in range(steps):
+                self.record_pre()
+                t0 = clock()
+                self.g.launch_pre()
+                spent += clock() - t0
+                if self.mtp:
+                    self.record_post()
+                    t0 = clock()
+                    self.g.launch_post()
+                    spent += clock() - t0
+            torch.cuda.synchronize()
+            runs.append(spent * 1e6 / (steps * (2 if self.mtp else 1)))
+        return runs[1:]
+
     # ------------------------------------------------------------ baselines
     def row_loop(self):
         g = self.g
@@ -262,6 +284,10 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
             g.post.jobs.clear()
             sc.check(sc.ours_eager)
             record(f"ours_eager[{name}]", us_per_call(sc.ours_eager, steps, repeats))
+            runs = sc.launch_host_us(steps, repeats)
+            res.setdefault("eager_launch_host_us", {})[name] = statistics.median(runs)
+            print(f"  {kind:8s} B={B:5d} H={H} eager launch call [{name}] {statistics.median(runs):7.2f} us (host)",
+                  flush=True)
             g.pre.jobs.clear()
             sc.record_pre()
             g.pre.prepare_static()
@@ -336,7 +362,8 @@ def main() -> None:
               f"({r['ours_graph_us_per_launch']:5.2f}/launch, {r['speedup_vs_row_loop']['ours_graph']:7.1f}x)  "
               f"{r['ours_GBps']:6.0f} GB/s = {100 * r['ours_vs_copy']:5.1f}% of copy ({r['copy_GBps']:.0f})")
         for name, gbps in r["GBps_by_backend"].items():
-            print(f"          {name:6s}: eager {p[f'ours_eager[{name}]']['us_per_step_median']:7.1f} us/step, graph "
+            print(f"          {name:6s}: eager {p[f'ours_eager[{name}]']['us_per_step_median']:7.1f} us/step "
+                  f"({r['eager_launch_host_us'][name]:5.2f} us per launch call), graph "
                   f"{p[f'ours_graph[{name}]']['us_per_step_median']:6.2f} us/step "
                   f"({p[f'ours_graph[{name}]']['us_per_step_median'] / (2 if r['kind'] != 'non_mtp' else 1):5.2f}"
                   f"/launch) = {100 * gbps / r['copy_GBps']:5.1f}% of copy")

@@ -1,7 +1,9 @@
 """Where the host time of an eager ``RingPool.append`` goes (cProfile over many steps).
 
 Usage: python profiling/profile_append.py [--requests 64] [--samples 1920] [--steps 2000]
-Prints the mean wall time per append (host-bound: the GPU work is far shorter) and the top entries.
+Prints the mean wall time per append (host-bound: the GPU work is far shorter), the same for the
+compiled step called directly (no Python around it) and for one small torch op (a dispatcher call
+and a launch: this host's floor for any eager launch from Python), and cProfile's top entries.
 """
 
 import argparse
@@ -25,7 +27,8 @@ ap.add_argument("--steps", type=int, default=2000)
 args = ap.parse_args()
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 B, T = args.requests, args.samples
-pool = RingPool("audio", torch.float32, (), dev, S.CONCAT_LAST, budget_bytes=B * 65536 * 4, initial_frames=65536)
+FRAMES = 1 << 20
+pool = RingPool("audio", torch.float32, (), dev, S.CONCAT_LAST, budget_bytes=B * FRAMES * 4, initial_frames=FRAMES)
 ids = [f"r{i}" for i in range(B)]
 for r in ids:
     pool.alloc(r)
@@ -33,20 +36,33 @@ src = torch.randn(B, T, device=dev)
 lens = np.full(B, T)
 
 
-def steps(n):
-    for _ in range(n):
-        pool.append(ids, PaddedBatch(src, lens))
-        pool._size[:] = 0  # keep the rings from filling; content is irrelevant here
+RESET = FRAMES // T // 2  # steps between resets that keep the rings from filling (content is irrelevant)
 
 
-steps(20)
-if dev == "cuda":
-    torch.cuda.synchronize()
-t0 = time.perf_counter()
-steps(args.steps)
-if dev == "cuda":
-    torch.cuda.synchronize()
-print(f"{B}x{T}: {(time.perf_counter() - t0) / args.steps * 1e6:.1f} us per append (wall, host-bound)")
+def steps(n, append=lambda: pool.append(ids, PaddedBatch(src, lens))):
+    for i in range(n):
+        append()
+        if i % RESET == RESET - 1:
+            pool._size[:] = 0
+
+
+def report(what, run):
+    run(20)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run(args.steps)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    print(f"{B}x{T}: {(time.perf_counter() - t0) / args.steps * 1e6:6.2f} us per call: {what}")
+
+
+report("RingPool.append (wall, host-bound)", steps)
+if pool._step is not None:
+    step, version = pool._step[1], pool.version
+    report("the compiled step alone", lambda n: steps(n, lambda: step(ids, src, lens, version)))
+tiny = torch.zeros(1, device=dev)
+report("tiny.zero_() (one torch op: dispatcher + launch)", lambda n: [tiny.zero_() for _ in range(n)])
 prof = cProfile.Profile()
 prof.enable()
 steps(args.steps // 4)

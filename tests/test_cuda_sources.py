@@ -2,8 +2,8 @@
 
 A syntax or template error in kernels/ fails here: the kernel header is compiled to PTX for
 compute_90 and SASS for sm_90a with every entry point checked, and the CMake project configures and
-builds the torch extension (host and device code). The extension's host halves (the ring append's
-planner and the gather's table encoder) run here too, against their numpy twins.
+builds the torch extension (host and device code). The extension module's eager steps run here
+host-only (on CPU tensors they plan and encode without launching), against their numpy twins.
 """
 
 import re
@@ -67,19 +67,20 @@ def test_cmake_configures_and_builds_the_torch_extension(cmake_build):
     configure, lib = cmake_build
     assert "arch=compute_90a,code=sm_90a" in configure and "code=compute_90" in configure
     assert lib.is_file()
-    # The library registers its ops with the dispatcher (loading needs no GPU).
-    code = (f"import torch; torch.ops.load_library({str(lib)!r}); "
+    # The library is a Python module; importing it registers the ops (no GPU needed).
+    code = ("import sys, torch; from vllm_omni_kernels.ops.cuda_ext import import_extension; "
+            f"m = import_extension({str(lib)!r}); print(sorted(n for n in dir(m) if not n.startswith('_'))); "
             "print(torch.ops.vllm_omni_kernels.ring_write.default._schema)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0 and "Tensor(a!) arena" in out.stdout, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "['GatherStep', 'RingStep']" in out.stdout and "Tensor(a!) arena" in out.stdout, out.stdout
 
 
 @pytest.fixture(scope="module")
-def compiled_ops(cmake_build):
-    """The extension's ops, from this build or from the extension already loaded in this process."""
-    if not hasattr(torch.ops.vllm_omni_kernels, "ring_plan"):
-        torch.ops.load_library(str(cmake_build[1]))
-    return torch.ops.vllm_omni_kernels
+def compiled_module(cmake_build):
+    """The extension module of this build (its eager steps run host-only on CPU tensors)."""
+    from vllm_omni_kernels.ops import cuda_ext
+    return cuda_ext._module or cuda_ext.import_extension(cmake_build[1])
 
 
 def _pool_in_some_state(rng):
@@ -100,13 +101,18 @@ def _pool_in_some_state(rng):
     return pool, ids
 
 
+def _step_of(module, pool):
+    return module.RingStep(pool.arena, pool.state, pool._table_t, list(pool.frame_shape), pool.last)
+
+
 @needs_cmake
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), bad=st.sampled_from(["none", "negative", "too_long", "overflow"]))
-def test_compiled_ring_plan_matches_the_numpy_plan(compiled_ops, seed, bad):
-    """The compiled planner (the host half of the compiled append) and RingPool._plan_numpy agree on
-    the staged rows, the advanced slot table and the status, for valid steps and for each way a row
-    can fail (the first failing row is reported, and the table is left as it was)."""
+@given(seed=st.integers(0, 2**32 - 1), bad=st.sampled_from(["none", "negative", "too_long", "overflow"]),
+       as_list=st.booleans())
+def test_compiled_ring_step_plans_as_the_numpy_plan(compiled_module, seed, bad, as_list):
+    """The compiled append step (host half: checks, planning, staging) and RingPool._plan_numpy agree
+    on the staged rows, the advanced slot table and the status, for valid steps and for each way a
+    row can fail (then -1 and the table is left as it was), with lengths as numpy or a list."""
     rng = np.random.default_rng(seed)
     pool, ids = _pool_in_some_state(rng)
     sub = [ids[i] for i in rng.permutation(len(ids))[: int(rng.integers(1, len(ids) + 1))]]
@@ -124,28 +130,56 @@ def test_compiled_ring_plan_matches_the_numpy_plan(compiled_ops, seed, bad):
         n[b] = 2
     before = pool._table.copy()
     staged_np = np.zeros((len(slots), 8), np.int64)
-    got_np = pool._plan_numpy(staged_np, slots, n, 3 * axis_len, axis_len, axis_len)
-    table = torch.from_numpy(before.copy())
-    staged = torch.zeros(len(slots), 8, dtype=torch.int64)
-    got = compiled_ops.ring_plan(table, torch.from_numpy(slots), torch.from_numpy(n), staged, 3 * axis_len, axis_len,
-                                 axis_len)
-    assert got == got_np
-    assert np.array_equal(table.numpy(), pool._table)
+    got_np = pool._plan_numpy(staged_np, slots, n, axis_len, axis_len, axis_len)
+    after_np = pool._table.copy()
+    pool._table[:] = before
+    step = _step_of(compiled_module, pool)
+    data = torch.zeros(len(sub), axis_len)
+    lengths = n.tolist() if as_list else n
+    assert step(sub, data, lengths, pool.version) == 0  # request list not given yet
+    step.set_slots(tuple(sub), slots, pool.version)
+    got = step(sub, data, lengths, pool.version)
+    assert np.array_equal(pool._table, after_np)
     if bad == "none":
-        assert got == n.max() and np.array_equal(staged.numpy(), staged_np)
+        assert got == len(sub) and got_np == n.max()
+        assert np.array_equal(step.staged.numpy(), staged_np)
     else:
-        assert got == -(b + 1)
+        assert got == -1 and got_np == -(b + 1)
         assert np.array_equal(pool._table, before)
+
+
+@needs_cmake
+def test_compiled_ring_step_declines_what_is_not_its_step(compiled_module):
+    """Anything the general path must see (and report) is declined with -1 and changes nothing; a
+    changed request list or pool version asks for the slots again (0)."""
+    pool = RingPool("audio", torch.float32, (2,), "cpu", S.CONCAT_DIM0, budget_bytes=1 << 16, initial_frames=16,
+                    max_slots=4)
+    for r in ("a", "b"):
+        pool.alloc(r)
+    step = _step_of(compiled_module, pool)
+    step.set_slots(("a", "b"), [pool.slot_of("a"), pool.slot_of("b")], pool.version)
+    ok = torch.zeros(2, 3, 2)
+    before = pool._table.copy()
+    for data, lengths in ((ok.double(), [1, 1]), (torch.zeros(2, 3, 3), [1, 1]), (torch.zeros(3, 3, 2), [1, 1]),
+                          (torch.zeros(2, 2, 3, 2)[:, 0], [1, 1]), (ok, torch.tensor([1, 1])), (ok, [1]),
+                          (ok, np.array([1, 1], np.int32)), (ok, [1, "x"]), (ok, [4, 1])):
+        assert step(["a", "b"], data, lengths, pool.version) == -1, (data.shape, lengths)
+    assert np.array_equal(pool._table, before)
+    assert step(["a", "c"], ok, [1, 1], pool.version) == 0
+    assert step(["b", "a"], ok, [1, 1], pool.version) == 0
+    assert step(["a", "b"], ok, [1, 1], pool.version + 1) == 0
+    assert step(["a", "b"], ok, np.array([2, 3]), pool.version) == 2
+    assert pool._size[[pool.slot_of("a"), pool.slot_of("b")]].tolist() == [2, 3]
 
 
 @needs_cmake
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        width=st.sampled_from([1, 8, 33, 256]))
-def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_ops, seed, dtype, width):
-    """GatherJobs.describe expanded by the compiled gather_encode (the host half of the compiled
-    gather launch) is the table GatherJobs.encode writes, word for word: float rows, every int
-    pairing, single-row jobs and value payloads."""
+def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module, seed, dtype, width):
+    """The compiled gather launch's encoder (its host half: it encodes only, given a CPU anchor)
+    writes the table GatherJobs.encode writes, word for word: float rows, every int pairing,
+    single-row jobs and value payloads."""
     dsts, srcs, jobs = make_gather_case(seed, dtype, width)
     gather = RowGather(dtype, width, "cpu", max_float_rows=64, max_int_rows=64, max_values=64)
     for kind, dst, dst_rows, src, src_rows in jobs:
@@ -156,10 +190,13 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_ops, s
     j = gather.jobs
     layout = TableLayout(j.n_float, j.n_int, j.n_values)
     anchor = torch.zeros(1, dtype=dtype)
-    compiled = torch.full((layout.words,), -7, dtype=torch.int64)
-    numpy_table = compiled.numpy().copy()
-    fb, ib = anchor.data_ptr(), compiled.data_ptr()
-    j.encode(numpy_table, layout, fb, ib)
-    desc = j.describe(compiled.numpy(), layout, fb, ib)
-    compiled_ops.gather_encode(compiled, desc, j._rowbuf_t, j.n_float, j.n_int, layout.int_off)
+    step = compiled_module.GatherStep(anchor, width)
+    args = (j.float_blocks, j.int_blocks, j.value_blocks, j.n_float, j.n_int, j.n_values, j.aligned)
+    assert step(*args) == 1
+    step.table.fill_(-7)  # on CPU the step reuses its one buffer: words it does not write stay -7
+    assert step(*args) == 1
+    compiled = step.table
+    assert compiled.numel() == layout.words
+    numpy_table = np.full(layout.words, -7, np.int64)
+    j.encode(numpy_table, layout, anchor.data_ptr(), compiled.data_ptr())
     assert np.array_equal(compiled.numpy(), numpy_table)

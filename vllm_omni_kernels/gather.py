@@ -41,6 +41,7 @@ class RowGather:
         self._table_rows = self.table.view(1, -1)
         self.launches = 0
         self._layouts: dict[tuple[int, int, int], TableLayout] = {}
+        self._step: tuple | None = None  # (factory, compiled launch step): ops.gather_step
 
     def _validate(self) -> None:
         jobs = self.jobs
@@ -75,21 +76,21 @@ class RowGather:
         jobs = self.jobs
         if jobs.n_float + jobs.n_int == 0:
             return 0
-        key = (jobs.n_float, jobs.n_int, jobs.n_values)
-        layout = self._layouts.get(key)
-        if layout is None:  # compact: only what is used (few distinct step shapes: cached)
-            if len(self._layouts) > 1024:
-                self._layouts.clear()
-            layout = self._layouts[key] = TableLayout(*key)
-        planned_launch = ops.gather_planned_launch(jobs.is_cuda)
-        if planned_launch is not None:  # the compiled backend encodes and launches in one host call
+        make_step = ops.gather_step(jobs.is_cuda)
+        if make_step is not None:  # the compiled backend encodes and launches in one host call
+            step = self._step
+            if step is None or step[0] is not make_step:
+                step = self._step = (make_step, make_step(self._anchor, jobs.width))
             self._validate()
-            i, host = self._staging.host()
-            table = self._staging.read_in_place(i, row0=True)
-            desc = jobs.describe(host[0], layout, self._anchor.data_ptr(), table.data_ptr())
-            planned_launch(self._anchor, table, desc, jobs._rowbuf_t, jobs.n_float, jobs.n_int, layout.int_off,
-                           jobs.width, jobs.aligned)
+            step[1](jobs.float_blocks, jobs.int_blocks, jobs.value_blocks, jobs.n_float, jobs.n_int, jobs.n_values,
+                    jobs.aligned)
         else:
+            key = (jobs.n_float, jobs.n_int, jobs.n_values)
+            layout = self._layouts.get(key)
+            if layout is None:  # compact: only what is used (few distinct step shapes: cached)
+                if len(self._layouts) > 1024:
+                    self._layouts.clear()
+                layout = self._layouts[key] = TableLayout(*key)
             table = self._encode(layout, resident=False)
             ops.row_gather(jobs, table, self._anchor, layout=layout)
         jobs.clear()

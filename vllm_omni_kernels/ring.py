@@ -123,7 +123,7 @@ class RingPool:
         self._base = self._table[:, BASE]  # element offset of the region (a view: writes go to _table)
         self._cap = self._table[:, CAP]    # frames
         self._table[:, POS] = -1
-        self._table_t = torch.from_numpy(self._table)  # the same memory, for the compiled planner
+        self._table_t = torch.from_numpy(self._table)  # the same memory, for the compiled step
         self._stale: set[int] = set()
         self._size = self._table[:, _SIZE]  # unread frames (the kernels ignore this column)
         self._tail = np.zeros(max_slots, np.int64)   # next frame to read
@@ -135,10 +135,9 @@ class RingPool:
 
         self._staging = PinnedStaging(max_rows, META_COLS, self.device)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
-        self._ids_cache: tuple | None = None
+        self._ids_cache: tuple | None = None  # (ids, slots, version) of the last fast step
+        self._step: tuple | None = None  # (factory, compiled step, slots it holds): ops.ring_step
         self._arange = np.arange(max_rows, dtype=np.int64)
-        self._n_host_t = torch.zeros(max_rows, dtype=torch.int64)  # a step's lengths, for the compiled planner
-        self._n_host = self._n_host_t.numpy()
         self._device_index = self.device.index if self.device.type == "cuda" else -1  # Tensor.get_device()
         self.growths = 0
         self.rejected = 0
@@ -301,10 +300,14 @@ class RingPool:
         return self._append(request_ids, chunks)
 
     def _append(self, request_ids, chunks) -> AppendResult:
-        if type(chunks) is PaddedBatch:
-            done = self._fast_append(request_ids, chunks)
+        if type(chunks) is PaddedBatch:  # the common step first: one launch, no per-request work
+            make_step = ops.ring_step(self._device_index >= 0)
+            if make_step is not None:
+                done = self._compiled_append(make_step, request_ids, chunks)
+            else:
+                done = self._fast_append(request_ids, chunks)
             if done is not None:
-                return AppendResult(appended=done)
+                return AppendResult(done, [])
         self._errors: list[TensorAccumulationError] = []
         if isinstance(chunks, PaddedBatch):
             rows = self._rows_from_batch(request_ids, chunks)
@@ -320,9 +323,8 @@ class RingPool:
         launched, or None (nothing done) to send the step to the general path, which finds and
         reports whatever is off. Slot lookups are cached while the request list and pool are unchanged.
 
-        The step is planned (checked, staged, host mirrors advanced) by the compiled extension in the
-        same host call as its launch when that backend runs, else by ``_plan_numpy``; both have one
-        contract (``kernels/vok_torch.cu``, ``ring_plan``).
+        The step is planned by ``_plan_numpy`` and launched with ``ops.ring_write``; with the compiled
+        backend ``_compiled_append`` does all of it in one call into the extension instead.
         """
         data = batch.data
         if data.dtype is not self.dtype or data.get_device() != self._device_index or not data.is_contiguous():
@@ -331,20 +333,10 @@ class RingPool:
         if len(shape) != len(self.frame_shape) + 2 or \
                 (self.frame_shape and (shape[1:-1] if self.last else shape[2:]) != self.frame_shape):
             return None
-        ids = tuple(request_ids)
-        cached = self._ids_cache
-        if cached is not None and cached[1] == self.version and cached[0] == ids:
-            slots, slots_t = cached[2], cached[3]
-        else:
-            owner = self._owner
-            try:
-                slots = np.array([owner[r] for r in ids], np.int64)
-            except KeyError:
-                return None
-            if len(set(ids)) != len(ids):
-                return None
-            slots_t = torch.from_numpy(slots)
-            self._ids_cache = (ids, self.version, slots, slots_t)
+        cached = self._slots_of(request_ids)
+        if cached is None:
+            return None
+        slots = cached[1]
         B = len(slots)
         n = batch.lengths
         if not isinstance(n, np.ndarray) or n.dtype != np.int64:
@@ -356,29 +348,60 @@ class RingPool:
             return None
         if B > self._staging.rows:
             self._ensure_rows(B)
-        row_elems = axis_len * self.frame_elems
-        lin_stride = axis_len if self.last else self.frame_elems
         i, host = self._staging.host()
-        planned_append = ops.ring_planned_append(self._device_index >= 0)
-        if planned_append is not None:
-            self._n_host[:B] = n  # a persistent host tensor: cheaper than wrapping n every step
-            max_n = planned_append(self.arena, self.state, self._table_t, slots_t, self._n_host_t,
-                                   self._staging.read_in_place(i), data, row_elems, axis_len, lin_stride,
-                                   self.frame_elems, self.last)
-        else:
-            max_n = self._plan_numpy(host, slots, n, row_elems, axis_len, lin_stride)
-            if max_n >= 0:
-                ops.ring_write(self.arena, self.state, self._staging.read_in_place(i), data, rows=B,
-                               frame_elems=self.frame_elems, last=self.last, max_elems=max_n * self.frame_elems)
+        max_n = self._plan_numpy(host, slots, n, axis_len * self.frame_elems, axis_len,
+                                 axis_len if self.last else self.frame_elems)
         if max_n < 0:
-            return None  # nothing was planned or launched
+            return None  # nothing was planned
+        ops.ring_write(self.arena, self.state, self._staging.read_in_place(i), data, rows=B,
+                       frame_elems=self.frame_elems, last=self.last, max_elems=max_n * self.frame_elems)
         if self._stale:
             self._unstale(slots)
         return B
 
+    def _slots_of(self, request_ids) -> tuple[tuple, np.ndarray] | None:
+        """(ids as a tuple, their slots) when every request holds a slot and none repeats, else None.
+        Cached for the last request list while the pool's version holds."""
+        ids = tuple(request_ids)
+        cached = self._ids_cache
+        if cached is not None and cached[2] == self.version and cached[0] == ids:
+            return cached[:2]
+        owner = self._owner
+        try:
+            slots = np.array([owner[r] for r in ids], np.int64)
+        except KeyError:
+            return None
+        if len(set(ids)) != len(ids):
+            return None
+        self._ids_cache = (ids, slots, self.version)
+        return ids, slots
+
+    def _compiled_append(self, make_step, request_ids, batch: PaddedBatch) -> int | None:
+        """``_fast_append`` as one call into the compiled extension (``ops.ring_step``: checks,
+        planning, staging, launch); on a miss of its cached request list it is given the slots once
+        and called again."""
+        step = self._step
+        if step is None or step[0] is not make_step:
+            step = self._step = (make_step, make_step(self.arena, self.state, self._table_t, self.frame_shape,
+                                                      self.last), None)
+        rows = step[1](request_ids, batch.data, batch.lengths, self.version)
+        if rows == 0:
+            cached = self._slots_of(request_ids)
+            if cached is None:
+                return None
+            step[1].set_slots(cached[0], cached[1], self.version)
+            self._step = step = (step[0], step[1], cached[1])
+            rows = step[1](request_ids, batch.data, batch.lengths, self.version)
+        if rows < 0:
+            return None
+        if self._stale:
+            self._unstale(step[2])
+        return rows
+
     def _plan_numpy(self, staged: np.ndarray, slots: np.ndarray, n: np.ndarray, row_elems: int, axis_len: int,
                     lin_stride: int) -> int:
-        """Plan one step into ``staged``: the numpy twin of the compiled ``ring_plan``.
+        """Plan one step into ``staged``: the numpy twin of the compiled step's planner
+        (``plan_rows`` in ``kernels/vok_python.cpp``).
 
         ``slots`` are distinct; row b's chunk starts at element ``b * row_elems`` of the source. Every
         row is checked first (0 <= n <= axis_len, n fits in the slot's free frames); then the rows are
@@ -509,8 +532,6 @@ class RingPool:
                 torch.cuda.current_stream().synchronize()  # rare: only when a step outgrows the rows
             self._staging = PinnedStaging(new, META_COLS, self.device)
             self._arange = np.arange(new, dtype=np.int64)
-            self._n_host_t = torch.zeros(new, dtype=torch.int64)
-            self._n_host = self._n_host_t.numpy()
 
     def _stage(self, slots: np.ndarray, lin_off, n, lin_stride, pos=None) -> tuple[int, np.ndarray]:
         """Metadata rows for ``slots`` in the next staging buffer: one gather of the slot table

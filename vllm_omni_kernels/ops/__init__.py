@@ -3,12 +3,12 @@
 Ring copies (semantics in ``reference.py``, layout in ``layout.py``):
     ring_write(arena, state, meta, src, rows=, frame_elems=, last=, max_elems=)
     ring_read(arena, meta, out, rows=, frame_elems=, last=, max_elems=)
-    ring_planned_append(is_cuda) -> a one-call plan + ring_write, or None (compiled backend only)
+    ring_step(is_cuda) -> a factory of one-call append steps (plan + ring_write), or None (compiled only)
 ``max_elems`` is the host-known largest ``N * F`` of the step; it sizes the grid.
 
 Row gather (the fused decode gather; jobs and table in ``gather_jobs.py``):
     row_gather(jobs, table, anchor, layout=, grid_rows=)
-    gather_planned_launch(is_cuda) -> a one-call encode + row_gather, or None (compiled backend only)
+    gather_step(is_cuda) -> a factory of one-call gather launches (encode + row_gather), or None (compiled only)
 """
 
 from __future__ import annotations
@@ -70,31 +70,31 @@ def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool, max_
         impl.ring_read(arena, meta, out, rows=rows, frame_elems=frame_elems, last=last, max_elems=max_elems)
 
 
-def ring_planned_append(is_cuda: bool):
-    """The backend's one-call append step (plan on the host and launch), or None when the backend has
-    none and the caller plans with ``RingPool._plan_numpy`` and calls ``ring_write``.
+def ring_step(is_cuda: bool):
+    """The backend's factory of one-call append steps, or None when the backend has none and the
+    caller plans with ``RingPool._plan_numpy`` and calls ``ring_write``.
 
-    The function takes ``(arena, state, table, slots, n, staged, src, row_elems, axis_len, lin_stride,
-    frame_elems, last)``: ``table`` the pool's host slot table (int64 ``[slots, 8]``, advanced in
-    place), ``slots`` host int64 ``[B]`` (distinct), ``n`` host int64 ``[>= B]`` (the first B
-    count), ``staged`` the pinned buffer the
-    kernel reads in place. It returns the step's largest frame count, or ``-(b + 1)`` for the first
-    row ``b`` that does not fit, in which case nothing was changed or launched.
+    ``factory(arena, state, table, frame_shape, last)`` binds a pool (``table``: its host slot table,
+    int64 ``[slots, 8]``, advanced in place). The step ``step(ids, data, lengths, version)`` checks,
+    plans and launches one append of a ``PaddedBatch`` and returns B; 0 when ``ids``/``version`` are
+    not the ones last given to ``step.set_slots(ids_tuple, slots, version)`` (give them, call again);
+    -1 when the step is not for it (nothing changed). ``kernels/vok_python.cpp`` has the contract.
     """
     impl = _impl(is_cuda)
-    return None if impl is None else getattr(impl, "ring_planned_append", None)
+    return None if impl is None else getattr(impl, "ring_step", None)
 
 
-def gather_planned_launch(is_cuda: bool):
-    """The backend's one-call gather step (encode the job table on the host and launch), or None when
-    the backend has none and the caller encodes with ``GatherJobs.encode`` and calls ``row_gather``.
+def gather_step(is_cuda: bool):
+    """The backend's factory of one-call gather launches, or None when the backend has none and the
+    caller encodes with ``GatherJobs.encode`` and calls ``row_gather``.
 
-    The function takes ``(anchor, table, desc, rowbuf, n_float, n_int, int_off, width, aligned)``:
-    ``table`` the pinned host table the kernel reads in place (float offsets relative to ``anchor``,
-    int offsets to ``table``), ``desc``/``rowbuf`` from ``GatherJobs.describe``.
+    ``factory(anchor, width)`` binds a gather (float offsets are relative to ``anchor``, a tensor of
+    the float dtype on the launch's device). ``step(float_blocks, int_blocks, value_blocks, n_float,
+    n_int, n_values, aligned)`` encodes a ``GatherJobs``'s jobs into its own pinned table and
+    launches the kernel reading it in place; it returns the launches (0 without jobs).
     """
     impl = _impl(is_cuda, "gather")
-    return None if impl is None else getattr(impl, "gather_planned_launch", None)
+    return None if impl is None else getattr(impl, "gather_step", None)
 
 
 def row_gather(jobs, table, anchor, *, layout, grid_rows: int | None = None, aligned: bool | None = None) -> None:

@@ -1,12 +1,13 @@
-"""The compiled CUDA C++ backend: torch custom ops from ``kernels/vok_torch.cu``.
+"""The compiled CUDA C++ backend: the extension module ``_vok_ops`` built from ``kernels/``.
 
-The extension (``_vok_ops*.so``, built by CMakeLists.txt through setup.py or by hand) registers
-``torch.ops.vllm_omni_kernels.{ring_write, ring_read, row_gather}`` with ``TORCH_LIBRARY`` (def +
-impl: the dispatcher's direct path, a few microseconds a call). This module finds and loads it,
-registers fake implementations so ``torch.compile`` can trace callers, and exposes the same launch
-functions as ``triton_ring``/``triton_gather``, plus ``ring_planned_append``: the pool's host planning
-of an append step (``ring_plan``) and its launch in one call. The planning ops read and advance host
-tables, so they have no fake implementation.
+The extension (``_vok_ops*.so``, built by CMakeLists.txt through setup.py or by hand) is a Python
+module. Importing it registers ``torch.ops.vllm_omni_kernels.{ring_write, ring_read, row_gather}``
+with ``TORCH_LIBRARY`` (def + impl: the dispatcher's direct path); this module registers their fake
+implementations so ``torch.compile`` can trace callers, and exposes the same launch functions as
+``triton_ring``/``triton_gather``. The eager hot paths skip the dispatcher, whose argument handling
+costs more than the rest of a step: ``ring_step`` (a pool's append step, checked, planned and
+launched in one call) and ``gather_step`` (a gather's table encoded from its job blocks and launched
+in one call) make the module's own step objects (``kernels/vok_python.cpp``).
 
 Search order: ``$VLLM_OMNI_KERNELS_EXT`` (a path to the .so), the package directory, ``build/`` of
 a source checkout.
@@ -15,12 +16,14 @@ a source checkout.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from pathlib import Path
 
 import torch
 
 _PKG = Path(__file__).resolve().parents[1]
+_module = None  # the extension module, once loaded
 
 
 def _candidates() -> list[Path]:
@@ -40,12 +43,23 @@ def load() -> str | None:
     if not paths:
         return ("compiled extension not built (pip install --no-build-isolation -e . with nvcc and a CUDA "
                 "torch, or cmake -S . -B build && cmake --build build)")
+    global _module
     try:
-        torch.ops.load_library(str(paths[0]))
-    except OSError as exc:
+        _module = import_extension(paths[0])
+    except ImportError as exc:
         return f"cannot load {paths[0]}: {exc}"
     _register_fakes()
     return None
+
+
+def import_extension(path: Path):
+    """Import the extension module at ``path`` (which registers its torch ops); one per process."""
+    spec = importlib.util.spec_from_file_location("vllm_omni_kernels._vok_ops", path)
+    if spec is None:
+        raise ImportError(f"{path} is not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _register_fakes() -> None:
@@ -62,20 +76,18 @@ def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -
     torch.ops.vllm_omni_kernels.ring_write(arena, state, meta, src, rows, frame_elems, last, max_elems)
 
 
-def ring_planned_append(arena, state, table, slots, n, staged, src, row_elems, axis_len, lin_stride, frame_elems,
-                        last) -> int:
-    """Plan and launch one append step in one host call (``ops.ring_planned_append`` has the contract)."""
-    return torch.ops.vllm_omni_kernels.ring_append(arena, state, table, slots, n, staged, src, row_elems, axis_len,
-                                                   lin_stride, frame_elems, last)
+def ring_step(arena, state, table, frame_shape, last):
+    """A pool's one-call append step (``ops.ring_step`` has the contract)."""
+    return _module.RingStep(arena, state, table, list(frame_shape), last)
 
 
 def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
     torch.ops.vllm_omni_kernels.ring_read(arena, meta, out, rows, frame_elems, last, max_elems)
 
 
-def gather_planned_launch(anchor, table, desc, rowbuf, n_float, n_int, int_off, width, aligned) -> None:
-    """Encode the job table and launch the gather in one host call (``ops.gather_planned_launch``)."""
-    torch.ops.vllm_omni_kernels.gather_launch(anchor, table, desc, rowbuf, n_float, n_int, int_off, width, aligned)
+def gather_step(anchor, width):
+    """A gather's one-call launch step (``ops.gather_step`` has the contract)."""
+    return _module.GatherStep(anchor, width)
 
 
 def row_gather(fbase, ibase, table, *, width, int_off, grid_rows, align) -> None:

@@ -23,6 +23,7 @@ Table (int64, flat; capacities fixed per ``TableLayout``)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -61,10 +62,10 @@ def _rows(rows, count: int, what: str) -> np.ndarray:
     return r
 
 
-@dataclass
-class _Block:
-    """Rows ``src[src_rows]`` to ``dst[dst_rows]``; rows are ndarrays, or ints for a single row
-    (the common one-row-per-hook case skips numpy entirely)."""
+class _Block(NamedTuple):
+    """Rows ``src[src_rows]`` to ``dst[dst_rows]``; rows are int64 ndarrays, or ints for a single
+    row (the common one-row-per-hook case skips numpy entirely). A tuple: the compiled encoder
+    (``kernels/vok_python.cpp``) reads its fields by position."""
 
     src: torch.Tensor
     src_rows: np.ndarray | int
@@ -102,7 +103,6 @@ class GatherJobs:
     n_int: int = 0
     n_values: int = 0
     aligned: bool = True
-    _block_rows: int = 0  # rows of the array-row blocks (what ``describe`` stages)
 
     def __post_init__(self):
         if self.dtype not in FLOAT_DTYPES:
@@ -112,8 +112,6 @@ class GatherJobs:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._device_index = -1 if self.device.type == "cpu" else self.device.index  # Tensor.get_device()
         self.is_cuda = self.device.type == "cuda"
-        self._rowbuf_t = torch.zeros(256, dtype=torch.int64)  # row indices for the compiled encoder
-        self._rowbuf = self._rowbuf_t.numpy()
         self.elem_size = self.dtype.itemsize
         self.vector = 16 // self.elem_size  # elements per 16-byte vector
         self._width_aligned = self.width % self.vector == 0
@@ -123,7 +121,6 @@ class GatherJobs:
         self.int_blocks.clear()
         self.value_blocks.clear()
         self.n_float = self.n_int = self.n_values = 0
-        self._block_rows = 0
         self.aligned = True
 
     def _check(self, t: torch.Tensor, what: str, dtypes, dims=(2,)) -> torch.Tensor:
@@ -186,7 +183,7 @@ class GatherJobs:
         if not isinstance(dst, torch.Tensor) or dst.dim() != 1 or not dst.is_contiguous():
             raise ValueError("values go into a 1-D contiguous tensor")
         self._check(dst.view(-1, 1), "destination", INT_DTYPES)
-        v = np.asarray(values, dtype=np.int32).reshape(-1)
+        v = np.ascontiguousarray(values, dtype=np.int32).reshape(-1)
         if v.size != dst.numel():
             raise ValueError(f"{v.size} values for a destination of {dst.numel()}")
         if v.size:
@@ -239,7 +236,6 @@ class GatherJobs:
             raise ValueError(f"{len(s)} source rows for {len(d)} destination rows")
         if len(d):
             blocks.append(_Block(src, s, dst, d))
-            self._block_rows += len(d)
         return len(d)
 
     # ------------------------------------------------------------------ encoding
@@ -258,65 +254,14 @@ class GatherJobs:
             if np.unique(starts).size != starts.size:
                 raise ValueError("two jobs of one launch write the same destination row")
 
-    def describe(self, out: np.ndarray, layout: TableLayout, float_base: int, int_base: int) -> list[int]:
-        """The compiled encoder's input: 8 ints per block of jobs (``kernels/vok_torch.cu``,
-        ``gather_encode``, has the format), with row indices staged in ``self.rowbuf`` and value
-        payloads written into ``out`` (the table). Expanded by ``gather_encode`` it is exactly the
-        table ``encode`` writes, with the jobs in the same order."""
-        self._check_capacity(layout)
-        rows = self._rowbuf
-        need = 2 * self._block_rows
-        if need > rows.size:
-            self._rowbuf_t = torch.zeros(max(need, 2 * rows.size), dtype=torch.int64)
-            rows = self._rowbuf = self._rowbuf_t.numpy()
-        desc: list[int] = []
-        singles: list[int] = []
-        at = 0
-        es = self.elem_size
-        for b in self.float_blocks:
-            src_off, dst_off = (b.src.data_ptr() - float_base) // es, (b.dst.data_ptr() - float_base) // es
-            ss, ds = b.src.stride(0), b.dst.stride(0)
-            if isinstance(b.dst_rows, int):
-                singles += (0, src_off + b.src_rows * ss, 0, dst_off + b.dst_rows * ds, 0, 1, -1, 0)
-                continue
-            k = len(b.dst_rows)
-            rows[at:at + k] = b.src_rows
-            rows[at + k:at + 2 * k] = b.dst_rows
-            desc += (0, src_off, ss, dst_off, ds, k, at, 0)
-            at += 2 * k
-        desc += singles
-        singles = []
-        for b in self.int_blocks:
-            sw, dw = b.src.element_size() // 4, b.dst.element_size() // 4
-            src_off, dst_off = (b.src.data_ptr() - int_base) // 4, (b.dst.data_ptr() - int_base) // 4
-            ss, ds = b.src.stride(0) * sw, b.dst.stride(0) * dw
-            wf = (b.dst.shape[1] if b.dst.dim() == 2 else 1) | (((sw == 2) | ((dw == 2) << 1)) << 32)
-            if isinstance(b.dst_rows, int):
-                singles += (1, src_off + b.src_rows * ss, 0, dst_off + b.dst_rows * ds, 0, 1, -1, wf)
-                continue
-            k = len(b.dst_rows)
-            rows[at:at + k] = b.src_rows
-            rows[at + k:at + 2 * k] = b.dst_rows
-            desc += (1, src_off, ss, dst_off, ds, k, at, wf)
-            at += 2 * k
-        desc += singles
-        if self.value_blocks:
-            payload = out[layout.payload_off:layout.words].view(np.int32)
-            p = 0
-            for dst, v in self.value_blocks:
-                payload[p:p + v.size] = v
-                desc += (1, 2 * layout.payload_off + p, 0, (dst.data_ptr() - int_base) // 4, 0, 1, -1,
-                         v.size | (((dst.element_size() == 8) << 1) << 32))
-                p += v.size
-        return desc
-
     def _check_capacity(self, layout: TableLayout) -> None:
         if self.n_float > layout.float_cap or self.n_int > layout.int_cap or self.n_values > layout.payload_cap:
             raise ValueError(f"{self.n_float} float / {self.n_int} int jobs / {self.n_values} values exceed "
                              f"the table's {layout.float_cap} / {layout.int_cap} / {layout.payload_cap}")
 
     def encode(self, out: np.ndarray, layout: TableLayout, float_base: int, int_base: int) -> None:
-        """Fill the flat int64 ``out`` (>= ``layout.words``) with this launch's table.
+        """Fill the flat int64 ``out`` (>= ``layout.words``) with this launch's table (the compiled
+        twin is ``encode_gather`` in ``kernels/vok_python.cpp``: same words, same order).
 
         ``float_base``/``int_base`` are the data pointers the kernel gets as its two bases (a float
         anchor tensor of the launcher, and the device table itself).

@@ -1,0 +1,22 @@
+// Host launchers of the kernels in vok_kernels.cuh (defined in vok_torch.cu), on raw pointers, for
+// the torch ops (vok_torch.cu) and the Python module's eager steps (vok_python.cpp). They launch on
+// the given stream and check nothing but the launch itself: callers validate first.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace vok {
+
+// One block row per metadata row; `max_elems` (largest N * F of the step, <= 2**31 - 1) sizes the
+// grid. A write runs at least one block per row even when nothing is copied (it publishes POS).
+void launch_ring_write(void* arena, int elem_size, int64_t* state, const int64_t* meta, const void* src,
+                       int64_t rows, int64_t frame_elems, bool last, int64_t max_elems, cudaStream_t stream);
+void launch_ring_read(const void* arena, int elem_size, const int64_t* meta, void* out, int64_t rows,
+                      int64_t frame_elems, bool last, int64_t max_elems, cudaStream_t stream);
+// `grid_rows` jobs (>= the table's count) of float rows of `width` elements of `elem_size` (2 or 4).
+void launch_row_gather(void* anchor, int elem_size, int64_t* table, int64_t width, int64_t int_off,
+                       int64_t grid_rows, bool aligned, cudaStream_t stream);
+
+}  // namespace vok

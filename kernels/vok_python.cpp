@@ -1,0 +1,483 @@
+// The Python module `_vok_ops`: the compiled backend's eager steps, one Python call each.
+//
+// A torch custom op spends microseconds per call turning Python arguments into the dispatcher's
+// stack (about 5 us for the 12 arguments an append step needs, on an H200 host): more than the rest
+// of an eager step. The steps here take Python objects directly (pybind11 with torch's tensor
+// casters) and do all of their host work in C++:
+//   RingStep       RingPool's fast append: checks, planning against the pool's host slot table,
+//                  staging the metadata rows in pinned memory the kernel reads in place, the launch;
+//   GatherStep     RowGather's launch: the job table encoded from the recorded blocks into pinned
+//                  memory the kernel reads in place, the launch.
+// Given a CPU arena or anchor they plan or encode without launching: that is how CI tests them
+// against their numpy twins (RingPool._plan_numpy, GatherJobs.encode). The kernels stay registered as
+// torch ops (vok_torch.cu) for torch.compile and for every other caller.
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
+
+#include <ATen/ops/zeros.h>
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "vok_launch.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using i64 = int64_t;
+
+// Metadata columns (vllm_omni_kernels/ops/layout.py); the host slot table adds the unread size.
+constexpr int kSlot = 0, kLinOff = 1, kN = 2, kBase = 3, kCap = 4, kPos = 5, kLinStride = 6, kSize = 7;
+constexpr int kCols = 8;
+constexpr i64 kInt32Max = 2147483647;
+// Pinned staging depth and event spacing: staging.py's PinnedStaging (same reasoning).
+constexpr i64 kDepth = 64, kEventEvery = 16;
+
+// Plan one append step (RingPool._plan_numpy has the same contract). Every row is checked first:
+// 0 <= n <= axis_len and n fits in the slot's free frames. Then the rows are staged, unread sizes
+// advance and head overrides (POS) are cleared, and the largest n is returned; else -(b + 1) for
+// the first row b that does not fit, with nothing written.
+i64 plan_rows(i64* table, const i64* slots, const i64* n, i64 B, i64* staged, i64 row_elems, i64 axis_len,
+              i64 lin_stride) {
+  i64 max_n = 0;
+  for (i64 b = 0; b < B; ++b) {
+    const i64 k = n[b];
+    const i64* row = table + slots[b] * kCols;
+    if (k < 0 || k > axis_len || k > row[kCap] - row[kSize]) return -(b + 1);
+    max_n = std::max(max_n, k);
+  }
+  for (i64 b = 0; b < B; ++b) {
+    i64* row = table + slots[b] * kCols;
+    i64* m = staged + b * kCols;
+    m[kSlot] = slots[b];
+    m[kLinOff] = b * row_elems;
+    m[kN] = n[b];
+    m[kBase] = row[kBase];
+    m[kCap] = row[kCap];
+    m[kPos] = row[kPos];
+    m[kLinStride] = lin_stride;
+    m[kSize] = row[kSize];
+    row[kSize] += n[b];
+    row[kPos] = -1;
+  }
+  return max_n;
+}
+
+// Copies `count` int64 values of `obj` into `out`: a 1-D buffer of 8-byte signed ints (a numpy int64
+// array) or a list/tuple of ints. False, with no Python error left set, for anything else.
+bool read_i64s(PyObject* obj, i64 count, std::vector<i64>& out) {
+  out.resize(count);
+  if (PyList_Check(obj) || PyTuple_Check(obj)) {
+    if (PySequence_Fast_GET_SIZE(obj) != count) return false;
+    PyObject** items = PySequence_Fast_ITEMS(obj);
+    for (i64 i = 0; i < count; ++i) {
+      out[i] = PyLong_AsLongLong(items[i]);
+      if (out[i] == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+      }
+    }
+    return true;
+  }
+  if (!PyObject_CheckBuffer(obj)) return false;
+  Py_buffer view;
+  if (PyObject_GetBuffer(obj, &view, PyBUF_RECORDS_RO) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  const char f = view.format ? view.format[std::strlen(view.format) - 1] : 0;
+  const bool ok = view.ndim == 1 && view.shape[0] == count && view.itemsize == 8 && (f == 'l' || f == 'q');
+  if (ok) {
+    const char* p = static_cast<const char*>(view.buf);
+    for (i64 i = 0; i < count; ++i) std::memcpy(&out[i], p + i * view.strides[0], 8);
+  }
+  PyBuffer_Release(&view);
+  return ok;
+}
+
+const at::Tensor& tensor_of(PyObject* obj, const char* what) {
+  TORCH_CHECK(THPVariable_Check(obj), what, " must be a tensor");
+  return THPVariable_Unpack(obj);
+}
+
+// A ring of metadata buffers [rows, cols] int64 for one stream, pinned on CUDA (the kernel reads them
+// in place): PinnedStaging of staging.py, in C++. Buffer i is reused kDepth steps later, after the
+// first event recorded at or after its last use has completed (normally long ago: no wait).
+class MetaRing {
+ public:
+  MetaRing(bool pinned, i64 cols) : pinned_(pinned), cols_(cols) {}
+  MetaRing(const MetaRing&) = delete;
+  MetaRing& operator=(const MetaRing&) = delete;
+  ~MetaRing() {
+    for (auto& e : events_) cudaEventDestroy(e.second);
+  }
+
+  // The next buffer, with at least `rows` rows; waits only if the device is far behind.
+  i64* next(i64 rows, cudaStream_t stream) {
+    if (rows > rows_) grow(rows, stream);
+    const i64 depth = static_cast<i64>(bufs_.size());
+    if (pinned_ && count_ - depth >= done_) {
+      const i64 last_use = count_ - depth;
+      while (!events_.empty() && events_.front().first < last_use) pop_event(false);
+      if (!events_.empty()) pop_event(true);
+    }
+    current_ = count_ % depth;
+    return bufs_[current_].data_ptr<i64>();
+  }
+
+  // The buffer handed out by next() is now read by queued work.
+  void queued(cudaStream_t stream) {
+    ++count_;
+    if (pinned_ && count_ % kEventEvery == 0) {
+      cudaEvent_t ev;
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      C10_CUDA_CHECK(cudaEventRecord(ev, stream));
+      events_.emplace_back(count_ - 1, ev);
+    }
+  }
+
+  at::Tensor current() const { return bufs_.empty() ? at::Tensor() : bufs_[current_]; }
+
+ private:
+  void grow(i64 rows, cudaStream_t stream) {
+    i64 r = 1;
+    while (r < rows) r <<= 1;
+    if (pinned_ && !bufs_.empty()) C10_CUDA_CHECK(cudaStreamSynchronize(stream));  // rare: a larger step
+    bufs_.clear();
+    const auto opts = at::TensorOptions().dtype(at::kLong).pinned_memory(pinned_);
+    for (i64 i = 0; i < (pinned_ ? kDepth : 1); ++i) bufs_.push_back(at::zeros({r, cols_}, opts));
+    rows_ = r;
+  }
+
+  void pop_event(bool wait) {
+    auto [k, ev] = events_.front();
+    events_.pop_front();
+    if (wait) {
+      C10_CUDA_CHECK(cudaEventSynchronize(ev));
+      done_ = k + 1;
+    }
+    C10_CUDA_CHECK(cudaEventDestroy(ev));
+  }
+
+  bool pinned_;
+  i64 cols_, rows_ = 0, count_ = 0, done_ = 0, current_ = 0;
+  std::vector<at::Tensor> bufs_;
+  std::deque<std::pair<i64, cudaEvent_t>> events_;
+};
+
+// RingPool's fast append step (ring.py): one call checks the step, plans it and launches it.
+class RingStep {
+ public:
+  RingStep(at::Tensor arena, at::Tensor state, at::Tensor table, std::vector<i64> frame_shape, bool last)
+      : arena_(std::move(arena)), state_(std::move(state)), table_(std::move(table)),
+        frame_shape_(std::move(frame_shape)), last_(last), meta_(arena_.is_cuda(), kCols) {
+    TORCH_CHECK(table_.device().is_cpu() && table_.scalar_type() == at::kLong && table_.is_contiguous() &&
+                    table_.dim() == 2 && table_.size(1) == kCols,
+                "table must be the pool's contiguous int64 host table [slots, 8]");
+    TORCH_CHECK(state_.device() == arena_.device() && state_.scalar_type() == at::kLong && state_.is_contiguous(),
+                "state must be contiguous int64 on the arena's device");
+    TORCH_CHECK(state_.numel() >= table_.size(0), "state must cover every slot");
+    const i64 es = arena_.element_size();
+    TORCH_CHECK(es == 2 || es == 4 || es == 8, "element size ", es, " not supported");
+    frame_elems_ = 1;
+    for (i64 s : frame_shape_) frame_elems_ *= s;
+  }
+
+  // Make `ids` (a tuple of request ids, distinct) with their `slots` the cached step shape of pool
+  // version `version`. The pool calls this when a step returns 0.
+  void set_slots(py::tuple ids, std::vector<i64> slots, i64 version) {
+    TORCH_CHECK(static_cast<i64>(ids.size()) == static_cast<i64>(slots.size()), "one slot per request id");
+    for (i64 s : slots) TORCH_CHECK(s >= 0 && s < table_.size(0), "slot ", s, " out of range");
+    ids_ = std::move(ids);
+    slots_ = std::move(slots);
+    version_ = version;
+  }
+
+  // Append one step: request `ids` (list or tuple), `data` [B, n_max, *frame] (CONCAT_DIM0) or
+  // [B, *frame, T_max] (CONCAT_LAST) contiguous, `lengths` B frame counts (numpy int64 or a list of
+  // ints), `version` the pool's version. Returns B when launched (planned only, for a CPU arena);
+  // 0 when `ids` or `version` are not the cached ones (call set_slots, then again); -1 when the step
+  // is not for this path (anything off, any row that does not fit): nothing was changed.
+  i64 operator()(py::handle ids, const at::Tensor& data, py::handle lengths, i64 version) {
+    if (version != version_ || !same_ids(ids.ptr())) return 0;
+    const i64 B = static_cast<i64>(slots_.size());
+    const i64 fd = static_cast<i64>(frame_shape_.size());
+    if (B == 0 || data.scalar_type() != arena_.scalar_type() || data.device() != arena_.device() ||
+        data.dim() != fd + 2 || data.size(0) != B || !data.is_contiguous())
+      return -1;
+    for (i64 d = 0; d < fd; ++d)
+      if (data.size(last_ ? 1 + d : 2 + d) != frame_shape_[d]) return -1;
+    const i64 axis_len = last_ ? data.size(fd + 1) : data.size(1);
+    const i64 row_elems = axis_len * frame_elems_;
+    if (row_elems > kInt32Max || !read_i64s(lengths.ptr(), B, n_)) return -1;
+
+    std::optional<c10::cuda::OptionalCUDAGuard> guard;
+    cudaStream_t stream = nullptr;
+    if (arena_.is_cuda()) {
+      guard.emplace(arena_.device());
+      stream = c10::cuda::getCurrentCUDAStream(arena_.device().index()).stream();
+    }
+    i64* staged = meta_.next(B, stream);
+    const i64 max_n = plan_rows(table_.data_ptr<i64>(), slots_.data(), n_.data(), B, staged, row_elems, axis_len,
+                                last_ ? axis_len : frame_elems_);
+    if (max_n < 0) return -1;
+    if (arena_.is_cuda()) {
+      vok::launch_ring_write(arena_.data_ptr(), arena_.element_size(), state_.data_ptr<i64>(), staged, data.data_ptr(),
+                             B, frame_elems_, last_, max_n * frame_elems_, stream);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    meta_.queued(stream);
+    return B;
+  }
+
+  // The metadata rows the last step staged (its first B rows), for tests.
+  at::Tensor staged() const {
+    const at::Tensor cur = meta_.current();
+    return cur.defined() ? cur.narrow(0, 0, static_cast<i64>(slots_.size())) : cur;
+  }
+
+ private:
+  bool same_ids(PyObject* ids) {
+    PyObject* cached = ids_.ptr();
+    if (!cached) return false;
+    if (ids == cached) return true;
+    if (!(PyList_Check(ids) || PyTuple_Check(ids)) || PySequence_Fast_GET_SIZE(ids) != PyTuple_GET_SIZE(cached))
+      return false;
+    PyObject** a = PySequence_Fast_ITEMS(ids);
+    PyObject** b = PySequence_Fast_ITEMS(cached);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(cached); ++i) {
+      if (a[i] == b[i]) continue;
+      const int eq = PyObject_RichCompareBool(a[i], b[i], Py_EQ);
+      if (eq != 1) {
+        if (eq < 0) PyErr_Clear();
+        return false;
+      }
+    }
+    return true;
+  }
+
+  at::Tensor arena_, state_, table_;
+  std::vector<i64> frame_shape_;
+  bool last_;
+  i64 frame_elems_ = 1;
+  MetaRing meta_;
+  py::object ids_;  // a tuple once set_slots ran
+  std::vector<i64> slots_, n_;
+  i64 version_ = -1;
+};
+
+// ---- The row gather (gather_jobs.py has the table layout; GatherJobs.encode is the numpy twin) ----
+
+struct Rows {  // a block's rows: one int, or a 1-D int64 buffer
+  Py_buffer view{};
+  bool single = true;
+  i64 one = 0;
+  i64 count() const { return single ? 1 : view.shape[0]; }
+  i64 at(i64 k) const {
+    if (single) return one;
+    i64 v;
+    std::memcpy(&v, static_cast<const char*>(view.buf) + k * view.strides[0], 8);
+    return v;
+  }
+  explicit Rows(PyObject* obj) {
+    if (PyLong_Check(obj)) {
+      one = PyLong_AsLongLong(obj);
+      if (one == -1 && PyErr_Occurred()) throw py::error_already_set();
+      return;
+    }
+    if (PyObject_GetBuffer(obj, &view, PyBUF_RECORDS_RO) != 0) throw py::error_already_set();
+    single = false;
+    const char f = view.format ? view.format[std::strlen(view.format) - 1] : 0;
+    if (view.ndim != 1 || view.itemsize != 8 || !(f == 'l' || f == 'q')) {
+      PyBuffer_Release(&view);
+      single = true;
+      TORCH_CHECK(false, "block rows must be an int or a 1-D int64 array");
+    }
+  }
+  ~Rows() {
+    if (!single) PyBuffer_Release(&view);
+  }
+  Rows(const Rows&) = delete;
+  Rows& operator=(const Rows&) = delete;
+};
+
+// One recorded block (the _Block tuple of gather_jobs.py): src, src_rows, dst, dst_rows.
+struct Block {
+  const at::Tensor& src;
+  Rows src_rows;
+  const at::Tensor& dst;
+  Rows dst_rows;
+  explicit Block(PyObject* b)
+      : src(tensor_of(PyTuple_GET_ITEM(b, 0), "block source")), src_rows(PyTuple_GET_ITEM(b, 1)),
+        dst(tensor_of(PyTuple_GET_ITEM(b, 2), "block destination")), dst_rows(PyTuple_GET_ITEM(b, 3)) {}
+};
+
+PyObject* block_at(const py::list& blocks, size_t i) {
+  PyObject* b = PyList_GET_ITEM(blocks.ptr(), i);
+  TORCH_CHECK(PyTuple_Check(b) && PyTuple_GET_SIZE(b) == 4, "a job block is (src, src_rows, dst, dst_rows)");
+  return b;
+}
+
+// Encode the recorded jobs into `table` (host int64, flat): float jobs from word 2, int jobs from
+// `int_off`, value payloads from `payload_off`; array blocks in order, then single-row jobs, then
+// value jobs, exactly as GatherJobs.encode orders them.
+void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& float_blocks,
+                   const py::list& int_blocks, const py::list& value_blocks, i64 n_float, i64 n_int, i64 int_off,
+                   i64 payload_off) {
+  const auto fbase = reinterpret_cast<intptr_t>(anchor.data_ptr());
+  const auto ibase = reinterpret_cast<intptr_t>(t);
+  const i64 es = anchor.element_size();
+  t[0] = n_float;
+  t[1] = n_int;
+  std::vector<std::pair<i64, i64>> singles;
+  i64 f = 0;
+  for (size_t i = 0; i < float_blocks.size(); ++i) {
+    const Block b(block_at(float_blocks, i));
+    const i64 so = (reinterpret_cast<intptr_t>(b.src.data_ptr()) - fbase) / es;
+    const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - fbase) / es;
+    const i64 ss = b.src.stride(0), ds = b.dst.stride(0), k = b.dst_rows.count();
+    TORCH_CHECK(b.src_rows.count() == k && f + k <= n_float, "float jobs do not match their count");
+    if (b.dst_rows.single) {
+      singles.emplace_back(so + b.src_rows.at(0) * ss, dO + b.dst_rows.at(0) * ds);
+      continue;
+    }
+    for (i64 j = 0; j < k; ++j, ++f) {
+      t[2 + 2 * f] = so + b.src_rows.at(j) * ss;
+      t[3 + 2 * f] = dO + b.dst_rows.at(j) * ds;
+    }
+  }
+  for (const auto& [s, d] : singles) {
+    TORCH_CHECK(f < n_float, "float jobs do not match their count");
+    t[2 + 2 * f] = s;
+    t[3 + 2 * f] = d;
+    ++f;
+  }
+  TORCH_CHECK(f == n_float, "float jobs do not match their count");
+
+  i64 n = 0;
+  auto put = [&](i64 s, i64 d, i64 width, i64 flags) {
+    TORCH_CHECK(n < n_int, "int jobs do not match their count");
+    i64* rec = t + int_off + 4 * n++;
+    rec[0] = s;
+    rec[1] = d;
+    rec[2] = width;
+    rec[3] = flags;
+  };
+  std::vector<std::array<i64, 4>> int_singles;
+  for (size_t i = 0; i < int_blocks.size(); ++i) {
+    const Block b(block_at(int_blocks, i));
+    const i64 sw = b.src.element_size() / 4, dw = b.dst.element_size() / 4;
+    const i64 so = (reinterpret_cast<intptr_t>(b.src.data_ptr()) - ibase) / 4;
+    const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - ibase) / 4;
+    const i64 ss = b.src.stride(0) * sw, ds = b.dst.stride(0) * dw, k = b.dst_rows.count();
+    const i64 width = b.dst.dim() == 2 ? b.dst.size(1) : 1, flags = (sw == 2) | ((dw == 2) << 1);
+    TORCH_CHECK(b.src_rows.count() == k, "int jobs do not match their count");
+    if (b.dst_rows.single) {
+      int_singles.push_back({so + b.src_rows.at(0) * ss, dO + b.dst_rows.at(0) * ds, width, flags});
+      continue;
+    }
+    for (i64 j = 0; j < k; ++j) put(so + b.src_rows.at(j) * ss, dO + b.dst_rows.at(j) * ds, width, flags);
+  }
+  for (const auto& r : int_singles) put(r[0], r[1], r[2], r[3]);
+  int32_t* payload = reinterpret_cast<int32_t*>(t + payload_off);
+  const i64 payload_cap = 2 * (words - payload_off);
+  i64 p = 0;
+  for (size_t i = 0; i < value_blocks.size(); ++i) {
+    PyObject* vb = PyList_GET_ITEM(value_blocks.ptr(), i);
+    TORCH_CHECK(PyTuple_Check(vb) && PyTuple_GET_SIZE(vb) == 2, "a value block is (dst, values)");
+    const at::Tensor& dst = tensor_of(PyTuple_GET_ITEM(vb, 0), "value destination");
+    Py_buffer view;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(vb, 1), &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
+      throw py::error_already_set();
+    const i64 count = view.len / 4;
+    const bool ok = view.itemsize == 4 && p + count <= payload_cap;
+    if (ok) std::memcpy(payload + p, view.buf, count * 4);
+    PyBuffer_Release(&view);
+    TORCH_CHECK(ok, "values must be int32 and fit in the payload");
+    put(2 * payload_off + p, (reinterpret_cast<intptr_t>(dst.data_ptr()) - ibase) / 4, count,
+        (dst.element_size() == 8) << 1);
+    p += count;
+  }
+  TORCH_CHECK(n == n_int, "int jobs do not match their count");
+}
+
+// RowGather's compiled launch (gather.py): the job table encoded from the recorded blocks into a
+// pinned buffer the kernel reads in place, and the launch on the current stream; one call per step.
+class GatherStep {
+ public:
+  // `anchor`: a tensor of the float rows' dtype on the launch's device (float offsets are relative
+  // to it); `width`: elements per float row.
+  GatherStep(at::Tensor anchor, i64 width) : anchor_(std::move(anchor)), width_(width), table_(anchor_.is_cuda(), 1) {
+    const i64 es = anchor_.element_size();
+    TORCH_CHECK((es == 2 || es == 4) && width > 0 && (width * es + 4095) / 4096 <= 65535,
+                "float rows of 2 or 4 bytes and a width of 1 to 65535 * 4096 bytes");
+  }
+
+  // Encode and launch the jobs of a GatherJobs (its blocks and counts; `aligned`: every float row
+  // starts on a 16-byte boundary). Returns the launches (0 without jobs). Given a CPU anchor it
+  // encodes only (`table` holds the result).
+  i64 operator()(const py::list& float_blocks, const py::list& int_blocks, const py::list& value_blocks, i64 n_float,
+                 i64 n_int, i64 n_values, bool aligned) {
+    if (n_float + n_int == 0) return 0;
+    TORCH_CHECK(n_float >= 0 && n_int >= 0 && n_values >= 0, "negative job counts");
+    const i64 int_off = 2 + 2 * n_float, payload_off = int_off + 4 * n_int;
+    words_ = payload_off + (n_values + 1) / 2;
+    std::optional<c10::cuda::OptionalCUDAGuard> guard;
+    cudaStream_t stream = nullptr;
+    if (anchor_.is_cuda()) {
+      guard.emplace(anchor_.device());
+      stream = c10::cuda::getCurrentCUDAStream(anchor_.device().index()).stream();
+    }
+    i64* t = table_.next(words_, stream);
+    encode_gather(anchor_, t, words_, float_blocks, int_blocks, value_blocks, n_float, n_int, int_off, payload_off);
+    if (anchor_.is_cuda()) {
+      vok::launch_row_gather(anchor_.data_ptr(), anchor_.element_size(), t, width_, int_off, n_float + n_int, aligned,
+                             stream);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    table_.queued(stream);
+    return 1;
+  }
+
+  // The table the last call encoded (flat int64), for tests.
+  at::Tensor table() const {
+    const at::Tensor cur = table_.current();
+    return cur.defined() ? cur.view(-1).narrow(0, 0, words_) : cur;
+  }
+
+ private:
+  at::Tensor anchor_;
+  i64 width_;
+  MetaRing table_;
+  i64 words_ = 0;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_vok_ops, m) {
+  m.doc() = "vllm-omni-kernels compiled eager steps (kernels/vok_python.cpp); the kernels are torch ops too";
+  py::class_<RingStep>(m, "RingStep")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<i64>, bool>(), py::arg("arena"),
+           py::arg("state"), py::arg("table"), py::arg("frame_shape"), py::arg("last"))
+      .def("set_slots", &RingStep::set_slots, py::arg("ids"), py::arg("slots"), py::arg("version"))
+      .def("__call__", &RingStep::operator(), py::arg("ids"), py::arg("data"), py::arg("lengths"),
+           py::arg("version"))
+      .def_property_readonly("staged", &RingStep::staged);
+  py::class_<GatherStep>(m, "GatherStep")
+      .def(py::init<at::Tensor, i64>(), py::arg("anchor"), py::arg("width"))
+      .def("__call__", &GatherStep::operator(), py::arg("float_blocks"), py::arg("int_blocks"),
+           py::arg("value_blocks"), py::arg("n_float"), py::arg("n_int"), py::arg("n_values"), py::arg("aligned"))
+      .def_property_readonly("table", &GatherStep::table);
+}
