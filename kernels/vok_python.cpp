@@ -107,6 +107,18 @@ bool read_i64s(PyObject* obj, i64 count, std::vector<i64>& out) {
   return ok;
 }
 
+// The device and current stream of a step on `t`'s device (neither for a CPU tensor).
+struct DeviceScope {
+  std::optional<c10::cuda::OptionalCUDAGuard> guard;
+  cudaStream_t stream = nullptr;
+  explicit DeviceScope(const at::Tensor& t) {
+    if (t.is_cuda()) {
+      guard.emplace(t.device());
+      stream = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+    }
+  }
+};
+
 const at::Tensor& tensor_of(PyObject* obj, const char* what) {
   TORCH_CHECK(THPVariable_Check(obj), what, " must be a tensor");
   return THPVariable_Unpack(obj);
@@ -223,12 +235,8 @@ class RingStep {
     const i64 row_elems = axis_len * frame_elems_;
     if (row_elems > kInt32Max || !read_i64s(lengths.ptr(), B, n_)) return -1;
 
-    std::optional<c10::cuda::OptionalCUDAGuard> guard;
-    cudaStream_t stream = nullptr;
-    if (arena_.is_cuda()) {
-      guard.emplace(arena_.device());
-      stream = c10::cuda::getCurrentCUDAStream(arena_.device().index()).stream();
-    }
+    const DeviceScope scope(arena_);
+    const cudaStream_t stream = scope.stream;
     i64* staged = meta_.next(B, stream);
     const i64 max_n = plan_rows(table_.data_ptr<i64>(), slots_.data(), n_.data(), B, staged, row_elems, axis_len,
                                 last_ ? axis_len : frame_elems_);
@@ -434,12 +442,8 @@ class GatherStep {
     TORCH_CHECK(n_float >= 0 && n_int >= 0 && n_values >= 0, "negative job counts");
     const i64 int_off = 2 + 2 * n_float, payload_off = int_off + 4 * n_int;
     words_ = payload_off + (n_values + 1) / 2;
-    std::optional<c10::cuda::OptionalCUDAGuard> guard;
-    cudaStream_t stream = nullptr;
-    if (anchor_.is_cuda()) {
-      guard.emplace(anchor_.device());
-      stream = c10::cuda::getCurrentCUDAStream(anchor_.device().index()).stream();
-    }
+    const DeviceScope scope(anchor_);
+    const cudaStream_t stream = scope.stream;
     i64* t = table_.next(words_, stream);
     encode_gather(anchor_, t, words_, float_blocks, int_blocks, value_blocks, n_float, n_int, int_off, payload_off);
     if (anchor_.is_cuda()) {

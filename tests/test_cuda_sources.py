@@ -68,7 +68,7 @@ def test_cmake_configures_and_builds_the_torch_extension(cmake_build):
     assert "arch=compute_90a,code=sm_90a" in configure and "code=compute_90" in configure
     assert lib.is_file()
     # The library is a Python module; importing it registers the ops (no GPU needed).
-    code = ("import sys, torch; from vllm_omni_kernels.ops.cuda_ext import import_extension; "
+    code = ("import torch; from vllm_omni_kernels.ops.cuda_ext import import_extension; "
             f"m = import_extension({str(lib)!r}); print(sorted(n for n in dir(m) if not n.startswith('_'))); "
             "print(torch.ops.vllm_omni_kernels.ring_write.default._schema)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -78,8 +78,11 @@ def test_cmake_configures_and_builds_the_torch_extension(cmake_build):
 
 @pytest.fixture(scope="module")
 def compiled_module(cmake_build):
-    """The extension module of this build (its eager steps run host-only on CPU tensors)."""
+    """The extension module (its eager steps run host-only on CPU tensors): the process's own when
+    the backend loaded one (a GPU machine with a build: a second one would register the ops twice),
+    else this build's."""
     from vllm_omni_kernels.ops import cuda_ext
+    cuda_ext.load()
     return cuda_ext._module or cuda_ext.import_extension(cmake_build[1])
 
 
