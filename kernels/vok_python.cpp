@@ -133,6 +133,20 @@ class MetaRing {
   MetaRing(const MetaRing&) = delete;
   MetaRing& operator=(const MetaRing&) = delete;
   ~MetaRing() {
+    // Queued kernels may still read the buffers in place: wait for them before the pinned memory
+    // goes back to torch's host allocator (which may hand it out at once). Not while that stream
+    // is being captured (a wait would break the capture); errors are ignored (at interpreter exit
+    // the context or the stream may be gone already).
+    if (pinned_ && count_ > 0) {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      cudaEvent_t ev;
+      if (cudaStreamIsCapturing(last_stream_, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone &&
+          cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess) {
+        if (cudaEventRecord(ev, last_stream_) == cudaSuccess) cudaEventSynchronize(ev);
+        cudaEventDestroy(ev);
+      }
+      (void)cudaGetLastError();
+    }
     for (auto& e : events_) cudaEventDestroy(e.second);
   }
 
@@ -152,6 +166,7 @@ class MetaRing {
   // The buffer handed out by next() is now read by queued work.
   void queued(cudaStream_t stream) {
     ++count_;
+    last_stream_ = stream;
     if (pinned_ && count_ % kEventEvery == 0) {
       cudaEvent_t ev;
       C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
@@ -185,6 +200,7 @@ class MetaRing {
 
   bool pinned_;
   i64 cols_, rows_ = 0, count_ = 0, done_ = 0, current_ = 0;
+  cudaStream_t last_stream_ = nullptr;
   std::vector<at::Tensor> bufs_;
   std::deque<std::pair<i64, cudaEvent_t>> events_;
 };
