@@ -392,7 +392,7 @@ class RingPool:
             step[1].set_slots(cached[0], cached[1], self.version)
             self._step = step = (step[0], step[1], cached[1])
             rows = step[1](request_ids, batch.data, batch.lengths, self.version)
-        if rows < 0:
+        if rows <= 0:  # declined (or, impossibly, a second miss): the general path decides
             return None
         if self._stale:
             self._unstale(step[2])
