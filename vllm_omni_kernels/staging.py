@@ -40,6 +40,18 @@ class PinnedStaging:
         self._events: list[tuple[int, torch.cuda.Event]] = []  # (upload index, event after it)
         self._done = 0  # uploads before this index are known to have run (no need to ask the device)
 
+    def __del__(self):
+        # Kernels that read these buffers in place may still be queued: wait for them before the
+        # pinned memory goes back to torch's host allocator, which can hand it out again at once.
+        # Not during a graph capture (a sync would break it); at interpreter exit CUDA may be gone.
+        if not (getattr(self, "pinned", False) and getattr(self, "_count", 0)):
+            return
+        try:
+            if not torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize(self.device)
+        except (RuntimeError, AttributeError, TypeError):
+            pass
+
     def host(self) -> tuple[int, np.ndarray]:
         """(index, host buffer) of the next buffer to fill; waits only if the GPU is far behind."""
         depth = len(self._host)
