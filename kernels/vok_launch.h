@@ -9,6 +9,17 @@
 
 namespace vok {
 
+// What one launch can take, checked by every caller before it plans anything: the ring grid has a
+// block row per metadata row (grid.y), the kernels index a row's elements in 32 bits, and a gather
+// row is split into blocks of kGatherBlockBytes (vok_kernels.cuh; vok_torch.cu asserts they agree)
+// along grid.y.
+constexpr int64_t kMaxRingRows = 65535;
+constexpr int64_t kMaxRowElems = 2147483647;
+constexpr int64_t kGatherRowBlockBytes = 4096;
+inline bool gather_width_fits(int64_t width, int64_t elem_size) {
+  return width > 0 && (width * elem_size + kGatherRowBlockBytes - 1) / kGatherRowBlockBytes <= 65535;
+}
+
 // One block row per metadata row; `max_elems` (largest N * F of the step, <= 2**31 - 1) sizes the
 // grid. A write runs at least one block per row even when nothing is copied (it publishes POS).
 void launch_ring_write(void* arena, int elem_size, int64_t* state, const int64_t* meta, const void* src,

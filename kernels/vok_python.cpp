@@ -41,7 +41,6 @@ using i64 = int64_t;
 // Metadata columns (vllm_omni_kernels/ops/layout.py); the host slot table adds the unread size.
 constexpr int kSlot = 0, kLinOff = 1, kN = 2, kBase = 3, kCap = 4, kPos = 5, kLinStride = 6, kSize = 7;
 constexpr int kCols = 8;
-constexpr i64 kInt32Max = 2147483647;
 // Pinned staging depth and event spacing: staging.py's PinnedStaging (same reasoning).
 constexpr i64 kDepth = 64, kEventEvery = 16;
 
@@ -242,14 +241,14 @@ class RingStep {
     if (version != version_ || !same_ids(ids.ptr())) return 0;
     const i64 B = static_cast<i64>(slots_.size());
     const i64 fd = static_cast<i64>(frame_shape_.size());
-    if (B == 0 || data.scalar_type() != arena_.scalar_type() || data.device() != arena_.device() ||
-        data.dim() != fd + 2 || data.size(0) != B || !data.is_contiguous())
+    if (B == 0 || B > vok::kMaxRingRows || data.scalar_type() != arena_.scalar_type() ||
+        data.device() != arena_.device() || data.dim() != fd + 2 || data.size(0) != B || !data.is_contiguous())
       return -1;
     for (i64 d = 0; d < fd; ++d)
       if (data.size(last_ ? 1 + d : 2 + d) != frame_shape_[d]) return -1;
     const i64 axis_len = last_ ? data.size(fd + 1) : data.size(1);
     const i64 row_elems = axis_len * frame_elems_;
-    if (row_elems > kInt32Max || !read_i64s(lengths.ptr(), B, n_)) return -1;
+    if (row_elems > vok::kMaxRowElems || !read_i64s(lengths.ptr(), B, n_)) return -1;
 
     const DeviceScope scope(arena_);
     const cudaStream_t stream = scope.stream;
@@ -445,7 +444,7 @@ class GatherStep {
   // to it); `width`: elements per float row.
   GatherStep(at::Tensor anchor, i64 width) : anchor_(std::move(anchor)), width_(width), table_(anchor_.is_cuda(), 1) {
     const i64 es = anchor_.element_size();
-    TORCH_CHECK((es == 2 || es == 4) && width > 0 && (width * es + 4095) / 4096 <= 65535,
+    TORCH_CHECK((es == 2 || es == 4) && vok::gather_width_fits(width, es),
                 "float rows of 2 or 4 bytes and a width of 1 to 65535 * 4096 bytes");
   }
 

@@ -16,6 +16,8 @@
 
 namespace vok {
 
+static_assert(kGatherRowBlockBytes == kGatherBlockBytes, "vok_launch.h and vok_kernels.cuh disagree on gather blocks");
+
 namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -78,8 +80,8 @@ void check_ring(const at::Tensor& arena, const at::Tensor& meta, const at::Tenso
   TORCH_CHECK(arena.is_cuda() && (meta.is_cuda() || meta.is_pinned()), "ring ops take a CUDA arena and CUDA or pinned metadata");
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.is_contiguous(), "meta must be contiguous int64");
   TORCH_CHECK(other.scalar_type() == arena.scalar_type() && other.is_cuda(), "source/output must match the arena");
-  TORCH_CHECK(rows <= 65535, "at most 65535 rows per launch");
-  TORCH_CHECK(max_elems <= INT32_MAX, "a row of at most 2**31 - 1 elements per launch");
+  TORCH_CHECK(rows <= vok::kMaxRingRows, "at most ", vok::kMaxRingRows, " rows per launch");
+  TORCH_CHECK(max_elems <= vok::kMaxRowElems, "a row of at most 2**31 - 1 elements per launch");
   const int64_t es = arena.element_size();
   TORCH_CHECK(es == 2 || es == 4 || es == 8, "element size ", es, " not supported");
 }
@@ -112,7 +114,7 @@ void row_gather(at::Tensor& anchor, at::Tensor& table, int64_t width, int64_t in
   TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous(), "table must be contiguous int64");
   const int64_t es = anchor.element_size();
   TORCH_CHECK(es == 2 || es == 4, "float rows of 2 or 4 bytes");
-  TORCH_CHECK((width * es + vok::kGatherBlockBytes - 1) / vok::kGatherBlockBytes <= 65535, "row too wide");
+  TORCH_CHECK(vok::gather_width_fits(width, es), "row too wide");
   if (grid_rows == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(anchor.device());
   vok::launch_row_gather(anchor.data_ptr(), es, table.data_ptr<int64_t>(), width, int_off, grid_rows, aligned,

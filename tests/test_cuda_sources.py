@@ -176,6 +176,23 @@ def test_compiled_ring_step_declines_what_is_not_its_step(compiled_module):
 
 
 @needs_cmake
+def test_compiled_ring_step_declines_more_rows_than_one_launch_takes(compiled_module):
+    """A step of more rows than a launch's grid holds (65535) is declined before it is planned, so
+    the slot table is not advanced for a launch that cannot run."""
+    rows = 65536
+    table = torch.zeros(rows, 8, dtype=torch.int64)
+    table[:, 4] = 1 << 20  # capacity
+    step = compiled_module.RingStep(torch.zeros(16), torch.zeros(rows, dtype=torch.int64), table, [], True)
+    ids = tuple(f"r{i}" for i in range(rows))
+    step.set_slots(ids, list(range(rows)), 0)
+    before = table.clone()
+    assert step(ids, torch.zeros(rows, 1), np.ones(rows, np.int64), 0) == -1
+    assert torch.equal(table, before)
+    step.set_slots(ids[:-1], list(range(rows - 1)), 1)
+    assert step(ids[:-1], torch.zeros(rows - 1, 1), np.ones(rows - 1, np.int64), 1) == rows - 1
+
+
+@needs_cmake
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        width=st.sampled_from([1, 8, 33, 256]))
