@@ -66,6 +66,12 @@ __device__ __forceinline__ i64 lin_offset(const RingRow& r, int outer, int inner
   return r.lin_off + (i64)outer * r.lin_stride + inner;
 }
 
+// The slot's head word after a row of n frames written from ring frame pos (ticket 0).
+__device__ __forceinline__ i64 next_head_word(const RingRow& r, i64 pos) {
+  const i64 head = pos + r.n;
+  return (head >= r.cap ? head - r.cap : head) << kHeadShift;
+}
+
 template <bool LAST>
 __device__ __forceinline__ i64 ring_offset(const RingRow& r, i64 pos, i64 F, int outer, int inner) {
   i64 t = pos + (LAST ? inner : outer);
@@ -115,10 +121,7 @@ __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ aren
     if (threadIdx.x == 0) {
       const i64 word = (i64)atomicAdd(reinterpret_cast<u64*>(state + r.slot), 1ULL);
       if (pos < 0) pos = word >> kHeadShift;
-      if ((word & ((1LL << kHeadShift) - 1)) == gridDim.x - 1) {
-        const i64 head = pos + r.n;
-        state[r.slot] = (head >= r.cap ? head - r.cap : head) << kHeadShift;
-      }
+      if ((word & ((1LL << kHeadShift) - 1)) == gridDim.x - 1) state[r.slot] = next_head_word(r, pos);
       shared_pos = pos;
     }
     __syncthreads();
@@ -130,10 +133,7 @@ __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ aren
   }
   if (single) {
     __syncthreads();  // every thread has used the head (its stores' addresses) before it moves
-    if (threadIdx.x == 0) {
-      const i64 head = pos + r.n;
-      state[r.slot] = (head >= r.cap ? head - r.cap : head) << kHeadShift;
-    }
+    if (threadIdx.x == 0) state[r.slot] = next_head_word(r, pos);
   }
 }
 

@@ -66,15 +66,19 @@ class PinnedStaging:
                 self._done = k + 1
         return i, self._np[i]
 
-    def read_in_place(self, i: int, row0: bool = False) -> torch.Tensor:
-        """Hand host buffer ``i`` to a kernel that reads it directly (pinned memory is addressable
-        from the device): no copy; the buffer is reused only after work queued now has run.
-        Returns the buffer (``row0``: its first row, for flat tables)."""
+    def _queued(self) -> None:
+        """Count one buffer handed to queued work; every ``_EVENT_EVERY``-th gets an event after it."""
         self._count += 1
         if self.pinned and self._count % _EVENT_EVERY == 0:
             ev = torch.cuda.Event()
             ev.record()
             self._events.append((self._count - 1, ev))
+
+    def read_in_place(self, i: int, row0: bool = False) -> torch.Tensor:
+        """Hand host buffer ``i`` to a kernel that reads it directly (pinned memory is addressable
+        from the device): no copy; the buffer is reused only after work queued now has run.
+        Returns the buffer (``row0``: its first row, for flat tables)."""
+        self._queued()
         return self._rows0[i] if row0 else self._host[i]
 
     def upload(self, i: int, rows: int, dst: torch.Tensor, cols: int | None = None) -> torch.Tensor:
@@ -82,8 +86,8 @@ class PinnedStaging:
 
         Returns ``dst``, or on a CPU device the host buffer itself.
         """
-        self._count += 1
         if not self.pinned:
+            self._queued()
             return self._host[i]
         key = (i, rows, self.cols if cols is None else cols)
         views = self._views.get(key)
@@ -92,8 +96,5 @@ class PinnedStaging:
                 self._views.clear()
             views = self._views[key] = (dst[:rows, :key[2]], self._host[i][:rows, :key[2]])
         views[0].copy_(views[1], non_blocking=True)
-        if self._count % _EVENT_EVERY == 0:
-            ev = torch.cuda.Event()
-            ev.record()
-            self._events.append((self._count - 1, ev))
+        self._queued()
         return dst

@@ -74,17 +74,18 @@ def _ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-def _check_row_elems(max_elems: int) -> None:
+def _ring_grid(rows: int, max_elems: int) -> tuple[int, int]:
+    """The grid of ``kernels/vok_torch.cu`` (at least one block per row: a write with nothing to copy
+    still publishes head overrides)."""
     if max_elems > 2**31 - 1:
         raise ValueError("a row of at most 2**31 - 1 elements per launch (the kernels index rows in 32 bits)")
+    return max(1, -(-max_elems // (RING_THREADS * RING_PER_THREAD))), rows
 
 
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:
     if rows == 0:
         return
-    _check_row_elems(max_elems)
-    # A write with nothing to copy still runs one block per row: it publishes head overrides (POS).
-    grid = (max(1, -(-max_elems // (RING_THREADS * RING_PER_THREAD))), rows)
+    grid = _ring_grid(rows, max_elems)
     name = f"vok_ring_write_e{arena.element_size()}_{'last' if last else 'dim0'}"
     _launch(name, grid, RING_THREADS, (_ptr(arena), _ptr(state), _ptr(meta), _ptr(src), np.int64(frame_elems),
                                        np.int32(last and frame_elems == 1)))
@@ -93,8 +94,7 @@ def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -
 def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
     if rows == 0 or max_elems == 0:
         return
-    _check_row_elems(max_elems)
-    grid = (-(-max_elems // (RING_THREADS * RING_PER_THREAD)), rows)
+    grid = _ring_grid(rows, max_elems)
     name = f"vok_ring_read_e{arena.element_size()}_{'last' if last else 'dim0'}"
     _launch(name, grid, RING_THREADS, (_ptr(arena), _ptr(meta), _ptr(out), np.int64(frame_elems),
                                        np.int32(last and frame_elems == 1)))

@@ -69,6 +69,13 @@ def _ring_index(meta_row, outer, inner, pos, F, LAST: tl.constexpr):
 
 
 @triton.jit
+def _next_head_word(pos, n, cap):
+    """The slot's head word after ``n`` frames written from ring frame ``pos`` (ticket 0)."""
+    head = pos + n
+    return tl.where(head >= cap, head - cap, head) << HEAD_SHIFT
+
+
+@triton.jit
 def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F,
                        LAST: tl.constexpr, MONO: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr):
     row = tl.program_id(0)
@@ -86,8 +93,7 @@ def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F,
             pos = tl.load(state_ptr + slot) >> HEAD_SHIFT
         tl.store(arena_ptr + _ring_index(meta_row, outer, inner, pos, F, LAST), vals, mask=mask)
         tl.debug_barrier()  # every warp has used the head (its stores' addresses) before it moves
-        head = pos + n
-        tl.store(state_ptr + slot, tl.where(head >= cap, head - cap, head) << HEAD_SHIFT)
+        tl.store(state_ptr + slot, _next_head_word(pos, n, cap))
     else:
         # One atomic takes the ticket and reads the head word; the program with the last ticket
         # publishes the new head at once (every program of the row has read it by then).
@@ -95,8 +101,7 @@ def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F,
         if pos < 0:
             pos = word >> HEAD_SHIFT
         if (word & TICKET_MASK) == tl.num_programs(1) - 1:
-            head = pos + n
-            tl.store(state_ptr + slot, tl.where(head >= cap, head - cap, head) << HEAD_SHIFT)
+            tl.store(state_ptr + slot, _next_head_word(pos, n, cap))
         tl.store(arena_ptr + _ring_index(meta_row, outer, inner, pos, F, LAST), vals, mask=mask)
 
 
