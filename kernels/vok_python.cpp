@@ -11,6 +11,7 @@
 // Given a CPU arena or anchor they plan or encode without launching: that is how CI tests them
 // against their numpy twins (RingPool._plan_numpy, GatherJobs.encode). The kernels stay registered as
 // torch ops (vok_torch.cu) for torch.compile and for every other caller.
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstddef>
 #include <cstring>
 #include <deque>
 #include <optional>
@@ -48,8 +50,8 @@ constexpr i64 kDepth = 64, kEventEvery = 16;
 // 0 <= n <= axis_len and n fits in the slot's free frames. Then the rows are staged, unread sizes
 // advance and head overrides (POS) are cleared, and the largest n is returned; else -(b + 1) for
 // the first row b that does not fit, with nothing written.
-i64 plan_rows(i64* table, const i64* slots, const i64* n, i64 B, i64* staged, i64 row_elems, i64 axis_len,
-              i64 lin_stride) {
+i64 plan_rows(i64* __restrict__ table, const i64* __restrict__ slots, const i64* __restrict__ n, i64 B,
+              i64* __restrict__ staged, i64 row_elems, i64 axis_len, i64 lin_stride) {
   i64 max_n = 0;
   for (i64 b = 0; b < B; ++b) {
     const i64 k = n[b];
@@ -100,7 +102,13 @@ bool read_i64s(PyObject* obj, i64 count, std::vector<i64>& out) {
   const bool ok = view.ndim == 1 && view.shape[0] == count && view.itemsize == 8 && (f == 'l' || f == 'q');
   if (ok) {
     const char* p = static_cast<const char*>(view.buf);
-    for (i64 i = 0; i < count; ++i) std::memcpy(&out[i], p + i * view.strides[0], 8);
+    const Py_ssize_t stride = view.strides[0];
+    i64* dst = out.data();
+    if (stride == 8) {
+      std::memcpy(dst, p, count * 8);
+    } else {
+      for (i64 i = 0; i < count; ++i) std::memcpy(dst + i, p + i * stride, 8);
+    }
   }
   PyBuffer_Release(&view);
   return ok;
@@ -276,11 +284,13 @@ class RingStep {
     PyObject* cached = ids_.ptr();
     if (!cached) return false;
     if (ids == cached) return true;
-    if (!(PyList_Check(ids) || PyTuple_Check(ids)) || PySequence_Fast_GET_SIZE(ids) != PyTuple_GET_SIZE(cached))
-      return false;
+    const Py_ssize_t count = PyTuple_GET_SIZE(cached);
+    if (!(PyList_Check(ids) || PyTuple_Check(ids)) || PySequence_Fast_GET_SIZE(ids) != count) return false;
     PyObject** a = PySequence_Fast_ITEMS(ids);
     PyObject** b = PySequence_Fast_ITEMS(cached);
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(cached); ++i) {
+    // The usual step passes the very same id objects: one memcmp of the pointers decides.
+    if (std::memcmp(a, b, count * sizeof(PyObject*)) == 0) return true;
+    for (Py_ssize_t i = 0; i < count; ++i) {
       if (a[i] == b[i]) continue;
       const int eq = PyObject_RichCompareBool(a[i], b[i], Py_EQ);
       if (eq != 1) {
@@ -483,6 +493,110 @@ class GatherStep {
   i64 words_ = 0;
 };
 
+// ---- Plain CPython callables for the per-step calls ----
+//
+// A pybind11 method call spends about a microsecond before the method runs: `__call__` looked up
+// on the type, a bound method and an argument tuple made, overloads tried, each argument cast. That
+// is as much as a step's own host work. A `StepCall` (a step's `call` property) is a callable of its
+// own type with a vectorcall entry that reads its arguments in place and calls the step directly;
+// it holds a reference to the step object, so the step lives as long as it does.
+using StepEntry = PyObject* (*)(void* step, PyObject* const* args, Py_ssize_t nargs);
+
+struct StepCallObject {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* owner;  // the pybind11 step object
+  void* step;       // its C++ object
+  StepEntry entry;
+  const char* signature;  // for the argument-count error
+};
+
+PyObject* step_call_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* o = reinterpret_cast<StepCallObject*>(self);
+  if (kwnames && PyTuple_GET_SIZE(kwnames) > 0) {
+    PyErr_Format(PyExc_TypeError, "%s takes positional arguments only", o->signature);
+    return nullptr;
+  }
+  return o->entry(o->step, args, PyVectorcall_NARGS(nargsf));
+}
+
+void step_call_dealloc(PyObject* self) {
+  Py_XDECREF(reinterpret_cast<StepCallObject*>(self)->owner);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject StepCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+py::object make_step_call(const py::object& owner, void* step, StepEntry entry, const char* signature) {
+  if (!(StepCallType.tp_flags & Py_TPFLAGS_READY)) {
+    StepCallType.tp_name = "_vok_ops.StepCall";
+    StepCallType.tp_doc = "A step's call without pybind11's dispatch (positional arguments only).";
+    StepCallType.tp_basicsize = sizeof(StepCallObject);
+    StepCallType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+    StepCallType.tp_vectorcall_offset = offsetof(StepCallObject, vectorcall);
+    StepCallType.tp_call = PyVectorcall_Call;
+    StepCallType.tp_dealloc = step_call_dealloc;
+    if (PyType_Ready(&StepCallType) < 0) throw py::error_already_set();
+  }
+  auto* o = PyObject_New(StepCallObject, &StepCallType);
+  if (!o) throw py::error_already_set();
+  o->vectorcall = step_call_vectorcall;
+  o->owner = owner.inc_ref().ptr();
+  o->step = step;
+  o->entry = entry;
+  o->signature = signature;
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(o));
+}
+
+bool wrong_count(Py_ssize_t nargs, Py_ssize_t want, const char* signature) {
+  if (nargs == want) return false;
+  PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", signature, want, nargs);
+  return true;
+}
+
+// args[i] as an int64; false with a Python error set when it is not an int.
+bool arg_i64(PyObject* obj, i64* out) {
+  *out = PyLong_AsLongLong(obj);
+  return !(*out == -1 && PyErr_Occurred());
+}
+
+constexpr const char* kRingCall = "RingStep.call(ids, data, lengths, version)";
+constexpr const char* kGatherCall =
+    "GatherStep.call(float_blocks, int_blocks, value_blocks, n_float, n_int, n_values, aligned)";
+
+PyObject* ring_step_entry(void* step, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (wrong_count(nargs, 4, kRingCall)) return nullptr;
+  if (!THPVariable_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "RingStep.call: data must be a tensor");
+    return nullptr;
+  }
+  i64 version;
+  if (!arg_i64(args[3], &version)) return nullptr;
+  return PyLong_FromLongLong((*static_cast<RingStep*>(step))(args[0], THPVariable_Unpack(args[1]), args[2], version));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* gather_step_entry(void* step, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (wrong_count(nargs, 7, kGatherCall)) return nullptr;
+  for (int i = 0; i < 3; ++i) {
+    if (!PyList_Check(args[i])) {
+      PyErr_SetString(PyExc_TypeError, "GatherStep.call: the blocks must be lists");
+      return nullptr;
+    }
+  }
+  i64 counts[3];
+  for (int i = 0; i < 3; ++i)
+    if (!arg_i64(args[3 + i], &counts[i])) return nullptr;
+  const int aligned = PyObject_IsTrue(args[6]);
+  if (aligned < 0) return nullptr;
+  const auto blocks = [&](int i) { return py::reinterpret_borrow<py::list>(args[i]); };
+  return PyLong_FromLongLong((*static_cast<GatherStep*>(step))(blocks(0), blocks(1), blocks(2), counts[0], counts[1],
+                                                               counts[2], aligned != 0));
+  END_HANDLE_TH_ERRORS
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_vok_ops, m) {
@@ -493,10 +607,20 @@ PYBIND11_MODULE(_vok_ops, m) {
       .def("set_slots", &RingStep::set_slots, py::arg("ids"), py::arg("slots"), py::arg("version"))
       .def("__call__", &RingStep::operator(), py::arg("ids"), py::arg("data"), py::arg("lengths"),
            py::arg("version"))
-      .def_property_readonly("staged", &RingStep::staged);
+      .def_property_readonly("staged", &RingStep::staged)
+      .def_property_readonly(
+          "call",
+          [](py::object self) { return make_step_call(self, self.cast<RingStep*>(), ring_step_entry, kRingCall); },
+          "__call__ without pybind11's dispatch: the per-step entry");
   py::class_<GatherStep>(m, "GatherStep")
       .def(py::init<at::Tensor, i64>(), py::arg("anchor"), py::arg("width"))
       .def("__call__", &GatherStep::operator(), py::arg("float_blocks"), py::arg("int_blocks"),
            py::arg("value_blocks"), py::arg("n_float"), py::arg("n_int"), py::arg("n_values"), py::arg("aligned"))
-      .def_property_readonly("table", &GatherStep::table);
+      .def_property_readonly("table", &GatherStep::table)
+      .def_property_readonly(
+          "call",
+          [](py::object self) {
+            return make_step_call(self, self.cast<GatherStep*>(), gather_step_entry, kGatherCall);
+          },
+          "__call__ without pybind11's dispatch: the per-step entry");
 }

@@ -2,8 +2,9 @@
 
 Usage: python profiling/profile_append.py [--requests 64] [--samples 1920] [--steps 2000]
 Prints the mean wall time per append (host-bound: the GPU work is far shorter), the same for the
-compiled step called directly (no Python around it) and for one small torch op (a dispatcher call
-and a launch: this host's floor for any eager launch from Python), and cProfile's top entries.
+compiled step called directly (no Python around it; through its plain entry and through pybind11)
+and for one small torch op (a dispatcher call and a launch: this host's floor for any eager launch
+from Python), and cProfile's top entries. ``launch_floor.cu`` measures the bare CUDA launch.
 """
 
 import argparse
@@ -58,9 +59,12 @@ def report(what, run):
 
 
 report("RingPool.append (wall, host-bound)", steps)
-if pool._step is not None:
-    step, version = pool._step[1], pool.version
-    report("the compiled step alone", lambda n: steps(n, lambda: step(ids, src, lens, version)))
+if pool._eager.step is not None:
+    step, call, version = pool._eager.step, pool._eager.call, pool.version
+    report("the compiled step alone (step.call: the entry append uses)",
+           lambda n: steps(n, lambda: call(ids, src, lens, version)))
+    report("the compiled step alone through pybind11 (step(...))",
+           lambda n: steps(n, lambda: step(ids, src, lens, version)))
 tiny = torch.zeros(1, device=dev)
 report("tiny.zero_() (one torch op: dispatcher + launch)", lambda n: [tiny.zero_() for _ in range(n)])
 prof = cProfile.Profile()

@@ -176,6 +176,91 @@ def test_compiled_ring_step_declines_what_is_not_its_step(compiled_module):
 
 
 @needs_cmake
+def test_step_call_entries_check_their_arguments(compiled_module):
+    """``step.call`` (the plain CPython entry of each step) takes its arguments positionally and
+    raises TypeError naming the call for a wrong count, keywords or a wrong type; it keeps the step
+    alive."""
+    pool = RingPool("audio", torch.float32, (), "cpu", S.CONCAT_LAST, budget_bytes=1 << 12, max_slots=2)
+    pool.alloc("a")
+    step = _step_of(compiled_module, pool)
+    call = step.call
+    del step
+    ok = (["a"], torch.zeros(1, 4), [1], pool.version)
+    assert call(*ok) == 0  # no request list given yet: the step is alive and answers
+    for args, kwargs, words in (((["a"], torch.zeros(1, 4)), {}, "takes 4 arguments, got 2"),
+                                (ok[:3], {"version": 0}, "positional arguments only"),
+                                ((["a"], "data", [1], 0), {}, "data must be a tensor"),
+                                ((["a"], torch.zeros(1, 4), [1], "v"), {}, "integer")):
+        with pytest.raises(TypeError, match=words):
+            call(*args, **kwargs)
+    gather = compiled_module.GatherStep(torch.zeros(1), 8).call
+    with pytest.raises(TypeError, match="takes 7 arguments"):
+        gather([], [], [])
+    with pytest.raises(TypeError, match="blocks must be lists"):
+        gather((), [], [], 1, 0, 0, True)
+    assert gather([], [], [], 0, 0, 0, True) == 0
+
+
+@needs_cmake
+def test_pool_append_calls_its_bound_compiled_step_until_the_backend_setting_changes(compiled_module, monkeypatch):
+    """With a compiled backend, RingPool.append resolves its step once and then calls it directly
+    while the backend setting holds: request-list changes (the step asks for the slots), declined
+    steps (the general path reports the bad row) and new slots (head overrides cleared) all plan as
+    the numpy path does; a changed setting is resolved again."""
+    from vllm_omni_kernels import ops
+
+    def factory(*args):
+        return compiled_module.RingStep(*args)
+
+    resolved = []
+
+    def ring_step(is_cuda):
+        resolved.append(is_cuda)
+        return factory
+
+    def make_pool():
+        pool = RingPool("audio", torch.float32, (), "cpu", S.CONCAT_LAST, budget_bytes=1 << 16, initial_frames=64,
+                        max_slots=6, growth=False)
+        for r in "abcd":
+            pool.alloc(r)
+        return pool
+
+    twin = make_pool()  # planned by _plan_numpy (ops.ring_step is None on CPU)
+    steps = [("abc", [3, 0, 5]), ("abc", [1, 2, 3]), ("bcd", [4, 4, 4]), ("bcd", [1, 99, 1]), ("bcd", [2, 2, 2]),
+             ("free a", None), ("abd", [1, 1, 1]), ("abd", [2, 0, 2])]
+    expected = []
+    for ids, n in steps:
+        if n is None:
+            twin.free(ids[-1])
+            twin.alloc(ids[-1])
+            continue
+        res = twin.append(list(ids), PaddedBatch(torch.zeros(3, 64), np.array(n)))
+        expected.append((res.appended, [e.request_id for e in res.errors], twin._table.copy()))
+
+    monkeypatch.setattr(ops, "ring_step", ring_step)
+    pool = make_pool()
+    got = []
+    for ids, n in steps:
+        if n is None:
+            pool.free(ids[-1])
+            pool.alloc(ids[-1])
+            continue
+        res = pool.append(list(ids), PaddedBatch(torch.zeros(3, 64), np.array(n)))
+        got.append((res.appended, [e.request_id for e in res.errors], pool._table.copy()))
+    for (a, errors_a, table_a), (b, errors_b, table_b) in zip(got, expected):
+        assert (a, errors_a) == (b, errors_b)
+        assert np.array_equal(table_a, table_b)
+    assert got[3][1] == ["c"]  # the declined step's bad row, reported by the general path
+    calls = len(resolved)
+    assert calls <= 3  # resolved on the first step, and again only where append took the long way
+    pool.append(["a", "b", "d"], PaddedBatch(torch.zeros(3, 64), np.array([1, 1, 1])))
+    assert len(resolved) == calls  # the bound step was called directly
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", "torch")
+    pool.append(["a", "b", "d"], PaddedBatch(torch.zeros(3, 64), np.array([1, 1, 1])))
+    assert len(resolved) == calls + 1  # the setting changed: resolved again
+
+
+@needs_cmake
 def test_compiled_ring_step_declines_more_rows_than_one_launch_takes(compiled_module):
     """A step of more rows than a launch's grid holds (65535) is declined before it is planned, so
     the slot table is not advanced for a launch that cannot run."""
@@ -214,7 +299,7 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
     args = (j.float_blocks, j.int_blocks, j.value_blocks, j.n_float, j.n_int, j.n_values, j.aligned)
     assert step(*args) == 1
     step.table.fill_(-7)  # on CPU the step reuses its one buffer: words it does not write stay -7
-    assert step(*args) == 1
+    assert step.call(*args) == 1  # the per-step entry encodes the same
     compiled = step.table
     assert compiled.numel() == layout.words
     numpy_table = np.full(layout.words, -7, np.int64)

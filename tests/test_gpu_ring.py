@@ -60,7 +60,7 @@ def test_cuda_pool_matches_cpu_pool(dtype, strategy, frame, use_backend):
         lens = rng.integers(0, 40, size=5)
         data = random_tensor((5, *frame, 40) if last else (5, 40, *frame), dtype, generator=g)
         for d, p in pools.items():
-            assert p.append(ids, PaddedBatch(data.to(d), lens)).errors == []
+            assert p.append(ids, PaddedBatch(data.to(d), lens)).errors == ()
         if step % 4 == 3:
             a, b = (p.drain(ids[:2]) for p in pools.values())
             assert all(torch.equal(x, y.cpu()) for x, y in zip(a, b))
@@ -91,7 +91,7 @@ def test_eager_append_makes_no_host_sync_and_no_allocation():
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(20):
-            assert pool.append(ids, PaddedBatch(data, lens)).errors == []
+            assert pool.append(ids, PaddedBatch(data, lens)).errors == ()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

@@ -45,7 +45,7 @@ def test_append_drain_consolidate_with_wrap_and_zero_lengths(backend, strategy, 
         shape = (2, *frame, 7) if last else (2, 7, *frame)
         data = random_tensor(shape, torch.float32, generator=g)
         res = pool.append(ids, PaddedBatch(data, lens))
-        assert res.errors == [] and res.appended == 2
+        assert res.errors == () and res.appended == 2
         kept.append(data[0][..., : lens[0]] if last else data[0][: lens[0]])
         expect_b = data[1][..., : lens[1]] if last else data[1][: lens[1]]
         (got_b,) = pool.drain(["b"])
@@ -63,7 +63,7 @@ def test_list_input_packs_and_matches(backend):
     g = torch.Generator().manual_seed(2)
     chunks = [random_tensor((n, 4), torch.int64, generator=g) for n in (3, 0, 5)]
     res = pool.append(list("xyz"), chunks)
-    assert res.errors == []
+    assert res.errors == ()
     more = [random_tensor((2, 4), torch.int64, generator=g), None, random_tensor((1, 4), torch.int64, generator=g)]
     pool.append(list("xyz"), more)
     x, y, z = pool.consolidate(list("xyz"))

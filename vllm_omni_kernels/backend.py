@@ -30,8 +30,13 @@ _ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
 _ENV_KEY = _ENV.encode()
 
 
-def _raw() -> bytes | str | None:
-    return _ENV_BYTES.get(_ENV_KEY) if _ENV_BYTES is not None else os.environ.get(_ENV)
+# ``_raw()`` is the setting's raw value: the same object while the setting is unchanged (a new one
+# after setenv, even of the same text), which is what ops.setting() promises.
+if _ENV_BYTES is not None:
+    _raw = functools.partial(_ENV_BYTES.get, _ENV_KEY)  # a C call: no Python frame
+else:
+    def _raw() -> bytes | str | None:
+        return os.environ.get(_ENV)
 
 
 def requested() -> str:

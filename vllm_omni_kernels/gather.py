@@ -41,7 +41,8 @@ class RowGather:
         self._table_rows = self.table.view(1, -1)
         self.launches = 0
         self._layouts: dict[tuple[int, int, int], TableLayout] = {}
-        self._step: tuple | None = None  # (factory, compiled launch step): ops.gather_step
+        # (ops.setting() when resolved, ops.gather_step's factory or None, its compiled step's call or None)
+        self._step: tuple = (object(), None, None)
 
     def _validate(self) -> None:
         jobs = self.jobs
@@ -76,13 +77,12 @@ class RowGather:
         jobs = self.jobs
         if jobs.n_float + jobs.n_int == 0:
             return 0
-        make_step = ops.gather_step(jobs.is_cuda)
-        if make_step is not None:  # the compiled backend encodes and launches in one host call
-            step = self._step
-            if step is None or step[0] is not make_step:
-                step = self._step = (make_step, make_step(self._anchor, jobs.width))
+        step = self._step
+        if step[0] is not ops.setting():  # resolved again only when the backend setting changed
+            step = self._step = self._resolve_step()
+        if step[2] is not None:  # the compiled backend encodes and launches in one host call
             self._validate()
-            step[1](jobs.float_blocks, jobs.int_blocks, jobs.value_blocks, jobs.n_float, jobs.n_int, jobs.n_values,
+            step[2](jobs.float_blocks, jobs.int_blocks, jobs.value_blocks, jobs.n_float, jobs.n_int, jobs.n_values,
                     jobs.aligned)
         else:
             key = (jobs.n_float, jobs.n_int, jobs.n_values)
@@ -96,6 +96,16 @@ class RowGather:
         jobs.clear()
         self.launches += 1
         return 1
+
+    def _resolve_step(self) -> tuple:
+        """(the backend setting, ops.gather_step's factory, the ``call`` of the compiled step bound to
+        this gather, kept while the factory is the same) or (setting, None, None) without one."""
+        make_step = ops.gather_step(self.jobs.is_cuda)
+        old = self._step
+        if make_step is None:
+            return ops.setting(), None, None
+        call = old[2] if old[1] is make_step else make_step(self._anchor, self.jobs.width).call
+        return ops.setting(), make_step, call
 
     def prepare_static(self) -> None:
         """Encode the recorded jobs at the fixed capacity layout and upload them (before a replay).

@@ -25,9 +25,11 @@ the step go through.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import NamedTuple
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -58,12 +60,31 @@ class PaddedBatch:
     lengths: Sequence[int] | np.ndarray | torch.Tensor
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class AppendResult:
     """What an append did: rows launched, and one error per request that was skipped."""
 
     appended: int = 0
-    errors: list[TensorAccumulationError] = field(default_factory=list)
+    errors: tuple[TensorAccumulationError, ...] = ()
+
+
+@functools.lru_cache(maxsize=None)
+def _appended(rows: int) -> AppendResult:
+    """The result of a step that launched ``rows`` rows without errors (immutable: made once per count)."""
+    return AppendResult(rows)
+
+
+_UNSET = object()  # an _Eager.setting that no backend setting is
+
+
+class _Eager(NamedTuple):
+    """A pool's compiled append step and what it was bound under."""
+
+    setting: object  # ops.setting() when last resolved: the step is used directly while it holds
+    factory: object  # ops.ring_step's factory that made ``step``
+    step: object
+    call: object     # step.call: the step's per-call entry
+    slots: np.ndarray | None  # the slots of the request list the step holds (set_slots)
 
 
 @dataclass
@@ -136,7 +157,7 @@ class RingPool:
         self._staging = PinnedStaging(max_rows, META_COLS, self.device)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
         self._ids_cache: tuple | None = None  # (ids, slots, version) of the last fast step
-        self._step: tuple | None = None  # (factory, compiled step, slots it holds): ops.ring_step
+        self._eager = _Eager(_UNSET, None, None, None, None)  # the compiled step (ops.ring_step), once bound
         self._arange = np.arange(max_rows, dtype=np.int64)
         self._device_index = self.device.index if self.device.type == "cuda" else -1  # Tensor.get_device()
         self.growths = 0
@@ -294,6 +315,18 @@ class RingPool:
         Requests must hold a slot (``alloc``). Invalid requests are skipped with a
         ``TensorAccumulationError`` each in the result; the valid ones are written by one launch.
         """
+        eager = self._eager
+        # The common eager step with the compiled backend: one call into the extension, reached
+        # in as few Python operations as possible (they cost as much as the step's C++ half).
+        # ``eager.setting`` never matches with nvtx ranges on (_compiled_append).
+        if eager.setting is ops.setting() and type(chunks) is PaddedBatch:
+            rows = eager.call(request_ids, chunks.data, chunks.lengths, self.version)
+            if rows > 0:
+                if self._stale:
+                    self._unstale(eager.slots)
+                return _appended(rows)
+            if rows < 0:  # declined: not the fast path's step
+                return self._general_append(request_ids, chunks)
         if nvtx_enabled():
             with nvtx_range(f"ring.append[{self.key}]"):
                 return self._append(request_ids, chunks)
@@ -307,7 +340,11 @@ class RingPool:
             else:
                 done = self._fast_append(request_ids, chunks)
             if done is not None:
-                return AppendResult(done, [])
+                return _appended(done)
+        return self._general_append(request_ids, chunks)
+
+    def _general_append(self, request_ids, chunks) -> AppendResult:
+        """Any step: per-request checks (errors recorded, those requests skipped), growth, one launch."""
         self._errors: list[TensorAccumulationError] = []
         if isinstance(chunks, PaddedBatch):
             rows = self._rows_from_batch(request_ids, chunks)
@@ -315,7 +352,7 @@ class RingPool:
             rows = self._rows_from_list(request_ids, chunks)
         appended = self._launch_append(*rows) if rows is not None else 0
         self.rejected += len(self._errors)
-        return AppendResult(appended=appended, errors=self._errors)
+        return AppendResult(appended, tuple(self._errors))
 
     def _fast_append(self, request_ids, batch: PaddedBatch) -> int | None:
         """The common step in few host operations: every request known and distinct, a contiguous
@@ -379,23 +416,26 @@ class RingPool:
     def _compiled_append(self, make_step, request_ids, batch: PaddedBatch) -> int | None:
         """``_fast_append`` as one call into the compiled extension (``ops.ring_step``: checks,
         planning, staging, launch); on a miss of its cached request list it is given the slots once
-        and called again."""
-        step = self._step
-        if step is None or step[0] is not make_step:
-            step = self._step = (make_step, make_step(self.arena, self.state, self._table_t, self.frame_shape,
-                                                      self.last), None)
-        rows = step[1](request_ids, batch.data, batch.lengths, self.version)
+        and called again. ``append`` calls the bound step directly while the backend setting holds."""
+        eager = self._eager
+        if eager.factory is not make_step:
+            step = make_step(self.arena, self.state, self._table_t, self.frame_shape, self.last)
+            eager = _Eager(_UNSET, make_step, step, step.call, None)
+        if eager.setting is not ops.setting() and not nvtx_enabled():  # append may call it directly
+            eager = eager._replace(setting=ops.setting())
+        self._eager = eager
+        rows = eager.call(request_ids, batch.data, batch.lengths, self.version)
         if rows == 0:
             cached = self._slots_of(request_ids)
             if cached is None:
                 return None
-            step[1].set_slots(cached[0], cached[1], self.version)
-            self._step = step = (step[0], step[1], cached[1])
-            rows = step[1](request_ids, batch.data, batch.lengths, self.version)
+            eager.step.set_slots(cached[0], cached[1], self.version)
+            self._eager = eager = eager._replace(slots=cached[1])
+            rows = eager.call(request_ids, batch.data, batch.lengths, self.version)
         if rows <= 0:  # declined (or, impossibly, a second miss): the general path decides
             return None
         if self._stale:
-            self._unstale(step[2])
+            self._unstale(eager.slots)
         return rows
 
     def _plan_numpy(self, staged: np.ndarray, slots: np.ndarray, n: np.ndarray, row_elems: int, axis_len: int,

@@ -4,6 +4,7 @@ Ring copies (semantics in ``reference.py``, layout in ``layout.py``):
     ring_write(arena, state, meta, src, rows=, frame_elems=, last=, max_elems=)
     ring_read(arena, meta, out, rows=, frame_elems=, last=, max_elems=)
     ring_step(is_cuda) -> a factory of one-call append steps (plan + ring_write), or None (compiled only)
+    setting() -> what a caller keeping a resolved step compares (``is``) to know it still holds
 ``max_elems`` is the host-known largest ``N * F`` of the step; it sizes the grid.
 
 Row gather (the fused decode gather; jobs and table in ``gather_jobs.py``):
@@ -38,6 +39,12 @@ def _impl(is_cuda: bool, module: str = "ring"):
     if mod is None:
         mod = _loaded[mod_name] = importlib.import_module(f"{__name__}.{mod_name}")
     return mod
+
+
+# The backend setting as an object that stays the same (``is``) while the setting is unchanged.
+# Launch paths that keep what ``ring_step``/``gather_step`` resolved compare it instead of resolving
+# again every call (the setting may change at run time: benchmarks and tests switch it).
+setting = _backend._raw
 
 
 def uses_kernel(is_cuda: bool) -> bool:
@@ -78,7 +85,9 @@ def ring_step(is_cuda: bool):
     int64 ``[slots, 8]``, advanced in place). The step ``step(ids, data, lengths, version)`` checks,
     plans and launches one append of a ``PaddedBatch`` and returns B; 0 when ``ids``/``version`` are
     not the ones last given to ``step.set_slots(ids_tuple, slots, version)`` (give them, call again);
-    -1 when the step is not for it (nothing changed). ``kernels/vok_python.cpp`` has the contract.
+    -1 when the step is not for it (nothing changed). ``step.call`` is the same call as a plain
+    CPython callable (positional arguments, no pybind11 dispatch): the per-step entry.
+    ``kernels/vok_python.cpp`` has the contract.
     """
     impl = _impl(is_cuda)
     return None if impl is None else getattr(impl, "ring_step", None)
@@ -91,7 +100,8 @@ def gather_step(is_cuda: bool):
     ``factory(anchor, width)`` binds a gather (float offsets are relative to ``anchor``, a tensor of
     the float dtype on the launch's device). ``step(float_blocks, int_blocks, value_blocks, n_float,
     n_int, n_values, aligned)`` encodes a ``GatherJobs``'s jobs into its own pinned table and
-    launches the kernel reading it in place; it returns the launches (0 without jobs).
+    launches the kernel reading it in place; it returns the launches (0 without jobs). ``step.call``
+    is the same call without pybind11's dispatch (positional arguments): the per-step entry.
     """
     impl = _impl(is_cuda, "gather")
     return None if impl is None else getattr(impl, "gather_step", None)
