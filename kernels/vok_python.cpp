@@ -313,18 +313,36 @@ class RingStep {
 
 // ---- The row gather (gather_jobs.py has the table layout; GatherJobs.encode is the numpy twin) ----
 
-struct Rows {  // a block's rows: one int, or a 1-D int64 buffer
-  Py_buffer view{};
-  bool single = true;
-  i64 one = 0;
-  i64 count() const { return single ? 1 : view.shape[0]; }
+// A block's row indices as plain values, so loops over them keep everything in registers (the
+// table stores cannot alias them): one row, an int64 array, or the leading rows 0, 1, ...
+struct RowIndex {
+  const char* ptr;  // the array's first element, or null
+  i64 stride;       // bytes between elements
+  i64 one;          // the single row
+  bool leading;
   i64 at(i64 k) const {
-    if (single) return one;
+    if (leading) return k;
+    if (!ptr) return one;
     i64 v;
-    std::memcpy(&v, static_cast<const char*>(view.buf) + k * view.strides[0], 8);
+    std::memcpy(&v, ptr + k * stride, 8);
     return v;
   }
+};
+
+struct Rows {  // a block's rows: one int, a 1-D int64 buffer, or None: the leading rows 0, 1, ...
+  Py_buffer view{};
+  bool single = true, leading = false;
+  i64 one = 0;
+  i64 count() const { return single ? 1 : view.shape[0]; }  // not for leading rows
+  RowIndex index() const {
+    return {single ? nullptr : static_cast<const char*>(view.buf), single ? 0 : static_cast<i64>(view.strides[0]), one,
+            leading};
+  }
   explicit Rows(PyObject* obj) {
+    if (obj == Py_None) {
+      leading = true;
+      return;
+    }
     if (PyLong_Check(obj)) {
       one = PyLong_AsLongLong(obj);
       if (one == -1 && PyErr_Occurred()) throw py::error_already_set();
@@ -381,15 +399,19 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
     const i64 so = (reinterpret_cast<intptr_t>(b.src.data_ptr()) - fbase) / es;
     const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - fbase) / es;
     const i64 ss = b.src.stride(0), ds = b.dst.stride(0), k = b.dst_rows.count();
-    TORCH_CHECK(b.src_rows.count() == k && f + k <= n_float, "float jobs do not match their count");
+    TORCH_CHECK((b.src_rows.leading || b.src_rows.count() == k) && f + k <= n_float,
+                "float jobs do not match their count");
+    const RowIndex sr = b.src_rows.index(), dr = b.dst_rows.index();
     if (b.dst_rows.single) {
-      singles.emplace_back(so + b.src_rows.at(0) * ss, dO + b.dst_rows.at(0) * ds);
+      singles.emplace_back(so + sr.at(0) * ss, dO + dr.at(0) * ds);
       continue;
     }
-    for (i64 j = 0; j < k; ++j, ++f) {
-      t[2 + 2 * f] = so + b.src_rows.at(j) * ss;
-      t[3 + 2 * f] = dO + b.dst_rows.at(j) * ds;
+    i64* out = t + 2 + 2 * f;
+    for (i64 j = 0; j < k; ++j) {
+      out[2 * j] = so + sr.at(j) * ss;
+      out[2 * j + 1] = dO + dr.at(j) * ds;
     }
+    f += k;
   }
   for (const auto& [s, d] : singles) {
     TORCH_CHECK(f < n_float, "float jobs do not match their count");
@@ -399,6 +421,7 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
   }
   TORCH_CHECK(f == n_float, "float jobs do not match their count");
 
+  // Int jobs: records of (src word, dst word, width, flags) from word int_off.
   i64 n = 0;
   auto put = [&](i64 s, i64 d, i64 width, i64 flags) {
     TORCH_CHECK(n < n_int, "int jobs do not match their count");
@@ -416,12 +439,21 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
     const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - ibase) / 4;
     const i64 ss = b.src.stride(0) * sw, ds = b.dst.stride(0) * dw, k = b.dst_rows.count();
     const i64 width = b.dst.dim() == 2 ? b.dst.size(1) : 1, flags = (sw == 2) | ((dw == 2) << 1);
-    TORCH_CHECK(b.src_rows.count() == k, "int jobs do not match their count");
+    TORCH_CHECK(b.src_rows.leading || b.src_rows.count() == k, "int jobs do not match their count");
+    const RowIndex sr = b.src_rows.index(), dr = b.dst_rows.index();
     if (b.dst_rows.single) {
-      int_singles.push_back({so + b.src_rows.at(0) * ss, dO + b.dst_rows.at(0) * ds, width, flags});
+      int_singles.push_back({so + sr.at(0) * ss, dO + dr.at(0) * ds, width, flags});
       continue;
     }
-    for (i64 j = 0; j < k; ++j) put(so + b.src_rows.at(j) * ss, dO + b.dst_rows.at(j) * ds, width, flags);
+    TORCH_CHECK(n + k <= n_int, "int jobs do not match their count");
+    i64* rec = t + int_off + 4 * n;
+    for (i64 j = 0; j < k; ++j, rec += 4) {
+      rec[0] = so + sr.at(j) * ss;
+      rec[1] = dO + dr.at(j) * ds;
+      rec[2] = width;
+      rec[3] = flags;
+    }
+    n += k;
   }
   for (const auto& r : int_singles) put(r[0], r[1], r[2], r[3]);
   int32_t* payload = reinterpret_cast<int32_t*>(t + payload_off);
@@ -451,8 +483,15 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
 class GatherStep {
  public:
   // `anchor`: a tensor of the float rows' dtype on the launch's device (float offsets are relative
-  // to it); `width`: elements per float row.
-  GatherStep(at::Tensor anchor, i64 width) : anchor_(std::move(anchor)), width_(width), table_(anchor_.is_cuda(), 1) {
+  // to it); `width`: elements per float row; the capacities of the launching RowGather (float rows,
+  // int jobs, int32 values), checked before anything is encoded.
+  GatherStep(at::Tensor anchor, i64 width, i64 float_cap, i64 int_cap, i64 payload_cap)
+      : anchor_(std::move(anchor)),
+        width_(width),
+        float_cap_(float_cap),
+        int_cap_(int_cap),
+        payload_cap_(payload_cap),
+        table_(anchor_.is_cuda(), 1) {
     const i64 es = anchor_.element_size();
     TORCH_CHECK((es == 2 || es == 4) && vok::gather_width_fits(width, es),
                 "float rows of 2 or 4 bytes and a width of 1 to 65535 * 4096 bytes");
@@ -465,6 +504,9 @@ class GatherStep {
                  i64 n_int, i64 n_values, bool aligned) {
     if (n_float + n_int == 0) return 0;
     TORCH_CHECK(n_float >= 0 && n_int >= 0 && n_values >= 0, "negative job counts");
+    TORCH_CHECK_VALUE(n_float <= float_cap_ && n_int <= int_cap_ && n_values <= payload_cap_, n_float,
+                      " float rows / ", n_int, " int jobs / ", n_values, " values exceed this gather's capacity (",
+                      float_cap_, " / ", int_cap_, " / ", payload_cap_, ")");
     const i64 int_off = 2 + 2 * n_float, payload_off = int_off + 4 * n_int;
     words_ = payload_off + (n_values + 1) / 2;
     const DeviceScope scope(anchor_);
@@ -488,7 +530,7 @@ class GatherStep {
 
  private:
   at::Tensor anchor_;
-  i64 width_;
+  i64 width_, float_cap_, int_cap_, payload_cap_;
   MetaRing table_;
   i64 words_ = 0;
 };
@@ -613,7 +655,8 @@ PYBIND11_MODULE(_vok_ops, m) {
           [](py::object self) { return make_step_call(self, self.cast<RingStep*>(), ring_step_entry, kRingCall); },
           "__call__ without pybind11's dispatch: the per-step entry");
   py::class_<GatherStep>(m, "GatherStep")
-      .def(py::init<at::Tensor, i64>(), py::arg("anchor"), py::arg("width"))
+      .def(py::init<at::Tensor, i64, i64, i64, i64>(), py::arg("anchor"), py::arg("width"), py::arg("float_cap"),
+           py::arg("int_cap"), py::arg("payload_cap"))
       .def("__call__", &GatherStep::operator(), py::arg("float_blocks"), py::arg("int_blocks"),
            py::arg("value_blocks"), py::arg("n_float"), py::arg("n_int"), py::arg("n_values"), py::arg("aligned"))
       .def_property_readonly("table", &GatherStep::table)

@@ -1,6 +1,6 @@
 """Where the host time of an eager ``RingPool.append`` goes (cProfile over many steps).
 
-Usage: python profiling/profile_append.py [--requests 64] [--samples 1920] [--steps 2000]
+Usage: python profiling/profile_append.py [--requests 64] [--samples 1920] [--steps 2000] [--rounds 10]
 Prints the mean wall time per append (host-bound: the GPU work is far shorter), the same for the
 compiled step called directly (no Python around it; through its plain entry and through pybind11)
 and for one small torch op (a dispatcher call and a launch: this host's floor for any eager launch
@@ -10,6 +10,7 @@ from Python), and cProfile's top entries. ``launch_floor.cu`` measures the bare 
 import argparse
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--requests", type=int, default=64)
 ap.add_argument("--samples", type=int, default=1920)
 ap.add_argument("--steps", type=int, default=2000)
+ap.add_argument("--rounds", type=int, default=10)
 args = ap.parse_args()
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 B, T = args.requests, args.samples
@@ -47,26 +49,37 @@ def steps(n, append=lambda: pool.append(ids, PaddedBatch(src, lens))):
             pool._size[:] = 0
 
 
-def report(what, run):
-    run(20)
+def timed(run, n):
     if dev == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    run(args.steps)
+    run(n)
     if dev == "cuda":
         torch.cuda.synchronize()
-    print(f"{B}x{T}: {(time.perf_counter() - t0) / args.steps * 1e6:6.2f} us per call: {what}")
+    return (time.perf_counter() - t0) / n * 1e6
 
 
-report("RingPool.append (wall, host-bound)", steps)
+# The host's speed drifts from second to second on a shared machine: the variants are timed in
+# interleaved rounds and each reports its median round, so they are compared under the same drift.
+variants = {"RingPool.append (wall, host-bound)": steps}
+steps(20)  # binds the compiled step, if the backend has one
 if pool._eager.step is not None:
     step, call, version = pool._eager.step, pool._eager.call, pool.version
-    report("the compiled step alone (step.call: the entry append uses)",
-           lambda n: steps(n, lambda: call(ids, src, lens, version)))
-    report("the compiled step alone through pybind11 (step(...))",
-           lambda n: steps(n, lambda: step(ids, src, lens, version)))
+    variants["the compiled step alone (step.call: the entry append uses)"] = \
+        lambda n: steps(n, lambda: call(ids, src, lens, version))
+    variants["the compiled step alone through pybind11 (step(...))"] = \
+        lambda n: steps(n, lambda: step(ids, src, lens, version))
 tiny = torch.zeros(1, device=dev)
-report("tiny.zero_() (one torch op: dispatcher + launch)", lambda n: [tiny.zero_() for _ in range(n)])
+variants["tiny.zero_() (one torch op: dispatcher + launch)"] = lambda n: [tiny.zero_() for _ in range(n)]
+rounds = {name: [] for name in variants}
+for r in range(args.rounds + 1):  # round 0 warms up
+    for name, run in variants.items():
+        us = timed(run, args.steps // args.rounds)
+        if r:
+            rounds[name].append(us)
+for name, runs in rounds.items():
+    print(f"{B}x{T}: {statistics.median(runs):6.2f} us per call (median of {len(runs)} rounds, "
+          f"{min(runs):.2f} to {max(runs):.2f}): {name}")
 prof = cProfile.Profile()
 prof.enable()
 steps(args.steps // 4)

@@ -193,12 +193,15 @@ def test_step_call_entries_check_their_arguments(compiled_module):
                                 ((["a"], torch.zeros(1, 4), [1], "v"), {}, "integer")):
         with pytest.raises(TypeError, match=words):
             call(*args, **kwargs)
-    gather = compiled_module.GatherStep(torch.zeros(1), 8).call
+    gather = compiled_module.GatherStep(torch.zeros(1), 8, 1, 1, 2).call
     with pytest.raises(TypeError, match="takes 7 arguments"):
         gather([], [], [])
     with pytest.raises(TypeError, match="blocks must be lists"):
         gather((), [], [], 1, 0, 0, True)
     assert gather([], [], [], 0, 0, 0, True) == 0
+    for counts in ((2, 0, 0), (0, 2, 0), (1, 1, 3)):  # over a capacity: nothing encoded
+        with pytest.raises(ValueError, match="exceed this gather's capacity"):
+            gather([], [], [], *counts, True)
 
 
 @needs_cmake
@@ -295,7 +298,7 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
     j = gather.jobs
     layout = TableLayout(j.n_float, j.n_int, j.n_values)
     anchor = torch.zeros(1, dtype=dtype)
-    step = compiled_module.GatherStep(anchor, width)
+    step = compiled_module.GatherStep(anchor, width, 64, 64, 64)
     args = (j.float_blocks, j.int_blocks, j.value_blocks, j.n_float, j.n_int, j.n_values, j.aligned)
     assert step(*args) == 1
     step.table.fill_(-7)  # on CPU the step reuses its one buffer: words it does not write stay -7

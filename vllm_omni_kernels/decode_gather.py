@@ -61,6 +61,7 @@ class DecodeGather:
             self.text_step = torch.zeros(self.max_rows, hidden_size, dtype=dtype, device=self.device)
             self.code_valid = torch.zeros(self.max_rows, dtype=torch.int32, device=self.device)
         self.codes: torch.Tensor | None = None
+        self._flag_rows: dict[int, torch.Tensor] = {}
         self._slot_of: dict[str, int] = {}
         self._free = list(range(self.max_rows - 1, -1, -1))
 
@@ -109,7 +110,11 @@ class DecodeGather:
 
     def add_flags(self, flags: np.ndarray) -> None:
         """``code_valid[:rows] = flags`` (int32, 1 for the rows that get codes this step)."""
-        self.pre.jobs.values(self.code_valid[:len(flags)], flags)
+        n = len(flags)
+        dst = self._flag_rows.get(n)
+        if dst is None:  # a view per row count, made once (a tensor view costs microseconds)
+            dst = self._flag_rows[n] = self.code_valid[:n]
+        self.pre.jobs.values(dst, flags)
 
     def launch_pre(self) -> int:
         return self.pre.launch()
@@ -120,13 +125,13 @@ class DecodeGather:
                         codes: torch.Tensor | None, slots: np.ndarray) -> None:
         """MTP embeddings (``[>=M, H]``) to their token offsets; codes (``[>=M, Q]``) to the
         requests' code slots (rows past ``M``, padding of a captured MTP, are ignored)."""
-        m = len(offsets)
-        self.post.jobs.rows(inputs_embeds, offsets, embeds[:m])
+        # Sources as given: a block without source rows reads the leading len(offsets) rows.
+        self.post.jobs.rows(inputs_embeds, offsets, embeds)
         if codes is not None:
             q = codes.shape[1]
             if self.codes is None:
                 self.codes = torch.zeros(self.max_rows, q, dtype=torch.int64, device=self.device)
-            self.post.jobs.ints(self.codes, slots, codes[:m])
+            self.post.jobs.ints(self.codes, slots, codes)
 
     def launch_post(self) -> int:
         return self.post.launch()

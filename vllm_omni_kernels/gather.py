@@ -80,8 +80,9 @@ class RowGather:
         step = self._step
         if step[0] is not ops.setting():  # resolved again only when the backend setting changed
             step = self._step = self._resolve_step()
-        if step[2] is not None:  # the compiled backend encodes and launches in one host call
-            self._validate()
+        if step[2] is not None:  # the compiled backend checks capacity, encodes and launches in one call
+            if jobs.check_rows:
+                jobs.check_disjoint()
             step[2](jobs.float_blocks, jobs.int_blocks, jobs.value_blocks, jobs.n_float, jobs.n_int, jobs.n_values,
                     jobs.aligned)
         else:
@@ -104,7 +105,7 @@ class RowGather:
         old = self._step
         if make_step is None:
             return ops.setting(), None, None
-        call = old[2] if old[1] is make_step else make_step(self._anchor, self.jobs.width).call
+        call = old[2] if old[1] is make_step else make_step(self._anchor, self.jobs.width, self.capacity).call
         return ops.setting(), make_step, call
 
     def prepare_static(self) -> None:

@@ -97,10 +97,11 @@ def gather_step(is_cuda: bool):
     """The backend's factory of one-call gather launches, or None when the backend has none and the
     caller encodes with ``GatherJobs.encode`` and calls ``row_gather``.
 
-    ``factory(anchor, width)`` binds a gather (float offsets are relative to ``anchor``, a tensor of
-    the float dtype on the launch's device). ``step(float_blocks, int_blocks, value_blocks, n_float,
-    n_int, n_values, aligned)`` encodes a ``GatherJobs``'s jobs into its own pinned table and
-    launches the kernel reading it in place; it returns the launches (0 without jobs). ``step.call``
+    ``factory(anchor, width, capacity)`` binds a gather (float offsets are relative to ``anchor``, a
+    tensor of the float dtype on the launch's device; ``capacity`` a ``TableLayout`` of its limits).
+    ``step(float_blocks, int_blocks, value_blocks, n_float, n_int, n_values, aligned)`` checks the
+    counts against ``capacity`` (``ValueError``), encodes a ``GatherJobs``'s jobs into its own pinned
+    table and launches the kernel reading it in place; it returns the launches (0 without jobs). ``step.call``
     is the same call without pybind11's dispatch (positional arguments): the per-step entry.
     """
     impl = _impl(is_cuda, "gather")

@@ -85,9 +85,9 @@ def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
     torch.ops.vllm_omni_kernels.ring_read(arena, meta, out, rows, frame_elems, last, max_elems)
 
 
-def gather_step(anchor, width):
+def gather_step(anchor, width, capacity):
     """A gather's one-call launch step (``ops.gather_step`` has the contract)."""
-    return _module.GatherStep(anchor, width)
+    return _module.GatherStep(anchor, width, capacity.float_cap, capacity.int_cap, capacity.payload_cap)
 
 
 def row_gather(fbase, ibase, table, *, width, int_off, grid_rows, align) -> None:

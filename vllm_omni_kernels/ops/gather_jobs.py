@@ -55,8 +55,15 @@ class TableLayout:
         return self.payload_off + (self.payload_cap + 1) // 2
 
 
+def _as_rows(rows) -> np.ndarray:
+    """``rows`` as a 1-D int64 array: the caller's own array when it already is one (no new view)."""
+    if type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1:
+        return rows
+    return np.asarray(rows, dtype=np.int64).reshape(-1)
+
+
 def _rows(rows, count: int, what: str) -> np.ndarray:
-    r = np.asarray(rows, dtype=np.int64).reshape(-1)
+    r = _as_rows(rows)
     if r.size and (r.min() < 0 or r.max() >= count):
         raise IndexError(f"{what} rows {r.tolist()} out of range for {count} rows")
     return r
@@ -64,13 +71,21 @@ def _rows(rows, count: int, what: str) -> np.ndarray:
 
 class _Block(NamedTuple):
     """Rows ``src[src_rows]`` to ``dst[dst_rows]``; rows are int64 ndarrays, or ints for a single
-    row (the common one-row-per-hook case skips numpy entirely). A tuple: the compiled encoder
-    (``kernels/vok_python.cpp``) reads its fields by position."""
+    row (the common one-row-per-hook case skips numpy entirely); ``src_rows`` None with a
+    ``dst_rows`` array means the source's leading rows ``0..len(dst_rows)-1`` (a hook's batched
+    output). A tuple: the compiled encoder (``kernels/vok_python.cpp``) reads its fields by position."""
 
     src: torch.Tensor
-    src_rows: np.ndarray | int
+    src_rows: np.ndarray | int | None
     dst: torch.Tensor
     dst_rows: np.ndarray | int
+
+    def source_rows(self) -> np.ndarray | int:
+        """``src_rows`` with None spelled out."""
+        if self.src_rows is not None:
+            return self.src_rows
+        k = len(self.dst_rows)
+        return _ARANGE[:k] if k <= _ARANGE.size else np.arange(k, dtype=np.int64)
 
 
 @dataclass
@@ -182,8 +197,10 @@ class GatherJobs:
         """Write host int32 ``values`` into the 1-D contiguous int tensor ``dst`` (same length)."""
         if not isinstance(dst, torch.Tensor) or dst.dim() != 1 or not dst.is_contiguous():
             raise ValueError("values go into a 1-D contiguous tensor")
-        self._check(dst.view(-1, 1), "destination", INT_DTYPES)
-        v = np.ascontiguousarray(values, dtype=np.int32).reshape(-1)
+        self._check(dst, "destination", INT_DTYPES, (1,))
+        v = values
+        if not (type(v) is np.ndarray and v.dtype == np.int32 and v.ndim == 1 and v.flags.c_contiguous):
+            v = np.ascontiguousarray(values, dtype=np.int32).reshape(-1)
         if v.size != dst.numel():
             raise ValueError(f"{v.size} values for a destination of {dst.numel()}")
         if v.size:
@@ -226,13 +243,11 @@ class GatherJobs:
             d = _rows(dst_rows, dst.shape[0], "destination")
             s = None if src_rows is None else _rows(src_rows, src.shape[0], "source")
         else:
-            d = np.asarray(dst_rows, dtype=np.int64).reshape(-1)
-            s = None if src_rows is None else np.asarray(src_rows, dtype=np.int64).reshape(-1)
-        if s is None:
-            s = _ARANGE[:len(d)] if len(d) <= _ARANGE.size else np.arange(len(d), dtype=np.int64)
-        if src_rows is None and len(d) > src.shape[0]:
+            d = _as_rows(dst_rows)
+            s = None if src_rows is None else _as_rows(src_rows)
+        if s is None and len(d) > src.shape[0]:
             raise IndexError(f"{len(d)} destination rows but the source has {src.shape[0]}")
-        if len(s) != len(d):
+        if s is not None and len(s) != len(d):
             raise ValueError(f"{len(s)} source rows for {len(d)} destination rows")
         if len(d):
             blocks.append(_Block(src, s, dst, d))
@@ -277,7 +292,7 @@ class GatherJobs:
                 single[1].append(dst_off + b.dst_rows * b.dst.stride(0))
                 continue
             end = pos + 2 * len(b.dst_rows)
-            np.multiply(b.src_rows, b.src.stride(0), out=out[pos:end:2])
+            np.multiply(b.source_rows(), b.src.stride(0), out=out[pos:end:2])
             out[pos:end:2] += src_off
             np.multiply(b.dst_rows, b.dst.stride(0), out=out[pos + 1:end:2])
             out[pos + 1:end:2] += dst_off
@@ -296,7 +311,7 @@ class GatherJobs:
                     col.append(v)
                 continue
             end = pos + 4 * len(b.dst_rows)
-            np.multiply(b.src_rows, b.src.stride(0) * sw, out=out[pos:end:4])
+            np.multiply(b.source_rows(), b.src.stride(0) * sw, out=out[pos:end:4])
             out[pos:end:4] += src_off
             np.multiply(b.dst_rows, b.dst.stride(0) * dw, out=out[pos + 1:end:4])
             out[pos + 1:end:4] += dst_off

@@ -65,7 +65,7 @@ def row_gather(jobs) -> None:
                 b.dst[b.dst_rows].copy_(b.src[b.src_rows])
                 continue
             dst_rows = torch.tensor(b.dst_rows, device=b.dst.device)
-            src_rows = torch.tensor(b.src_rows, device=b.src.device)
+            src_rows = torch.tensor(b.source_rows(), device=b.src.device)
             b.dst.index_copy_(0, dst_rows, b.src.index_select(0, src_rows).to(b.dst.dtype))
     for dst, values in jobs.value_blocks:
         dst.copy_(torch.from_numpy(values).to(dst.dtype))
