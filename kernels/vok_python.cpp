@@ -364,7 +364,7 @@ struct Rows {  // a block's rows: one int, a 1-D int64 buffer, or None: the lead
   Rows& operator=(const Rows&) = delete;
 };
 
-// One recorded block (the _Block tuple of gather_jobs.py): src, src_rows, dst, dst_rows.
+// One recorded block (a tuple, gather_jobs.py): src, src_rows, dst, dst_rows.
 struct Block {
   const at::Tensor& src;
   Rows src_rows;

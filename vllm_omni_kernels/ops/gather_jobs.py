@@ -23,13 +23,13 @@ Table (int64, flat; capacities fixed per ``TableLayout``)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
+_INTS = (int, np.integer)
 _ARANGE = np.arange(4096, dtype=np.int64)  # source rows 0..n-1 of a block, shared read-only
 _ARANGE.flags.writeable = False
 
@@ -69,23 +69,21 @@ def _rows(rows, count: int, what: str) -> np.ndarray:
     return r
 
 
-class _Block(NamedTuple):
-    """Rows ``src[src_rows]`` to ``dst[dst_rows]``; rows are int64 ndarrays, or ints for a single
-    row (the common one-row-per-hook case skips numpy entirely); ``src_rows`` None with a
-    ``dst_rows`` array means the source's leading rows ``0..len(dst_rows)-1`` (a hook's batched
-    output). A tuple: the compiled encoder (``kernels/vok_python.cpp``) reads its fields by position."""
+# A recorded block of jobs is a plain tuple (making one costs far less than a NamedTuple's):
+#   (src, src_rows, dst, dst_rows): rows src[src_rows] to dst[dst_rows]
+# Rows are int64 ndarrays, or ints for a single row (the common one-row-per-hook case skips numpy
+# entirely); ``src_rows`` None with a ``dst_rows`` array means the source's leading rows
+# 0..len(dst_rows)-1 (a hook's batched output). The compiled encoder (``kernels/vok_python.cpp``)
+# reads the same positions.
+Block = tuple[torch.Tensor, "np.ndarray | int | None", torch.Tensor, "np.ndarray | int"]
 
-    src: torch.Tensor
-    src_rows: np.ndarray | int | None
-    dst: torch.Tensor
-    dst_rows: np.ndarray | int
 
-    def source_rows(self) -> np.ndarray | int:
-        """``src_rows`` with None spelled out."""
-        if self.src_rows is not None:
-            return self.src_rows
-        k = len(self.dst_rows)
-        return _ARANGE[:k] if k <= _ARANGE.size else np.arange(k, dtype=np.int64)
+def source_rows(src_rows, dst_rows) -> np.ndarray | int:
+    """A block's source rows with None spelled out."""
+    if src_rows is not None:
+        return src_rows
+    k = len(dst_rows)
+    return _ARANGE[:k] if k <= _ARANGE.size else np.arange(k, dtype=np.int64)
 
 
 @dataclass
@@ -111,8 +109,8 @@ class GatherJobs:
     width: int
     device: torch.device
     check_rows: bool = True
-    float_blocks: list[_Block] = field(default_factory=list)
-    int_blocks: list[_Block] = field(default_factory=list)
+    float_blocks: list[Block] = field(default_factory=list)
+    int_blocks: list[Block] = field(default_factory=list)
     value_blocks: list[tuple[torch.Tensor, np.ndarray]] = field(default_factory=list)
     n_float: int = 0
     n_int: int = 0
@@ -152,44 +150,38 @@ class GatherJobs:
     def rows(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
         """Copy ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (float rows of ``width``).
 
-        Rows are int arrays, or Python ints for one row (a hook output of one row: the fast path).
+        Rows are int arrays, or Python ints for one row (a hook output of one row); without
+        ``src_rows`` the source's leading rows are read.
         """
-        if type(dst_rows) is int and (src_rows is None or type(src_rows) is int) and self._plain(dst, src, True):
-            self._single(self.float_blocks, dst, dst_rows, src, 0 if src_rows is None else src_rows)
-            self._note_alignment(dst, src)
-            self.n_float += 1
-            return
-        self._check(dst, "destination", FLOAT_DTYPES)
-        self._check(src, "source", FLOAT_DTYPES)
-        if dst.dtype != self.dtype:
-            raise TypeError(f"destination dtype {dst.dtype} differs from the launch's {self.dtype}")
-        if dst.shape[1] != self.width or src.shape[1] != self.width:
-            raise ValueError(f"rows of width {self.width} expected, got source {tuple(src.shape)} "
-                             f"and destination {tuple(dst.shape)}")
-        if dst.stride(1) != 1:
-            raise ValueError("destination rows must be contiguous")
-        if src.dtype != self.dtype or src.stride(1) != 1:
+        aligned = self._plain_float(dst, src)
+        if aligned is None:  # anything unusual: the checks that raise, or a conversion
+            self._check(dst, "destination", FLOAT_DTYPES)
+            self._check(src, "source", FLOAT_DTYPES)
+            if dst.dtype != self.dtype:
+                raise TypeError(f"destination dtype {dst.dtype} differs from the launch's {self.dtype}")
+            if dst.shape[1] != self.width or src.shape[1] != self.width:
+                raise ValueError(f"rows of width {self.width} expected, got source {tuple(src.shape)} "
+                                 f"and destination {tuple(dst.shape)}")
+            if dst.stride(1) != 1:
+                raise ValueError("destination rows must be contiguous")
             src = src.to(self.dtype).contiguous()
-        self._note_alignment(dst, src)
+            aligned = self._aligned(dst, src, src.stride(0), dst.stride(0))
         self.n_float += self._add(self.float_blocks, dst, dst_rows, src, src_rows)
+        self.aligned = self.aligned and aligned  # after the job is recorded: a failed one changes nothing
 
     def ints(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
         """Copy int rows ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (same width; int32/int64).
 
         1-D tensors are rows of one element (token ids). Rows as in ``rows``."""
-        if type(dst_rows) is int and (src_rows is None or type(src_rows) is int) and self._plain(dst, src, False):
-            self._single(self.int_blocks, dst, dst_rows, src, 0 if src_rows is None else src_rows)
-            self.n_int += 1
-            return
-        self._check(dst, "destination", INT_DTYPES, (1, 2))
-        self._check(src, "source", INT_DTYPES, (1, 2))
-        dw = dst.shape[1] if dst.dim() == 2 else 1
-        if dw != (src.shape[1] if src.dim() == 2 else 1):
-            raise ValueError(f"int rows of different widths: source {tuple(src.shape)}, "
-                             f"destination {tuple(dst.shape)}")
-        if dst.dim() == 2 and dst.stride(1) != 1:
-            raise ValueError("destination rows must be contiguous")
-        if src.dim() == 2 and src.stride(1) != 1:
+        if not self._plain_int(dst, src):
+            self._check(dst, "destination", INT_DTYPES, (1, 2))
+            self._check(src, "source", INT_DTYPES, (1, 2))
+            dw = dst.shape[1] if dst.dim() == 2 else 1
+            if dw != (src.shape[1] if src.dim() == 2 else 1):
+                raise ValueError(f"int rows of different widths: source {tuple(src.shape)}, "
+                                 f"destination {tuple(dst.shape)}")
+            if dst.dim() == 2 and dst.stride(1) != 1:
+                raise ValueError("destination rows must be contiguous")
             src = src.contiguous()
         self.n_int += self._add(self.int_blocks, dst, dst_rows, src, src_rows)
 
@@ -208,35 +200,56 @@ class GatherJobs:
             self.n_int += 1
             self.n_values += v.size
 
-    def _note_alignment(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Keep ``aligned`` true only while every float row starts on a 16-byte boundary."""
-        if self.aligned:
-            self.aligned = (self._width_aligned and (src.data_ptr() | dst.data_ptr()) % 16 == 0
-                            and (src.stride(0) | dst.stride(0)) % self.vector == 0)
+    def _aligned(self, dst: torch.Tensor, src: torch.Tensor, src_stride: int, dst_stride: int) -> bool:
+        """Whether every float row of these tensors starts on a 16-byte boundary."""
+        return (self._width_aligned and (src.data_ptr() | dst.data_ptr()) % 16 == 0
+                and (src_stride | dst_stride) % self.vector == 0)
 
-    def _plain(self, dst, src, floating: bool) -> bool:
-        """Whether a single-row job needs none of the slow path's checks or conversions."""
+    def _plain_float(self, dst, src) -> bool | None:
+        """For float tensors needing none of the slow path's checks or conversions (2-D, the launch's
+        device, dtype and width, contiguous rows): whether their rows are 16-byte aligned; else None.
+        Few tensor attribute reads: from Python each costs a few hundred nanoseconds."""
+        dtype = self.dtype
         try:
-            if src.get_device() != self._device_index or dst.get_device() != self._device_index:
+            if dst.dtype is not dtype or src.dtype is not dtype:
+                return None
+            if dst.get_device() != self._device_index or src.get_device() != self._device_index:
+                return None
+            ds, ss = dst.stride(), src.stride()
+            if len(ds) != 2 or len(ss) != 2 or ds[1] != 1 or ss[1] != 1:
+                return None
+            if dst.shape[1] != self.width or src.shape[1] != self.width:
+                return None
+        except AttributeError:  # not a tensor: the slow path raises the typed error
+            return None
+        return self._aligned(dst, src, ss[0], ds[0])
+
+    def _plain_int(self, dst, src) -> bool:
+        """Whether int tensors need none of the slow path's checks or conversions: the launch's
+        device, int32/int64, both 1-D, or both 2-D of one width with contiguous rows."""
+        try:
+            dt, st = dst.dtype, src.dtype
+            if not ((dt is torch.int32 or dt is torch.int64) and (st is torch.int32 or st is torch.int64)):
                 return False
-            if floating:
-                if src.dtype is not self.dtype or dst.dtype is not self.dtype or src.dim() != 2 or dst.dim() != 2:
-                    return False
-                return not (src.shape[1] != self.width or dst.shape[1] != self.width
-                            or src.stride(1) != 1 or dst.stride(1) != 1)
-            return (src.dtype in INT_DTYPES and dst.dtype in INT_DTYPES and src.dim() == 1 and dst.dim() == 1)
-        except AttributeError:  # not a tensor: the full path raises the typed error
+            if dst.get_device() != self._device_index or src.get_device() != self._device_index:
+                return False
+            ds, ss = dst.stride(), src.stride()
+        except AttributeError:
             return False
+        if len(ds) == 1:
+            return len(ss) == 1
+        return (len(ds) == 2 and len(ss) == 2 and ds[1] == 1 and ss[1] == 1
+                and dst.shape[1] == src.shape[1])
 
     @staticmethod
     def _single(blocks, dst, d: int, src, s: int) -> None:
         if not (0 <= d < dst.shape[0] and 0 <= s < src.shape[0]):
             raise IndexError(f"row {s} -> {d} out of range for source {tuple(src.shape)} and destination "
                              f"{tuple(dst.shape)}")
-        blocks.append(_Block(src, s, dst, d))
+        blocks.append((src, s, dst, d))
 
     def _add(self, blocks, dst, dst_rows, src, src_rows) -> int:
-        if isinstance(dst_rows, int | np.integer) and (src_rows is None or isinstance(src_rows, int | np.integer)):
+        if isinstance(dst_rows, _INTS) and (src_rows is None or isinstance(src_rows, _INTS)):
             self._single(blocks, dst, int(dst_rows), src, 0 if src_rows is None else int(src_rows))
             return 1
         if self.check_rows:
@@ -250,7 +263,7 @@ class GatherJobs:
         if s is not None and len(s) != len(d):
             raise ValueError(f"{len(s)} source rows for {len(d)} destination rows")
         if len(d):
-            blocks.append(_Block(src, s, dst, d))
+            blocks.append((src, s, dst, d))
         return len(d)
 
     # ------------------------------------------------------------------ encoding
@@ -264,8 +277,8 @@ class GatherJobs:
         for blocks in (self.float_blocks, self.int_blocks):
             if not blocks:
                 continue
-            starts = np.concatenate([np.atleast_1d(b.dst.data_ptr() + np.asarray(b.dst_rows) * b.dst.stride(0)
-                                                   * b.dst.element_size()) for b in blocks])
+            starts = np.concatenate([np.atleast_1d(dst.data_ptr() + np.asarray(dst_rows) * dst.stride(0)
+                                                   * dst.element_size()) for _, _, dst, dst_rows in blocks])
             if np.unique(starts).size != starts.size:
                 raise ValueError("two jobs of one launch write the same destination row")
 
@@ -285,35 +298,35 @@ class GatherJobs:
         out[0], out[1] = self.n_float, self.n_int
         es = self.elem_size
         pos, single = 2, ([], [])
-        for b in self.float_blocks:
-            src_off, dst_off = (b.src.data_ptr() - float_base) // es, (b.dst.data_ptr() - float_base) // es
-            if isinstance(b.dst_rows, int):
-                single[0].append(src_off + b.src_rows * b.src.stride(0))
-                single[1].append(dst_off + b.dst_rows * b.dst.stride(0))
+        for src, src_rows, dst, dst_rows in self.float_blocks:
+            src_off, dst_off = (src.data_ptr() - float_base) // es, (dst.data_ptr() - float_base) // es
+            if isinstance(dst_rows, int):
+                single[0].append(src_off + src_rows * src.stride(0))
+                single[1].append(dst_off + dst_rows * dst.stride(0))
                 continue
-            end = pos + 2 * len(b.dst_rows)
-            np.multiply(b.source_rows(), b.src.stride(0), out=out[pos:end:2])
+            end = pos + 2 * len(dst_rows)
+            np.multiply(source_rows(src_rows, dst_rows), src.stride(0), out=out[pos:end:2])
             out[pos:end:2] += src_off
-            np.multiply(b.dst_rows, b.dst.stride(0), out=out[pos + 1:end:2])
+            np.multiply(dst_rows, dst.stride(0), out=out[pos + 1:end:2])
             out[pos + 1:end:2] += dst_off
             pos = end
         if single[0]:  # jobs are independent: their order in the table does not matter
             end = pos + 2 * len(single[0])
             out[pos:end:2], out[pos + 1:end:2] = single
         pos, single = layout.int_off, ([], [], [], [])
-        for b in self.int_blocks:
-            sw, dw = b.src.element_size() // 4, b.dst.element_size() // 4
-            src_off, dst_off = (b.src.data_ptr() - int_base) // 4, (b.dst.data_ptr() - int_base) // 4
-            width, flags = (b.dst.shape[1] if b.dst.dim() == 2 else 1), (sw == 2) | ((dw == 2) << 1)
-            if isinstance(b.dst_rows, int):
-                for col, v in zip(single, (src_off + b.src_rows * b.src.stride(0) * sw,
-                                           dst_off + b.dst_rows * b.dst.stride(0) * dw, width, flags)):
+        for src, src_rows, dst, dst_rows in self.int_blocks:
+            sw, dw = src.element_size() // 4, dst.element_size() // 4
+            src_off, dst_off = (src.data_ptr() - int_base) // 4, (dst.data_ptr() - int_base) // 4
+            width, flags = (dst.shape[1] if dst.dim() == 2 else 1), (sw == 2) | ((dw == 2) << 1)
+            if isinstance(dst_rows, int):
+                for col, v in zip(single, (src_off + src_rows * src.stride(0) * sw,
+                                           dst_off + dst_rows * dst.stride(0) * dw, width, flags)):
                     col.append(v)
                 continue
-            end = pos + 4 * len(b.dst_rows)
-            np.multiply(b.source_rows(), b.src.stride(0) * sw, out=out[pos:end:4])
+            end = pos + 4 * len(dst_rows)
+            np.multiply(source_rows(src_rows, dst_rows), src.stride(0) * sw, out=out[pos:end:4])
             out[pos:end:4] += src_off
-            np.multiply(b.dst_rows, b.dst.stride(0) * dw, out=out[pos + 1:end:4])
+            np.multiply(dst_rows, dst.stride(0) * dw, out=out[pos + 1:end:4])
             out[pos + 1:end:4] += dst_off
             out[pos + 2:end:4] = width
             out[pos + 3:end:4] = flags

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .gather_jobs import source_rows
 from .layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, N, POS, SLOT
 
 
@@ -60,12 +61,11 @@ def row_gather(jobs) -> None:
     and int64 (values in int32 range when narrowing).
     """
     for blocks in (jobs.float_blocks, jobs.int_blocks):
-        for b in blocks:
-            if isinstance(b.dst_rows, int):
-                b.dst[b.dst_rows].copy_(b.src[b.src_rows])
+        for src, src_rows, dst, dst_rows in blocks:
+            if isinstance(dst_rows, int):
+                dst[dst_rows].copy_(src[src_rows])
                 continue
-            dst_rows = torch.tensor(b.dst_rows, device=b.dst.device)
-            src_rows = torch.tensor(b.source_rows(), device=b.src.device)
-            b.dst.index_copy_(0, dst_rows, b.src.index_select(0, src_rows).to(b.dst.dtype))
+            rows_in = torch.tensor(source_rows(src_rows, dst_rows), device=src.device)
+            dst.index_copy_(0, torch.tensor(dst_rows, device=dst.device), src.index_select(0, rows_in).to(dst.dtype))
     for dst, values in jobs.value_blocks:
         dst.copy_(torch.from_numpy(values).to(dst.dtype))
