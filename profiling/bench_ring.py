@@ -26,6 +26,7 @@ Each model step's output is a distinct tensor (a model allocates its output), so
 keep views legitimately. Writes JSON (and a PNG with ``plot_ring.py``).
 
 Usage: python profiling/bench_ring.py [--steps 200] [--repeats 5] [--out out/bench_ring.json]
+       [--workloads 64x1920,256x1920,64x48000,8x48000] [--trace]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_timing import event_ms  # noqa: E402
+from cuda_timing import event_ms, kernel_device_us  # noqa: E402
 from vllm_omni_kernels import backend  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
@@ -52,7 +53,7 @@ from vllm_omni_kernels.ring import PaddedBatch, RingPool  # noqa: E402
 WORKLOADS = [(64, 1920), (256, 1920), (64, 48000), (8, 48000)]
 
 
-def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
+def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False) -> dict:
     dev = torch.device("cuda")
     sources = [torch.randn(B, T, device=dev) for _ in range(steps)]
     lens = np.full(B, T, dtype=np.int64)
@@ -176,6 +177,19 @@ def bench_workload(B: int, T: int, steps: int, repeats: int) -> dict:
         try:
             record(f"ours_append[{name}]", event_ms(appends_only, repeats, setup=reset),
                    "eager appends only (slot reset and finish not timed)")
+            if trace:  # where an eager step's time goes: the host call, and the kernel on the device
+                reset()
+                t0 = time.perf_counter()
+                appends_only()
+                host = (time.perf_counter() - t0) * 1e6 / steps
+                torch.cuda.synchronize()
+                reset()
+                us = kernel_device_us(appends_only, "ring_write")
+                if us:
+                    result.setdefault("eager_trace", {})[name] = {"host_us_per_append": host,
+                                                                  "kernel_device_us_median": statistics.median(us)}
+                    print(f"  eager [{name}]: {host:.2f} us of host per append call; the kernel "
+                          f"{statistics.median(us):.2f} us on the device (median of {len(us)})", flush=True)
             got = ours_eager()
             torch.cuda.synchronize()
             assert torch.equal(got[B - 1], torch.cat([sources[s][B - 1] for s in range(steps)])), name
@@ -230,6 +244,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="out/bench_ring.json")
     ap.add_argument("--workloads", default=",".join(f"{b}x{t}" for b, t in WORKLOADS))
+    ap.add_argument("--trace", action="store_true",
+                    help="also time each backend's eager append call on the host and its kernel on the device")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_ring needs a CUDA device")
@@ -243,7 +259,7 @@ def main() -> None:
     for w in args.workloads.split(","):
         B, T = (int(x) for x in w.split("x"))
         print(f"{B} requests x {T} samples:", flush=True)
-        results.append(bench_workload(B, T, args.steps, args.repeats))
+        results.append(bench_workload(B, T, args.steps, args.repeats, args.trace))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))

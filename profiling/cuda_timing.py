@@ -34,3 +34,20 @@ def us_per_call(fn, calls: int, repeats: int) -> list[float]:
             fn()
 
     return [ms * 1000 / calls for ms in event_ms(run, repeats)]
+
+
+def kernel_device_us(fn, name_part: str) -> list[float]:
+    """Device microseconds of every kernel whose name contains ``name_part`` launched by one run of
+    ``fn()``, from the CUDA profiler (sorted; empty if the profiler is unavailable)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            fn()
+            torch.cuda.synchronize()
+    except (RuntimeError, AssertionError) as exc:  # no CUPTI on this image
+        print(f"  (profiler unavailable: {exc})", flush=True)
+        return []
+    return sorted(getattr(e, "device_time", None) or e.cuda_time for e in trace.events()
+                  if e.device_type.name == "CUDA" and name_part in e.name)

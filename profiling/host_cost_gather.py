@@ -1,10 +1,15 @@
 """Host time of the fused gather's eager step: how much of ``ours_eager`` in bench_gather.py is
 bookkeeping on this host. On CPU (default) the kernels are stubbed (the Triton backend's encoding
-runs); with ``--device cuda`` everything runs on the selected backend, and the launch calls are
-also timed alone (recording excluded).
+runs); with ``--device cuda`` everything runs on the selected backend.
 
-Usage: python profiling/host_cost_gather.py [--B 64] [--H 2048] [--kind mtp|mixed] [--device cpu|cuda]
-       [--profile]
+Per scenario (``mtp``: one batched MTP run of B rows; ``non_mtp``: B decode rows of a model without
+MTP; ``mixed``: B single-row MTP runs, each row its own hook output) it reports the host time of a
+whole step and of one launch call alone (``launch_pre``/``launch_post``, recording excluded). The
+scenarios are timed in interleaved rounds and each figure is the median round, so they are compared
+under the same drift of a shared host's speed.
+
+Usage: python profiling/host_cost_gather.py [--batches 64] [--H 2048] [--kinds mtp,non_mtp,mixed]
+       [--device cpu|cuda] [--steps 500] [--rounds 7] [--profile]
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,13 +32,60 @@ from vllm_omni_kernels import ops  # noqa: E402
 from vllm_omni_kernels.decode_gather import DecodeGather  # noqa: E402
 
 
+class Scenario:
+    """One decode step's gather work on prepared tensors; ``step()`` returns the seconds spent in
+    its launch calls."""
+
+    def __init__(self, kind: str, B: int, H: int, dev: str):
+        self.kind, self.B = kind, B
+        mtp = kind != "non_mtp"
+        self.g = g = DecodeGather(hidden_size=H, dtype=torch.bfloat16, device=dev, max_rows=B, max_tokens=B,
+                                  mtp=mtp)
+        self.ids, self.emb = torch.arange(B, device=dev), torch.zeros(B, H, dtype=torch.bfloat16, device=dev)
+        self.input_ids = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.inputs_embeds = torch.zeros(B, H, dtype=torch.bfloat16, device=dev)
+        self.codes = torch.zeros(B, 16, dtype=torch.int64, device=dev)
+        if mtp:
+            g.codes = torch.zeros(B, 16, dtype=torch.int64, device=dev)
+        self.off, self.flags = np.arange(B), np.ones(B, np.int32)
+        self.rows = [(self.ids[i:i + 1], self.emb[i:i + 1]) for i in range(B)]
+
+    def step(self) -> float:
+        g, clock = self.g, time.perf_counter
+        if self.kind == "mixed":
+            for i, (row_ids, row_emb) in enumerate(self.rows):
+                g.add_ids(self.input_ids, i, row_ids)
+                g.add_mtp_inputs(i, row_ids, row_emb, row_emb, row_emb)
+        else:
+            g.add_ids(self.input_ids, self.off, self.ids)
+            if self.kind == "mtp":
+                g.add_mtp_inputs(self.off, self.ids, self.emb, self.emb, self.emb)
+            else:
+                g.add_embeds(self.inputs_embeds, self.off, self.emb)
+        if self.kind != "non_mtp":
+            g.add_flags(self.flags)
+        t0 = clock()
+        g.launch_pre()
+        spent = clock() - t0
+        if self.kind != "non_mtp":
+            g.add_mtp_outputs(self.inputs_embeds, self.off, self.emb, self.codes, self.off)
+            t0 = clock()
+            g.launch_post()
+            spent += clock() - t0
+        return spent
+
+    @property
+    def launches(self) -> int:
+        return 1 if self.kind == "non_mtp" else 2
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--batches", default="64")
     ap.add_argument("--H", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=500)
-    ap.add_argument("--kind", choices=("mtp", "mixed"), default="mtp",
-                    help="mtp: one batched run of B rows; mixed: B single-row runs (each row its own hook output)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--kinds", default="mtp,non_mtp,mixed")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
@@ -41,52 +94,31 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("VLLM_OMNI_KERNELS_BACKEND", "triton")
         ops.row_gather = lambda *a, **k: None  # the table is still encoded and "uploaded" (host buffer)
-    B, H = args.B, args.H
-    g = DecodeGather(hidden_size=H, dtype=torch.bfloat16, device=dev, max_rows=B, max_tokens=B, mtp=True)
-    ids, emb = torch.arange(B, device=dev), torch.zeros(B, H, dtype=torch.bfloat16, device=dev)
-    input_ids = torch.zeros(B, dtype=torch.int32, device=dev)
-    inputs_embeds = torch.zeros(B, H, dtype=torch.bfloat16, device=dev)
-    codes = torch.zeros(B, 16, dtype=torch.int64, device=dev)
-    g.codes = torch.zeros(B, 16, dtype=torch.int64, device=dev)
-    off, flags = np.arange(B), np.ones(B, np.int32)
-
-    rows = [(ids[i:i + 1], emb[i:i + 1]) for i in range(B)]
-
-    clock = time.perf_counter
-    launch_time = [0.0]
-
-    def launch(fn):
-        t0 = clock()
-        fn()
-        launch_time[0] += clock() - t0
-
-    def step():
-        if args.kind == "mtp":
-            g.add_ids(input_ids, off, ids)
-            g.add_mtp_inputs(off, ids, emb, emb, emb)
-        else:
-            for i, (row_ids, row_emb) in enumerate(rows):
-                g.add_ids(input_ids, i, row_ids)
-                g.add_mtp_inputs(i, row_ids, row_emb, row_emb, row_emb)
-        g.add_flags(flags)
-        launch(g.launch_pre)
-        g.add_mtp_outputs(inputs_embeds, off, emb, codes, off)
-        launch(g.launch_post)
-
-    for _ in range(20):
-        step()
-    launch_time[0] = 0.0
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    if dev == "cuda":
-        torch.cuda.synchronize()
+    scenarios = [Scenario(kind, int(B), args.H, dev) for B in args.batches.split(",") for kind in args.kinds.split(",")]
+    step_us = {id(sc): [] for sc in scenarios}
+    launch_us = {id(sc): [] for sc in scenarios}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for sc in scenarios:
+            steps = args.steps if sc.kind != "mixed" else max(1, args.steps // 10)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            in_launch = sum(sc.step() for _ in range(steps))
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            if r:
+                step_us[id(sc)].append((time.perf_counter() - t0) / steps * 1e6)
+                launch_us[id(sc)].append(in_launch / (steps * sc.launches) * 1e6)
     what = "kernels launched" if dev == "cuda" else "kernels stubbed"
-    print(f"{args.kind} decode step, B={B}: {(time.perf_counter() - t) / args.steps * 1e6:.1f} us of host work "
-          f"({what}); the two launch calls alone: {launch_time[0] / args.steps / 2 * 1e6:.1f} us each")
+    for sc in scenarios:
+        lu = launch_us[id(sc)]
+        print(f"{sc.kind:8s} B={sc.B:5d}: {statistics.median(step_us[id(sc)]):8.1f} us of host work per step "
+              f"({what}); one launch call alone {statistics.median(lu):6.2f} us (median of {len(lu)} rounds, "
+              f"{min(lu):.2f} to {max(lu):.2f})", flush=True)
     if args.profile:
         prof = cProfile.Profile()
-        prof.runcall(lambda: [step() for _ in range(args.steps)])
+        sc = scenarios[0]
+        prof.runcall(lambda: [sc.step() for _ in range(args.steps)])
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 

@@ -1,6 +1,7 @@
 """Where the host time of an eager ``RingPool.append`` goes (cProfile over many steps).
 
 Usage: python profiling/profile_append.py [--requests 64] [--samples 1920] [--steps 2000] [--rounds 10]
+       [--sources 1]
 Prints the mean wall time per append (host-bound: the GPU work is far shorter), the same for the
 compiled step called directly (no Python around it; through its plain entry and through pybind11)
 and for one small torch op (a dispatcher call and a launch: this host's floor for any eager launch
@@ -19,6 +20,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import kernel_device_us  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.ring import PaddedBatch, RingPool  # noqa: E402
 
@@ -27,6 +30,7 @@ ap.add_argument("--requests", type=int, default=64)
 ap.add_argument("--samples", type=int, default=1920)
 ap.add_argument("--steps", type=int, default=2000)
 ap.add_argument("--rounds", type=int, default=10)
+ap.add_argument("--sources", type=int, default=1, help="distinct source tensors, used in turn")
 args = ap.parse_args()
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 B, T = args.requests, args.samples
@@ -35,16 +39,16 @@ pool = RingPool("audio", torch.float32, (), dev, S.CONCAT_LAST, budget_bytes=B *
 ids = [f"r{i}" for i in range(B)]
 for r in ids:
     pool.alloc(r)
-src = torch.randn(B, T, device=dev)
+sources = [torch.randn(B, T, device=dev) for _ in range(args.sources)]  # a model's output: a new tensor per step
 lens = np.full(B, T)
 
 
 RESET = FRAMES // T // 2  # steps between resets that keep the rings from filling (content is irrelevant)
 
 
-def steps(n, append=lambda: pool.append(ids, PaddedBatch(src, lens))):
+def steps(n, append=lambda src: pool.append(ids, PaddedBatch(src, lens))):
     for i in range(n):
-        append()
+        append(sources[i % len(sources)])
         if i % RESET == RESET - 1:
             pool._size[:] = 0
 
@@ -66,9 +70,9 @@ steps(20)  # binds the compiled step, if the backend has one
 if pool._eager.step is not None:
     step, call, version = pool._eager.step, pool._eager.call, pool.version
     variants["the compiled step alone (step.call: the entry append uses)"] = \
-        lambda n: steps(n, lambda: call(ids, src, lens, version))
+        lambda n: steps(n, lambda src: call(ids, src, lens, version))
     variants["the compiled step alone through pybind11 (step(...))"] = \
-        lambda n: steps(n, lambda: step(ids, src, lens, version))
+        lambda n: steps(n, lambda src: step(ids, src, lens, version))
 tiny = torch.zeros(1, device=dev)
 variants["tiny.zero_() (one torch op: dispatcher + launch)"] = lambda n: [tiny.zero_() for _ in range(n)]
 rounds = {name: [] for name in variants}
@@ -80,6 +84,12 @@ for r in range(args.rounds + 1):  # round 0 warms up
 for name, runs in rounds.items():
     print(f"{B}x{T}: {statistics.median(runs):6.2f} us per call (median of {len(runs)} rounds, "
           f"{min(runs):.2f} to {max(runs):.2f}): {name}")
+if dev == "cuda":  # the append kernel's own time on the device (it reads its metadata in place from pinned memory)
+    steps(20)
+    us = kernel_device_us(lambda: steps(200), "ring_write")
+    if us:
+        print(f"{B}x{T}: the append kernel on the device, eager: median {statistics.median(us):.2f} us "
+              f"({len(us)} launches, {us[0]:.2f} to {us[-1]:.2f}); {len(sources)} source tensor(s)")
 prof = cProfile.Profile()
 prof.enable()
 steps(args.steps // 4)

@@ -46,7 +46,7 @@ _INT32_MAX = 2**31 - 1
 _SIZE = META_COLS - 1  # the metadata column no kernel reads holds the host mirror of unread frames
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass costs a microsecond more to make, every step
 class PaddedBatch:
     """One step's chunks for a batch of requests as one tensor, with per-request lengths.
 
