@@ -5,7 +5,8 @@
 // of an eager step. The steps here take Python objects directly (pybind11 with torch's tensor
 // casters) and do all of their host work in C++:
 //   RingStep       RingPool's fast append: checks, planning against the pool's host slot table,
-//                  staging the metadata rows in pinned memory the kernel reads in place, the launch;
+//                  staging the metadata rows in pinned memory the kernel reads in place (copied to
+//                  the device first for long rows: kUploadElems), the launch;
 //   GatherStep     RowGather's launch: the job table encoded from the recorded blocks into pinned
 //                  memory the kernel reads in place, the launch.
 // Given a CPU arena or anchor they plan or encode without launching: that is how CI tests them
@@ -16,6 +17,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -45,6 +47,9 @@ constexpr int kSlot = 0, kLinOff = 1, kN = 2, kBase = 3, kCap = 4, kPos = 5, kLi
 constexpr int kCols = 8;
 // Pinned staging depth and event spacing: staging.py's PinnedStaging (same reasoning).
 constexpr i64 kDepth = 64, kEventEvery = 16;
+// Rows longer than this run several programs per metadata row: the step copies its metadata to the
+// device first instead of letting each program read its row over the bus (ring.py's UPLOAD_ELEMS).
+constexpr i64 kUploadElems = 4096;
 
 // Plan one append step (RingPool._plan_numpy has the same contract). Every row is checked first:
 // 0 <= n <= axis_len and n fits in the slot's free frames. Then the rows are staged, unread sizes
@@ -136,7 +141,10 @@ const at::Tensor& tensor_of(PyObject* obj, const char* what) {
 // first event recorded at or after its last use has completed (normally long ago: no wait).
 class MetaRing {
  public:
-  MetaRing(bool pinned, i64 cols) : pinned_(pinned), cols_(cols) {}
+  // `twin_device`: where upload() copies to (its buffer is made with the ring's: a step must not
+  // allocate); none for a ring that is only read in place.
+  MetaRing(bool pinned, i64 cols, std::optional<at::Device> twin_device = std::nullopt)
+      : pinned_(pinned), cols_(cols), twin_device_(pinned ? twin_device : std::nullopt) {}
   MetaRing(const MetaRing&) = delete;
   MetaRing& operator=(const MetaRing&) = delete;
   ~MetaRing() {
@@ -170,6 +178,15 @@ class MetaRing {
     return bufs_[current_].data_ptr<i64>();
   }
 
+  // Copies the first `rows` rows of the buffer handed out by next() into a device twin (reused every
+  // step: the copy and the kernels that read it are ordered on the one stream) and returns the twin.
+  i64* upload(i64 rows, cudaStream_t stream) {
+    TORCH_CHECK(twin_.defined(), "this metadata ring has no device twin");
+    C10_CUDA_CHECK(cudaMemcpyAsync(twin_.data_ptr<i64>(), bufs_[current_].data_ptr<i64>(), rows * cols_ * sizeof(i64),
+                                   cudaMemcpyHostToDevice, stream));
+    return twin_.data_ptr<i64>();
+  }
+
   // The buffer handed out by next() is now read by queued work.
   void queued(cudaStream_t stream) {
     ++count_;
@@ -192,6 +209,7 @@ class MetaRing {
     bufs_.clear();
     const auto opts = at::TensorOptions().dtype(at::kLong).pinned_memory(pinned_);
     for (i64 i = 0; i < (pinned_ ? kDepth : 1); ++i) bufs_.push_back(at::zeros({r, cols_}, opts));
+    if (twin_device_) twin_ = at::empty({r, cols_}, at::TensorOptions().dtype(at::kLong).device(*twin_device_));
     rows_ = r;
   }
 
@@ -209,6 +227,8 @@ class MetaRing {
   i64 cols_, rows_ = 0, count_ = 0, done_ = 0, current_ = 0;
   cudaStream_t last_stream_ = nullptr;
   std::vector<at::Tensor> bufs_;
+  std::optional<at::Device> twin_device_;
+  at::Tensor twin_;  // upload()'s device copy
   std::deque<std::pair<i64, cudaEvent_t>> events_;
 };
 
@@ -217,7 +237,7 @@ class RingStep {
  public:
   RingStep(at::Tensor arena, at::Tensor state, at::Tensor table, std::vector<i64> frame_shape, bool last)
       : arena_(std::move(arena)), state_(std::move(state)), table_(std::move(table)),
-        frame_shape_(std::move(frame_shape)), last_(last), meta_(arena_.is_cuda(), kCols) {
+        frame_shape_(std::move(frame_shape)), last_(last), meta_(arena_.is_cuda(), kCols, arena_.device()) {
     TORCH_CHECK(table_.device().is_cpu() && table_.scalar_type() == at::kLong && table_.is_contiguous() &&
                     table_.dim() == 2 && table_.size(1) == kCols,
                 "table must be the pool's contiguous int64 host table [slots, 8]");
@@ -265,8 +285,10 @@ class RingStep {
                                 last_ ? axis_len : frame_elems_);
     if (max_n < 0) return -1;
     if (arena_.is_cuda()) {
-      vok::launch_ring_write(arena_.data_ptr(), arena_.element_size(), state_.data_ptr<i64>(), staged, data.data_ptr(),
-                             B, frame_elems_, last_, max_n * frame_elems_, stream);
+      const i64 max_elems = max_n * frame_elems_;
+      const i64* meta = max_elems > kUploadElems ? meta_.upload(B, stream) : staged;
+      vok::launch_ring_write(arena_.data_ptr(), arena_.element_size(), state_.data_ptr<i64>(), meta, data.data_ptr(),
+                             B, frame_elems_, last_, max_elems, stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     meta_.queued(stream);

@@ -102,16 +102,19 @@ def test_reused_slot_gets_its_head_reset_by_an_empty_first_append(kernel_backend
         assert torch.equal(got[1], torch.cat([torch.zeros(3, device="cuda"), x[1]]))
 
 
+@pytest.mark.parametrize("max_len", [40, 5000], ids=["metadata read in place", "metadata uploaded"])
 @pytest.mark.parametrize("strategy, frame", [(S.CONCAT_LAST, ()), (S.CONCAT_LAST, (2,)), (S.CONCAT_DIM0, (16,))])
-def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, monkeypatch):
-    """The same lifecycle on a CUDA pool (this backend) and a CPU pool (the reference)."""
+def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, max_len, monkeypatch):
+    """The same lifecycle on a CUDA pool (this backend) and a CPU pool (the reference). Rows of up to
+    5000 frames run several programs per row: appends, growth copies and reads then copy their
+    metadata to the device first (``UPLOAD_ELEMS``); short rows read it in place."""
 
     def on(device):  # the backend setting is process-wide: switch it per pool
         monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend if device == "cuda" else "torch")
 
     rng = np.random.default_rng(3)
     last = strategy is S.CONCAT_LAST
-    pools = {d: RingPool("k", torch.bfloat16, frame, d, strategy, budget_bytes=1 << 20, initial_frames=16)
+    pools = {d: RingPool("k", torch.bfloat16, frame, d, strategy, budget_bytes=1 << 27, initial_frames=16)
              for d in ("cpu", "cuda")}
     ids = [f"r{i}" for i in range(5)]
     for p in pools.values():
@@ -119,7 +122,7 @@ def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, monkey
             p.alloc(r)
     g = torch.Generator().manual_seed(5)
     for _ in range(12):
-        lens = rng.integers(0, 40, size=5)
+        lens = rng.integers(0, max_len, size=5)
         shape = (5, *frame, int(lens.max())) if last else (5, int(lens.max()), *frame)
         data = torch.randn(shape, generator=g).to(torch.bfloat16)
         for d, p in pools.items():

@@ -13,7 +13,9 @@ Host mirrors: every head, tail, unread size and capacity lives in numpy arrays o
 validation (dtype, shape, device, unknown slot, overflow) and growth decisions happen before a launch
 and never read the device. A step costs one kernel launch and nothing else on the device: the
 kernel reads the step's metadata rows in place from a ring of pinned host buffers (device-addressable;
-a buffer is reused only after the work that read it has run). The device heads are written by the
+a buffer is reused only after the work that read it has run). A step of long rows (more than
+``UPLOAD_ELEMS`` elements: several programs per row, each of which would read its row over the bus)
+copies its metadata to a device buffer first: one small copy, then the kernel. The device heads are written by the
 kernel itself, so a ``StaticAppend`` (metadata resident on the device) can be captured in a CUDA
 graph and replayed step after step.
 
@@ -43,6 +45,10 @@ from .profiling import enabled as nvtx_enabled, nvtx_range
 from .staging import PinnedStaging
 
 _INT32_MAX = 2**31 - 1
+# A launch whose rows are longer than this runs several programs per metadata row on every backend;
+# its metadata is then copied to the device first rather than read over the bus by each program
+# (kernels/vok_python.cpp has the same constant for the compiled step).
+UPLOAD_ELEMS = 4096
 _SIZE = META_COLS - 1  # the metadata column no kernel reads holds the host mirror of unread frames
 
 
@@ -154,7 +160,7 @@ class RingPool:
         self._slot_owner: list[str | None] = [None] * max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))
 
-        self._staging = PinnedStaging(max_rows, META_COLS, self.device)
+        self._staging = PinnedStaging(max_rows, META_COLS, self.device, twin=True)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
         self._ids_cache: tuple | None = None  # (ids, slots, version) of the last fast step
         self._eager = _Eager(_UNSET, None, None, None, None)  # the compiled step (ops.ring_step), once bound
@@ -291,7 +297,7 @@ class RingPool:
         if size:  # copy the unread span, linearized, to the start of the new region
             i, _ = self._stage(np.array([slot]), new_base, size, frames if self.last else self.frame_elems,
                                pos=self._tail[slot])
-            meta = self._staging.read_in_place(i)
+            meta = self._staging.for_kernel(i, 1, size * self.frame_elems > UPLOAD_ELEMS)
             ops.ring_read(self.arena, meta, self.arena, rows=1, frame_elems=self.frame_elems, last=self.last,
                           max_elems=size * self.frame_elems)
         self.allocator.free(int(self._base[slot] // self.frame_elems))
@@ -390,8 +396,9 @@ class RingPool:
                                  axis_len if self.last else self.frame_elems)
         if max_n < 0:
             return None  # nothing was planned
-        ops.ring_write(self.arena, self.state, self._staging.read_in_place(i), data, rows=B,
-                       frame_elems=self.frame_elems, last=self.last, max_elems=max_n * self.frame_elems)
+        max_elems = max_n * self.frame_elems
+        ops.ring_write(self.arena, self.state, self._staging.for_kernel(i, B, max_elems > UPLOAD_ELEMS), data, rows=B,
+                       frame_elems=self.frame_elems, last=self.last, max_elems=max_elems)
         if self._stale:
             self._unstale(slots)
         return B
@@ -570,7 +577,7 @@ class RingPool:
             new = 1 << (rows - 1).bit_length()
             if self._staging.pinned:  # kernels may still be reading the old pinned rows in place
                 torch.cuda.current_stream().synchronize()  # rare: only when a step outgrows the rows
-            self._staging = PinnedStaging(new, META_COLS, self.device)
+            self._staging = PinnedStaging(new, META_COLS, self.device, twin=True)
             self._arange = np.arange(new, dtype=np.int64)
 
     def _stage(self, slots: np.ndarray, lin_off, n, lin_stride, pos=None) -> tuple[int, np.ndarray]:
@@ -590,9 +597,10 @@ class RingPool:
 
     def _write_staged(self, i: int, m: np.ndarray, src, slots: np.ndarray, n: np.ndarray) -> int:
         """Upload staged rows, launch the write kernel, advance the host mirrors."""
-        meta = self._staging.read_in_place(i)
+        max_elems = int(n.max()) * self.frame_elems
+        meta = self._staging.for_kernel(i, len(slots), max_elems > UPLOAD_ELEMS)
         ops.ring_write(self.arena, self.state, meta, src, rows=len(slots), frame_elems=self.frame_elems,
-                       last=self.last, max_elems=int(n.max()) * self.frame_elems)
+                       last=self.last, max_elems=max_elems)
         self._size[slots] += n
         if self._stale:
             self._unstale(slots)
@@ -650,9 +658,9 @@ class RingPool:
         out = torch.empty(int(n.sum()) * F, dtype=self.dtype, device=self.device)
         if rows and n.any():
             i, _ = self._stage(slots, starts, n, n if self.last else F, pos=self._tail[slots])
-            meta = self._staging.read_in_place(i)
-            ops.ring_read(self.arena, meta, out, rows=rows, frame_elems=F, last=self.last,
-                          max_elems=int(n.max()) * F)
+            max_elems = int(n.max()) * F
+            meta = self._staging.for_kernel(i, rows, max_elems > UPLOAD_ELEMS)
+            ops.ring_read(self.arena, meta, out, rows=rows, frame_elems=F, last=self.last, max_elems=max_elems)
         views = []
         for s, k in zip(starts.tolist(), n.tolist()):
             flat = out[s : s + k * F]

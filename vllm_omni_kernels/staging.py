@@ -26,7 +26,7 @@ class PinnedStaging:
     For a CPU device there is one unpinned buffer and ``upload`` returns it (it is the metadata).
     """
 
-    def __init__(self, rows: int, cols: int, device: torch.device):
+    def __init__(self, rows: int, cols: int, device: torch.device, twin: bool = False):
         self.device = device
         self.rows = rows
         self.cols = cols
@@ -39,6 +39,8 @@ class PinnedStaging:
         self._count = 0  # uploads so far
         self._events: list[tuple[int, torch.cuda.Event]] = []  # (upload index, event after it)
         self._done = 0  # uploads before this index are known to have run (no need to ask the device)
+        # for_kernel's device copy target, made now: a step must not allocate
+        self._twin = torch.empty(rows, cols, dtype=torch.int64, device=device) if twin and self.pinned else None
 
     def __del__(self):
         # Kernels that read these buffers in place may still be queued: wait for them before the
@@ -80,6 +82,16 @@ class PinnedStaging:
         Returns the buffer (``row0``: its first row, for flat tables)."""
         self._queued()
         return self._rows0[i] if row0 else self._host[i]
+
+    def for_kernel(self, i: int, rows: int, many_programs: bool) -> torch.Tensor:
+        """Hand host buffer ``i`` to the next kernel: read in place (``read_in_place``), or, when
+        ``many_programs`` (the kernel runs several programs per metadata row, each of which would read
+        its row over the bus), first copied into the device twin of this ring (made with ``twin=True``;
+        one small copy, then every program reads device memory). Returns what the kernel reads (its
+        first ``rows`` rows)."""
+        if not (many_programs and self._twin is not None):
+            return self.read_in_place(i)
+        return self.upload(i, rows, self._twin)  # reused every step: ordered on the one stream
 
     def upload(self, i: int, rows: int, dst: torch.Tensor, cols: int | None = None) -> torch.Tensor:
         """Copy the first ``rows`` rows (and ``cols`` columns) of host buffer ``i`` into ``dst`` (device).
