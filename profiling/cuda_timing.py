@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 
@@ -51,3 +53,17 @@ def kernel_device_us(fn, name_part: str) -> list[float]:
         return []
     return sorted(getattr(e, "device_time", None) or e.cuda_time for e in trace.events()
                   if e.device_type.name == "CUDA" and name_part in e.name)
+
+
+def copy_in_graph_us(src: torch.Tensor, steps: int, repeats: int) -> float:
+    """Median microseconds per copy of ``src`` to a fresh destination, ``steps`` copies captured in
+    one CUDA graph: the bandwidth reference the ring kernels are compared with (they too write new
+    memory every step)."""
+    dst = torch.empty(steps, *src.shape, dtype=src.dtype, device=src.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in range(steps):
+            dst[s].copy_(src)
+    us = statistics.median(event_ms(graph.replay, repeats)) * 1000 / steps
+    del graph, dst
+    return us

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cuda_timing import event_ms  # noqa: E402
+from cuda_timing import copy_in_graph_us, event_ms  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.ops import triton_ring  # noqa: E402
 from vllm_omni_kernels.ring import RingPool  # noqa: E402
@@ -45,13 +45,7 @@ for B, T in [tuple(int(x) for x in w.split("x")) for w in args.workloads.split("
             us = statistics.median(event_ms(g.replay, 6, setup=rewind)) * 1000 / STEPS
             print(f"{B}x{T} BLOCK={block} warps={warps}: {us:6.2f} us/step {2 * B * T * 4 / us / 1e3:7.0f} GB/s", flush=True)
             pool._size[sa.slots] = 0
-    # The same bytes copied to a fresh destination per step, in one graph: the bandwidth reference.
-    dst = torch.empty(STEPS, B, T, device="cuda")
-    gc = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gc):
-        for s in range(STEPS):
-            dst[s].copy_(src)
-    us = statistics.median(event_ms(gc.replay, 6)) * 1000 / STEPS
+    us = copy_in_graph_us(src, STEPS, 6)  # the same bytes to a fresh destination per step: the reference
     print(f"{B}x{T} copy: {us:6.2f} us/step {2 * B * T * 4 / us / 1e3:7.0f} GB/s", flush=True)
-    del dst, gc, pool, sa
+    del pool, sa
     torch.cuda.empty_cache()

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cuda_timing import event_ms  # noqa: E402
+from cuda_timing import copy_in_graph_us, event_ms  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.ops import triton_ring as tr  # noqa: E402
 from vllm_omni_kernels.ring import RingPool  # noqa: E402
@@ -103,15 +103,9 @@ def main() -> None:
             results[name] = us
             del g, g1, sa, pool
         tr.ring_write = shipped
-        dst = torch.empty(STEPS, B, T, device="cuda")
-        gc = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gc):
-            for s in range(STEPS):
-                dst[s].copy_(src)
-        copy = statistics.median(event_ms(gc.replay, 7)) * 1000 / STEPS
+        copy = copy_in_graph_us(src, STEPS, 7)
         print(f"{B}x{T}: copy {copy:5.2f} us | " + " | ".join(
             f"{k} {v:5.2f} us = {100 * copy / v:5.1f}% of copy" for k, v in results.items()), flush=True)
-        del dst, gc
         torch.cuda.empty_cache()
 
 

@@ -228,28 +228,23 @@ def test_pool_append_calls_its_bound_compiled_step_until_the_backend_setting_cha
             pool.alloc(r)
         return pool
 
-    twin = make_pool()  # planned by _plan_numpy (ops.ring_step is None on CPU)
+    def run(pool):  # (rows appended, requests with errors, slot table) after each append
+        out = []
+        for ids, n in steps:
+            if n is None:
+                pool.free(ids[-1])
+                pool.alloc(ids[-1])
+                continue
+            res = pool.append(list(ids), PaddedBatch(torch.zeros(3, 64), np.array(n)))
+            out.append((res.appended, [e.request_id for e in res.errors], pool._table.copy()))
+        return out
+
     steps = [("abc", [3, 0, 5]), ("abc", [1, 2, 3]), ("bcd", [4, 4, 4]), ("bcd", [1, 99, 1]), ("bcd", [2, 2, 2]),
              ("free a", None), ("abd", [1, 1, 1]), ("abd", [2, 0, 2])]
-    expected = []
-    for ids, n in steps:
-        if n is None:
-            twin.free(ids[-1])
-            twin.alloc(ids[-1])
-            continue
-        res = twin.append(list(ids), PaddedBatch(torch.zeros(3, 64), np.array(n)))
-        expected.append((res.appended, [e.request_id for e in res.errors], twin._table.copy()))
-
+    expected = run(make_pool())  # planned by _plan_numpy (ops.ring_step is None on CPU)
     monkeypatch.setattr(ops, "ring_step", ring_step)
     pool = make_pool()
-    got = []
-    for ids, n in steps:
-        if n is None:
-            pool.free(ids[-1])
-            pool.alloc(ids[-1])
-            continue
-        res = pool.append(list(ids), PaddedBatch(torch.zeros(3, 64), np.array(n)))
-        got.append((res.appended, [e.request_id for e in res.errors], pool._table.copy()))
+    got = run(pool)
     for (a, errors_a, table_a), (b, errors_b, table_b) in zip(got, expected):
         assert (a, errors_a) == (b, errors_b)
         assert np.array_equal(table_a, table_b)
