@@ -397,6 +397,59 @@ struct Block {
         dst(tensor_of(PyTuple_GET_ITEM(b, 2), "block destination")), dst_rows(PyTuple_GET_ITEM(b, 3)) {}
 };
 
+// A block of many sources (gather_jobs.py's rows_each/ints_each): (sources, None, dst, starts), every
+// row of source k going to dst rows starts[k], starts[k] + 1, ...
+struct EachBlock {
+  PyObject* sources;
+  const at::Tensor& dst;
+  Rows starts;
+  explicit EachBlock(PyObject* b)
+      : sources(PyTuple_GET_ITEM(b, 0)), dst(tensor_of(PyTuple_GET_ITEM(b, 2), "block destination")),
+        starts(PyTuple_GET_ITEM(b, 3)) {
+    TORCH_CHECK(!starts.single && starts.count() == PyList_GET_SIZE(sources), "one start row per source");
+  }
+  i64 count() const { return PyList_GET_SIZE(sources); }
+  const at::Tensor& source(i64 k) const { return tensor_of(PyList_GET_ITEM(sources, k), "block source"); }
+  i64 start(i64 k) const { return starts.index().at(k); }
+};
+
+// rows_each/ints_each's check of their sources against `dst` in one call: each a tensor on dst's
+// device; float: dst's dtype, 2-D of dst's width, contiguous rows; int: int32/int64, 1-D for a 1-D
+// dst, else 2-D of its width with contiguous rows; its rows within dst from its start row. Returns
+// (rows in all, every float row 16-byte aligned), or (-(k + 1), False) for the first source k that is
+// not plain (the caller then checks source by source and reports it).
+py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::Tensor& dst, bool floating) {
+  const Rows starts(starts_obj.ptr());
+  TORCH_CHECK(!starts.single && !starts.leading && starts.count() == static_cast<i64>(sources.size()),
+              "one start row per source");
+  const RowIndex st = starts.index();
+  const at::Device device = dst.device();
+  const at::ScalarType dtype = dst.scalar_type();
+  const i64 dst_rows = dst.size(0), width = dst.dim() == 2 ? dst.size(1) : 1;
+  bool aligned = reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0 && (dst.stride(0) * dst.element_size()) % 16 == 0;
+  i64 rows = 0;
+  for (i64 k = 0; k < static_cast<i64>(sources.size()); ++k) {
+    const auto decline = py::make_tuple(-(k + 1), false);
+    PyObject* obj = PyList_GET_ITEM(sources.ptr(), k);
+    if (!THPVariable_Check(obj)) return decline;
+    const at::Tensor& s = THPVariable_Unpack(obj);
+    if (s.device() != device || s.dim() < 1) return decline;
+    if (floating) {
+      if (s.scalar_type() != dtype || s.dim() != 2 || s.size(1) != width || s.stride(1) != 1) return decline;
+      aligned = aligned && reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0 &&
+                (s.stride(0) * s.element_size()) % 16 == 0;
+    } else {
+      const at::ScalarType t = s.scalar_type();
+      if (t != at::kInt && t != at::kLong) return decline;
+      if (dst.dim() == 1 ? s.dim() != 1 : (s.dim() != 2 || s.size(1) != width || s.stride(1) != 1)) return decline;
+    }
+    const i64 start = st.at(k), n = s.size(0);
+    if (start < 0 || start + n > dst_rows) return decline;
+    rows += n;
+  }
+  return py::make_tuple(rows, aligned);
+}
+
 PyObject* block_at(const py::list& blocks, size_t i) {
   PyObject* b = PyList_GET_ITEM(blocks.ptr(), i);
   TORCH_CHECK(PyTuple_Check(b) && PyTuple_GET_SIZE(b) == 4, "a job block is (src, src_rows, dst, dst_rows)");
@@ -417,7 +470,23 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
   std::vector<std::pair<i64, i64>> singles;
   i64 f = 0;
   for (size_t i = 0; i < float_blocks.size(); ++i) {
-    const Block b(block_at(float_blocks, i));
+    PyObject* tup = block_at(float_blocks, i);
+    if (PyList_Check(PyTuple_GET_ITEM(tup, 0))) {  // rows_each: every row of each source from its start row
+      const EachBlock b(tup);
+      const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - fbase) / es, ds = b.dst.stride(0);
+      for (i64 k = 0; k < b.count(); ++k) {
+        const at::Tensor& src = b.source(k);
+        const i64 so = (reinterpret_cast<intptr_t>(src.data_ptr()) - fbase) / es, ss = src.stride(0), rows = src.size(0);
+        const i64 d0 = b.start(k);
+        TORCH_CHECK(f + rows <= n_float, "float jobs do not match their count");
+        for (i64 j = 0; j < rows; ++j, ++f) {
+          t[2 + 2 * f] = so + j * ss;
+          t[3 + 2 * f] = dO + (d0 + j) * ds;
+        }
+      }
+      continue;
+    }
+    const Block b(tup);
     const i64 so = (reinterpret_cast<intptr_t>(b.src.data_ptr()) - fbase) / es;
     const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - fbase) / es;
     const i64 ss = b.src.stride(0), ds = b.dst.stride(0), k = b.dst_rows.count();
@@ -455,7 +524,30 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
   };
   std::vector<std::array<i64, 4>> int_singles;
   for (size_t i = 0; i < int_blocks.size(); ++i) {
-    const Block b(block_at(int_blocks, i));
+    PyObject* tup = block_at(int_blocks, i);
+    if (PyList_Check(PyTuple_GET_ITEM(tup, 0))) {  // ints_each
+      const EachBlock b(tup);
+      const i64 dw = b.dst.element_size() / 4, ds = b.dst.stride(0) * dw;
+      const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - ibase) / 4;
+      const i64 width = b.dst.dim() == 2 ? b.dst.size(1) : 1;
+      for (i64 k = 0; k < b.count(); ++k) {
+        const at::Tensor& src = b.source(k);
+        const i64 sw = src.element_size() / 4, rows = src.size(0), d0 = b.start(k);
+        const i64 so = (reinterpret_cast<intptr_t>(src.data_ptr()) - ibase) / 4, ss = src.stride(0) * sw;
+        const i64 flags = (sw == 2) | ((dw == 2) << 1);
+        TORCH_CHECK(n + rows <= n_int, "int jobs do not match their count");
+        i64* rec = t + int_off + 4 * n;
+        for (i64 j = 0; j < rows; ++j, rec += 4) {
+          rec[0] = so + j * ss;
+          rec[1] = dO + (d0 + j) * ds;
+          rec[2] = width;
+          rec[3] = flags;
+        }
+        n += rows;
+      }
+      continue;
+    }
+    const Block b(tup);
     const i64 sw = b.src.element_size() / 4, dw = b.dst.element_size() / 4;
     const i64 so = (reinterpret_cast<intptr_t>(b.src.data_ptr()) - ibase) / 4;
     const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - ibase) / 4;
@@ -665,6 +757,8 @@ PyObject* gather_step_entry(void* step, PyObject* const* args, Py_ssize_t nargs)
 
 PYBIND11_MODULE(_vok_ops, m) {
   m.doc() = "vllm-omni-kernels compiled eager steps (kernels/vok_python.cpp); the kernels are torch ops too";
+  m.def("check_each", &check_each, py::arg("sources"), py::arg("starts"), py::arg("dst"), py::arg("floating"),
+        "GatherJobs.rows_each/ints_each: check every source against dst in one call");
   py::class_<RingStep>(m, "RingStep")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<i64>, bool>(), py::arg("arena"),
            py::arg("state"), py::arg("table"), py::arg("frame_shape"), py::arg("last"))

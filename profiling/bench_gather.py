@@ -6,7 +6,9 @@ Scenarios (bf16, B rows, hidden size H; B in 8, 64, 256, 1024; H in 2048, 4096):
            embeddings to their token offsets and codes (16 per row) into the per-request code buffer
   non_mtp  B single-token decode rows of a model without MTP: ids and embeddings into the buffers
   mixed    B rows alternating a 4-token prefill chunk (scalar hook: its embeddings) and an MTP decode
-           row (each its own hook run, as the prefill rows flush them)
+           row (each its own hook run, as the prefill rows flush them); like the runner, ours
+           collects those per-row outputs and records them with one call per destination
+           (``add_*_each``)
 
 Paths (the hooks' and MTP's outputs are prepared tensors: only the data movement is measured):
   row_loop     upstream style: one copy per row per tensor (7 per MTP row, 2 per non-MTP row, 1 per
@@ -111,6 +113,7 @@ class Scenario:
         self.mtp_emb = torch.randn(n, H, device=dev).to(DTYPE)
         self.codes = torch.randint(0, 4096, (n, Q), device=dev)
         self.slots = np.arange(n, dtype=np.int64)
+        self.mtp_index = np.arange(n, dtype=np.int64)
         self.flags = (spans == 1).astype(np.int32) if self.mtp else None
         self.g = DecodeGather(hidden_size=H, dtype=DTYPE, device=dev, max_rows=B, max_tokens=self.tokens,
                               mtp=self.mtp)
@@ -129,13 +132,10 @@ class Scenario:
     # ------------------------------------------------------------ ours
     def record_pre(self):
         g, n = self.g, self.n_dec
-        if self.kind == "mixed":
-            for i in range(n):
-                g.add_ids(self.input_ids, int(self.dec_off[i]), self.row_ids[i])
-                g.add_mtp_inputs(i, self.row_ids[i], self.row_emb[i], self.row_hid[i], self.row_txt[i])
-            for k in range(self.n_pre):
-                o = int(self.pre_off[k])
-                g.add_embeds(self.inputs_embeds, np.arange(o, o + PREFILL_SPAN), self.row_pre[k])
+        if self.kind == "mixed":  # one hook output per row, recorded with one call per destination (the runner)
+            g.add_ids_each(self.input_ids, self.dec_off, self.row_ids)
+            g.add_mtp_inputs_each(self.mtp_index, self.row_ids, self.row_emb, self.row_hid, self.row_txt)
+            g.add_embeds_each(self.inputs_embeds, self.pre_off, self.row_pre)
         else:
             g.add_ids(self.input_ids, self.dec_off, self.ids)
             if self.mtp:

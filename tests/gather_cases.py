@@ -20,7 +20,10 @@ def make_gather_case(seed: int, dtype: torch.dtype, width: int, device="cpu", ro
             "ids32": random_tensor((rows * 2, 1), torch.int32, device, g),
             "codes64": random_tensor((rows, 5), torch.int64, device, g),
             "flags": random_tensor((rows,), torch.int32, device, g),
-            "ids1d": random_tensor((rows,), torch.int32, device, g)}
+            "ids1d": random_tensor((rows,), torch.int32, device, g),
+            "each_emb": random_tensor((rows * 3, width), dtype, device, g),
+            "each_ids": random_tensor((rows * 3,), torch.int32, device, g),
+            "each_codes": random_tensor((rows * 3, 5), torch.int64, device, g)}
     srcs = {"a": random_tensor((rows, width), dtype, device, g),
             "b": random_tensor((rows + 3, width), torch.float32, device, g),  # converted on the host
             "ids64": torch.randint(-2**31, 2**31, (rows, 1), generator=g).to(device),
@@ -43,7 +46,30 @@ def make_gather_case(seed: int, dtype: torch.dtype, width: int, device="cpu", ro
     jobs += [("rows", "emb", int(emb_rows[k + 2]), "a", int(rng.integers(rows))),
              ("ints", "ids1d", int(rng.integers(rows)), "ids1d", int(rng.integers(rows))),
              ("ints", "ids32", int(id_rows[k]), "ids1d", 1)]
+    # Many small sources at once (a mixed batch's hook outputs): (name, first row, rows) each, into
+    # disjoint destination spans in shuffled order.
+    for kind, dst, src in (("rows_each", "each_emb", "a"), ("ints_each", "each_ids", "ids64"),
+                           ("ints_each", "each_codes", "codes32")):
+        spans = rng.integers(0, 3, rows)  # 0, 1 or 2 rows per source
+        starts = np.concatenate(([0], np.cumsum(spans + 1)[:-1]))  # a gap row after each span
+        order = rng.permutation(rows)
+        pieces = [(src, int(rng.integers(0, rows - spans[i] + 1)), int(spans[i])) for i in order]
+        jobs.append((kind, dst, starts[order], pieces, None))
     return dsts, srcs, jobs
+
+
+def record_gather_case(jobs, dsts, srcs, case_jobs) -> None:
+    """Record a case's jobs into a ``GatherJobs``."""
+    for kind, dst, dst_rows, src, src_rows in case_jobs:
+        if kind == "values":
+            jobs.values(dsts[dst], dst_rows)
+        elif kind.endswith("_each"):
+            pieces = [srcs[name][i:i + n] for name, i, n in src]
+            if kind == "ints_each" and dsts[dst].dim() == 1:
+                pieces = [t.reshape(-1) for t in pieces]
+            getattr(jobs, kind)(dsts[dst], dst_rows, pieces)
+        else:
+            getattr(jobs, kind)(dsts[dst], dst_rows, srcs[src], src_rows)
 
 
 def run_gather_case(case, dtype, width, device, backend, monkeypatch) -> dict:
@@ -51,11 +77,7 @@ def run_gather_case(case, dtype, width, device, backend, monkeypatch) -> dict:
     dsts = {k: v.clone() for k, v in dsts.items()}
     monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", backend)
     gather = RowGather(dtype, width, device, max_float_rows=64, max_int_rows=64, max_values=64)
-    for kind, dst, dst_rows, src, src_rows in jobs:
-        if kind == "values":
-            gather.jobs.values(dsts[dst], dst_rows)
-        else:
-            getattr(gather.jobs, kind)(dsts[dst], dst_rows, srcs[src], src_rows)
+    record_gather_case(gather.jobs, dsts, srcs, jobs)
     assert gather.launch() == 1
     return dsts
 
@@ -68,6 +90,7 @@ def check_gather_case(seed, dtype, width, device, backend, monkeypatch):
         torch.cuda.synchronize()
     for k in want:
         assert torch.equal(got[k], want[k]), f"{k} differs ({backend}, {dtype}, width {width}, seed {seed})"
+    return got
 
 
-__all__ = ["make_gather_case", "run_gather_case", "check_gather_case", "pytest"]
+__all__ = ["make_gather_case", "record_gather_case", "run_gather_case", "check_gather_case", "pytest"]

@@ -18,9 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gather_cases import make_gather_case
+from gather_cases import check_gather_case, make_gather_case, record_gather_case
 from vllm_omni_kernels.gather import RowGather
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
+from vllm_omni_kernels.ops import cuda_ext
 from vllm_omni_kernels.ops.gather_jobs import TableLayout
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
@@ -73,7 +74,7 @@ def test_cmake_configures_and_builds_the_torch_extension(cmake_build):
             "print(torch.ops.vllm_omni_kernels.ring_write.default._schema)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "['GatherStep', 'RingStep']" in out.stdout and "Tensor(a!) arena" in out.stdout, out.stdout
+    assert "['GatherStep', 'RingStep', 'check_each']" in out.stdout and "Tensor(a!) arena" in out.stdout, out.stdout
 
 
 @pytest.fixture(scope="module")
@@ -285,12 +286,11 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
     single-row jobs and value payloads."""
     dsts, srcs, jobs = make_gather_case(seed, dtype, width)
     gather = RowGather(dtype, width, "cpu", max_float_rows=64, max_int_rows=64, max_values=64)
-    for kind, dst, dst_rows, src, src_rows in jobs:
-        if kind == "values":
-            gather.jobs.values(dsts[dst], dst_rows)
-        else:
-            getattr(gather.jobs, kind)(dsts[dst], dst_rows, srcs[src], src_rows)
+    with pytest.MonkeyPatch.context() as mp:  # many-source jobs checked by the extension: one block each
+        mp.setattr(cuda_ext, "_module", compiled_module)
+        record_gather_case(gather.jobs, dsts, srcs, jobs)
     j = gather.jobs
+    assert sum(type(b[0]) is list for b in j.float_blocks + j.int_blocks) == 3
     layout = TableLayout(j.n_float, j.n_int, j.n_values)
     anchor = torch.zeros(1, dtype=dtype)
     step = compiled_module.GatherStep(anchor, width, 64, 64, 64)
@@ -303,3 +303,46 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
     numpy_table = np.full(layout.words, -7, np.int64)
     j.encode(numpy_table, layout, anchor.data_ptr(), compiled.data_ptr())
     assert np.array_equal(compiled.numpy(), numpy_table)
+
+
+@needs_cmake
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       width=st.sampled_from([1, 8, 33]))
+def test_many_source_blocks_copy_as_their_sources_one_by_one(compiled_module, seed, dtype, width):
+    """``rows_each``/``ints_each`` checked by the extension (one block of many sources) copy exactly
+    what the same calls recorded source by source copy, on the reference and on the Triton kernels
+    (under the interpreter), against the reference of the source-by-source recording."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda_ext, "_module", None)  # recorded source by source
+        want = check_gather_case(seed, dtype, width, "cpu", "torch", mp)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda_ext, "_module", compiled_module)
+        for backend in ("torch", "triton"):
+            got = check_gather_case(seed, dtype, width, "cpu", backend, mp)
+            assert all(torch.equal(got[k], want[k]) for k in want), backend
+
+
+@needs_cmake
+@pytest.mark.parametrize("with_extension", [False, True])
+def test_many_source_records_name_the_bad_source_and_record_nothing(compiled_module, with_extension, monkeypatch):
+    """A bad source among many (dtype, device, width, out-of-range start) raises the typed error of
+    ``rows``/``ints`` naming ``srcs[k]`` with ``index`` k; nothing of the call is recorded."""
+    if with_extension:
+        monkeypatch.setattr(cuda_ext, "_module", compiled_module)
+    gather = RowGather(torch.float32, 4, "cpu", max_float_rows=64, max_int_rows=64)
+    jobs = gather.jobs
+    dst, ids = torch.zeros(10, 4), torch.zeros(10, dtype=torch.int32)
+    good = [torch.ones(1, 4), torch.ones(2, 4)]
+    jobs.rows_each(dst, [0, 2], good)
+    before = (len(jobs.float_blocks), jobs.n_float, len(jobs.int_blocks), jobs.n_int)
+    for bad, error in ((torch.ones(1, 4, dtype=torch.float64).to(torch.int32), TypeError),
+                       (torch.ones(1, 5), ValueError), ("not a tensor", TypeError)):
+        with pytest.raises(error, match=r"srcs\[1\]") as err:
+            jobs.rows_each(dst, [5, 7], [good[0], bad])
+        assert err.value.index == 1
+    with pytest.raises(IndexError, match=r"srcs\[1\]"):
+        jobs.rows_each(dst, [5, 9], good)  # rows 9..10 of 10
+    with pytest.raises(TypeError, match=r"srcs\[0\]"):
+        jobs.ints_each(ids, [0], [torch.zeros(1)])
+    assert (len(jobs.float_blocks), jobs.n_float, len(jobs.int_blocks), jobs.n_int) == before

@@ -108,6 +108,26 @@ class DecodeGather:
         jobs.rows(self.last_hidden, index, hidden)
         jobs.rows(self.text_step, index, text)
 
+    def add_ids_each(self, input_ids: torch.Tensor, offsets, ids: list[torch.Tensor]) -> None:
+        """Many hook outputs' token ids at once: ``ids[k]`` (``[n_k]``) into ``input_ids`` from token
+        ``offsets[k]`` on (``GatherJobs.ints_each``)."""
+        self.pre.jobs.ints_each(input_ids, offsets, ids)
+
+    def add_embeds_each(self, inputs_embeds: torch.Tensor, offsets, embeds: list[torch.Tensor]) -> None:
+        """Many hook outputs' embedding rows at once: ``embeds[k]`` (``[n_k, H]``) into
+        ``inputs_embeds`` from token ``offsets[k]`` on (``GatherJobs.rows_each``)."""
+        self.pre.jobs.rows_each(inputs_embeds, offsets, embeds)
+
+    def add_mtp_inputs_each(self, index, ids: list[torch.Tensor], embeds: list[torch.Tensor],
+                            hidden: list[torch.Tensor], text: list[torch.Tensor]) -> None:
+        """``add_mtp_inputs`` for many one-row hook outputs at once: element k (``[1]``, ``[1, H]`` x3)
+        goes to MTP position ``index[k]``."""
+        jobs = self.pre.jobs
+        jobs.ints_each(self.mtp_input_ids, index, ids)
+        jobs.rows_each(self.mtp_inputs_embeds, index, embeds)
+        jobs.rows_each(self.last_hidden, index, hidden)
+        jobs.rows_each(self.text_step, index, text)
+
     def add_flags(self, flags: np.ndarray) -> None:
         """``code_valid[:rows] = flags`` (int32, 1 for the rows that get codes this step)."""
         n = len(flags)

@@ -46,6 +46,43 @@ def _shape_error(request_id: str, what: str, got: Any, want: tuple) -> PhaseRout
     return PhaseRoutingError(f"{what} has shape {shape}, expected {want}", request_id=request_id)
 
 
+class _ScalarRows:
+    """The copies of a step's scalar rows, collected while their hooks run and recorded into the
+    gather with one call per destination (a mixed batch has one hook run per row: one record call
+    per row would cost more than the copies). Errors name the request of the offending output."""
+
+    def __init__(self):
+        self.ids: tuple[list, list, list] = ([], [], [])     # request ids, first tokens, ids [n]
+        self.embeds: tuple[list, list, list] = ([], [], [])  # request ids, first tokens, embeddings [n, H]
+        self.mtp: tuple[list, ...] = ([], [], [], [], [], [])  # request ids, MTP positions, ids, embeds, hidden, text
+
+    def add_ids(self, request_id: str, start: int, ids: torch.Tensor) -> None:
+        for col, v in zip(self.ids, (request_id, start, ids if ids.dim() == 1 else ids.reshape(-1))):
+            col.append(v)
+
+    def add_embeds(self, request_id: str, start: int, embeds: torch.Tensor) -> None:
+        for col, v in zip(self.embeds, (request_id, start, embeds)):
+            col.append(v)
+
+    def add_mtp(self, request_id: str, index: int, ids, embeds, hidden, text) -> None:
+        for col, v in zip(self.mtp, (request_id, index, ids if ids.dim() == 1 else ids.reshape(-1), embeds, hidden,
+                                     text)):
+            col.append(v)
+
+    def record(self, gather: DecodeGather, input_ids: torch.Tensor, inputs_embeds: torch.Tensor) -> None:
+        calls = ((self.ids, lambda c: gather.add_ids_each(input_ids, c[1], c[2])),
+                 (self.embeds, lambda c: gather.add_embeds_each(inputs_embeds, c[1], c[2])),
+                 (self.mtp, lambda c: gather.add_mtp_inputs_each(c[1], *c[2:])))
+        for cols, call in calls:
+            if not cols[0]:
+                continue
+            try:
+                call(cols)
+            except _RECORD_ERRORS as exc:
+                rid = cols[0][getattr(exc, "index", 0)]
+                raise PhaseRoutingError(f"preprocess outputs: {exc}", request_id=rid) from exc
+
+
 class OmniPhaseRunnerMixin:
     """Production ``_preprocess``/``_talker_mtp_forward`` logic; see the module docstring."""
 
@@ -108,12 +145,14 @@ class OmniPhaseRunnerMixin:
             self._omni_last_plan = plan
             gather = self._omni_gather
             pending: list[tuple[str, Any]] = []
+            scalar = _ScalarRows()
             try:
                 for step in plan.steps:
                     if isinstance(step, DecodeRun):
                         pending.extend(self._omni_decode_run(step, phase, req_ids, input_ids, inputs_embeds))
                     else:
-                        pending.append(self._omni_scalar_row(step, phase, req_ids, input_ids, inputs_embeds))
+                        pending.append(self._omni_scalar_row(step, phase, req_ids, input_ids, inputs_embeds, scalar))
+                scalar.record(gather, input_ids, inputs_embeds)
                 if self.has_talker_mtp:
                     flags = np.zeros(len(req_ids), dtype=np.int32)
                     flags[plan.mtp_rows] = 1
@@ -170,7 +209,7 @@ class OmniPhaseRunnerMixin:
         return list(zip(rids, updates))
 
     def _omni_scalar_row(self, step: ScalarRow, phase: PhaseBatch, req_ids: list[str], input_ids: torch.Tensor,
-                         inputs_embeds: torch.Tensor) -> tuple[str, Any]:
+                         inputs_embeds: torch.Tensor, scalar: _ScalarRows) -> tuple[str, Any]:
         rid = req_ids[step.row]
         s, e = step.start, step.start + step.span
         ids_in, embed_slice = input_ids[s:e], inputs_embeds[s:e]
@@ -187,30 +226,26 @@ class OmniPhaseRunnerMixin:
         new_ids = ids is not None and ids is not ids_in
         if new_ids and (not isinstance(ids, torch.Tensor) or ids.numel() != step.span):
             raise _shape_error(rid, "preprocess input_ids", ids, (step.span,))
-        tokens = s if step.span == 1 else np.arange(s, e, dtype=np.int64)
-        gather = self._omni_gather
-        try:
-            if step.mtp_index >= 0:
-                update = dict(update or {})
-                mtp_inputs = update.pop("mtp_inputs", None)
-                if not isinstance(mtp_inputs, tuple | list) or len(mtp_inputs) != 2:
-                    raise PhaseRoutingError("a single-token decode row of an MTP runner needs "
-                                            "update['mtp_inputs'] = (last_hidden, text_step)", request_id=rid)
-                hidden, text = (t.reshape(-1, h) if isinstance(t, torch.Tensor) else t for t in mtp_inputs)
-                for what, t in (("mtp_inputs last_hidden", hidden), ("mtp_inputs text_step", text)):
-                    if not isinstance(t, torch.Tensor) or tuple(t.shape) != (1, h):
-                        raise _shape_error(rid, what, t, (1, h))
-                if new_ids:
-                    gather.add_ids(input_ids, tokens, ids)
-                gather.add_mtp_inputs(step.mtp_index, ids if new_ids else ids_in, embeds, hidden, text)
-            else:
-                if new_ids:
-                    gather.add_ids(input_ids, tokens, ids)
-                in_place = embeds.data_ptr() == embed_slice.data_ptr() and embeds.stride() == embed_slice.stride()
-                if step.span and not in_place:
-                    gather.add_embeds(inputs_embeds, tokens, embeds)
-        except _RECORD_ERRORS as exc:
-            raise PhaseRoutingError(f"preprocess outputs: {exc}", request_id=rid) from exc
+        # The copies are collected here and recorded for all scalar rows at once (_ScalarRows).
+        if step.mtp_index >= 0:
+            update = dict(update or {})
+            mtp_inputs = update.pop("mtp_inputs", None)
+            if not isinstance(mtp_inputs, tuple | list) or len(mtp_inputs) != 2:
+                raise PhaseRoutingError("a single-token decode row of an MTP runner needs "
+                                        "update['mtp_inputs'] = (last_hidden, text_step)", request_id=rid)
+            hidden, text = (t.reshape(-1, h) if isinstance(t, torch.Tensor) else t for t in mtp_inputs)
+            for what, t in (("mtp_inputs last_hidden", hidden), ("mtp_inputs text_step", text)):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != (1, h):
+                    raise _shape_error(rid, what, t, (1, h))
+            if new_ids:
+                scalar.add_ids(rid, s, ids)
+            scalar.add_mtp(rid, step.mtp_index, ids if new_ids else ids_in, embeds, hidden, text)
+        else:
+            if new_ids:
+                scalar.add_ids(rid, s, ids)
+            in_place = embeds.data_ptr() == embed_slice.data_ptr() and embeds.stride() == embed_slice.stride()
+            if step.span and not in_place:
+                scalar.add_embeds(rid, s, embeds)
         return rid, update
 
     # ---------------------------------------------------------------- MTP

@@ -55,6 +55,20 @@ class TableLayout:
         return self.payload_off + (self.payload_cap + 1) // 2
 
 
+def _arange(n: int) -> np.ndarray:
+    """0..n-1 as int64 (a read-only view of a shared array when short)."""
+    return _ARANGE[:n] if n <= _ARANGE.size else np.arange(n, dtype=np.int64)
+
+
+def _check_each(srcs, starts, dst, floating: bool):
+    """The compiled extension's check of a ``rows_each``/``ints_each`` call: (rows, aligned), or a
+    negative first value when a source is not plain; None without the extension."""
+    from . import cuda_ext  # the extension is optional: loaded by the compiled backend or by tests
+
+    module = cuda_ext._module
+    return None if module is None else module.check_each(srcs, starts, dst, floating)
+
+
 def _as_rows(rows) -> np.ndarray:
     """``rows`` as a 1-D int64 array: the caller's own array when it already is one (no new view)."""
     if type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1:
@@ -78,12 +92,22 @@ def _rows(rows, count: int, what: str) -> np.ndarray:
 Block = tuple[torch.Tensor, "np.ndarray | int | None", torch.Tensor, "np.ndarray | int"]
 
 
+def _destination_rows(src, dst_rows):
+    """A block's destination rows: one array or int; for a block of many sources (``rows_each``),
+    one array per source."""
+    if type(src) is not list:
+        return (np.asarray(dst_rows),)
+    return [np.arange(d, d + s.shape[0]) for s, d in zip(src, dst_rows.tolist())]
+
+
+def each_jobs(srcs, starts):
+    """(source, first destination row, rows) of every source of a ``rows_each`` block."""
+    return ((s, d, s.shape[0]) for s, d in zip(srcs, starts.tolist()) if s.shape[0])
+
+
 def source_rows(src_rows, dst_rows) -> np.ndarray | int:
     """A block's source rows with None spelled out."""
-    if src_rows is not None:
-        return src_rows
-    k = len(dst_rows)
-    return _ARANGE[:k] if k <= _ARANGE.size else np.arange(k, dtype=np.int64)
+    return _arange(len(dst_rows)) if src_rows is None else src_rows
 
 
 @dataclass
@@ -185,6 +209,67 @@ class GatherJobs:
             src = src.contiguous()
         self.n_int += self._add(self.int_blocks, dst, dst_rows, src, src_rows)
 
+    def rows_each(self, dst: torch.Tensor, dst_starts, srcs: list[torch.Tensor]) -> None:
+        """For every k, copy all rows of ``srcs[k]`` (``[n_k, width]``) into ``dst`` rows
+        ``dst_starts[k]``, ``dst_starts[k] + 1``, ...: the outputs of many small hook calls recorded
+        with one call (a mixed batch's single-row runs and prefill chunks).
+
+        The checks of ``rows``, and the destination rows are always range-checked; an error names the
+        element (``srcs[k]: ...``, and its ``index`` attribute is k) and records nothing. With the compiled extension loaded the sources
+        are checked in one call into it and recorded as one block; otherwise, or when a source needs a
+        conversion, element by element through ``rows``.
+        """
+        self._record_each(dst, dst_starts, srcs, floating=True)
+
+    def ints_each(self, dst: torch.Tensor, dst_starts, srcs: list[torch.Tensor]) -> None:
+        """``rows_each`` for int rows (``ints``): ``srcs[k]`` is ``[n_k]`` or ``[n_k, w]``."""
+        self._record_each(dst, dst_starts, srcs, floating=False)
+
+    def _record_each(self, dst, dst_starts, srcs, floating: bool) -> None:
+        starts = _as_rows(dst_starts)
+        if type(srcs) is not list:
+            srcs = list(srcs)
+        if len(starts) != len(srcs):
+            raise ValueError(f"{len(starts)} destination starts for {len(srcs)} sources")
+        if not srcs:
+            return
+        checked = _check_each(srcs, starts, dst, floating) if self._plain_dst(dst, floating) else None
+        if checked is not None and checked[0] >= 0:  # every source plain: one block
+            rows, aligned = checked
+            if rows:
+                (self.float_blocks if floating else self.int_blocks).append((srcs, None, dst, starts))
+            if floating:
+                self.n_float += rows
+                self.aligned = self.aligned and self._width_aligned and aligned
+            else:
+                self.n_int += rows
+            return
+        state = (len(self.float_blocks), len(self.int_blocks), self.n_float, self.n_int, self.aligned)
+        record = self.rows if floating else self.ints
+        try:
+            for k, (start, src) in enumerate(zip(starts.tolist(), srcs)):
+                try:
+                    n = src.shape[0] if isinstance(src, torch.Tensor) and src.dim() else 1
+                    if start < 0 or start + n > dst.shape[0]:
+                        raise IndexError(f"rows {start}..{start + n - 1} out of range for a destination of "
+                                         f"{dst.shape[0]} rows")
+                    if n:
+                        record(dst, start if n == 1 else np.arange(start, start + n), src)
+                except (TypeError, ValueError, IndexError, AttributeError) as exc:
+                    err = (TypeError if isinstance(exc, AttributeError) else type(exc))(f"srcs[{k}]: {exc}")
+                    err.index = k  # which source: a caller maps it back to its request
+                    raise err from exc
+        except BaseException:
+            del self.float_blocks[state[0]:], self.int_blocks[state[1]:]
+            self.n_float, self.n_int, self.aligned = state[2:]
+            raise
+
+    def _plain_dst(self, dst, floating: bool) -> bool:
+        """Whether ``dst`` passes the checks of a plain destination (else the element path raises)."""
+        if floating:
+            return self._plain_float(dst, dst) is not None
+        return self._plain_int(dst, dst)
+
     def values(self, dst: torch.Tensor, values) -> None:
         """Write host int32 ``values`` into the 1-D contiguous int tensor ``dst`` (same length)."""
         if not isinstance(dst, torch.Tensor) or dst.dim() != 1 or not dst.is_contiguous():
@@ -277,8 +362,8 @@ class GatherJobs:
         for blocks in (self.float_blocks, self.int_blocks):
             if not blocks:
                 continue
-            starts = np.concatenate([np.atleast_1d(dst.data_ptr() + np.asarray(dst_rows) * dst.stride(0)
-                                                   * dst.element_size()) for _, _, dst, dst_rows in blocks])
+            starts = np.concatenate([np.atleast_1d(dst.data_ptr() + rows * dst.stride(0) * dst.element_size())
+                                     for src, _, dst, dst_rows in blocks for rows in _destination_rows(src, dst_rows)])
             if np.unique(starts).size != starts.size:
                 raise ValueError("two jobs of one launch write the same destination row")
 
@@ -299,6 +384,14 @@ class GatherJobs:
         es = self.elem_size
         pos, single = 2, ([], [])
         for src, src_rows, dst, dst_rows in self.float_blocks:
+            if type(src) is list:  # rows_each: every row of each source from its start row on
+                dst_off, ds = (dst.data_ptr() - float_base) // es, dst.stride(0)
+                for s, d, n in each_jobs(src, dst_rows):
+                    end = pos + 2 * n
+                    out[pos:end:2] = (s.data_ptr() - float_base) // es + _arange(n) * s.stride(0)
+                    out[pos + 1:end:2] = dst_off + (d + _arange(n)) * ds
+                    pos = end
+                continue
             src_off, dst_off = (src.data_ptr() - float_base) // es, (dst.data_ptr() - float_base) // es
             if isinstance(dst_rows, int):
                 single[0].append(src_off + src_rows * src.stride(0))
@@ -315,6 +408,19 @@ class GatherJobs:
             out[pos:end:2], out[pos + 1:end:2] = single
         pos, single = layout.int_off, ([], [], [], [])
         for src, src_rows, dst, dst_rows in self.int_blocks:
+            if type(src) is list:  # ints_each
+                dw = dst.element_size() // 4
+                dst_off, ds = (dst.data_ptr() - int_base) // 4, dst.stride(0) * dw
+                width = dst.shape[1] if dst.dim() == 2 else 1
+                for s, d, n in each_jobs(src, dst_rows):
+                    sw = s.element_size() // 4
+                    end = pos + 4 * n
+                    out[pos:end:4] = (s.data_ptr() - int_base) // 4 + _arange(n) * (s.stride(0) * sw)
+                    out[pos + 1:end:4] = dst_off + (d + _arange(n)) * ds
+                    out[pos + 2:end:4] = width
+                    out[pos + 3:end:4] = (sw == 2) | ((dw == 2) << 1)
+                    pos = end
+                continue
             sw, dw = src.element_size() // 4, dst.element_size() // 4
             src_off, dst_off = (src.data_ptr() - int_base) // 4, (dst.data_ptr() - int_base) // 4
             width, flags = (dst.shape[1] if dst.dim() == 2 else 1), (sw == 2) | ((dw == 2) << 1)

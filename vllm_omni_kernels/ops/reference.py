@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .gather_jobs import source_rows
+from .gather_jobs import each_jobs, source_rows
 from .layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, N, POS, SLOT
 
 
@@ -62,6 +62,10 @@ def row_gather(jobs) -> None:
     """
     for blocks in (jobs.float_blocks, jobs.int_blocks):
         for src, src_rows, dst, dst_rows in blocks:
+            if type(src) is list:  # rows_each / ints_each: each source's rows from its start row on
+                for s, d, n in each_jobs(src, dst_rows):
+                    dst[d:d + n].copy_(s.reshape(dst[d:d + n].shape))
+                continue
             if isinstance(dst_rows, int):
                 dst[dst_rows].copy_(src[src_rows])
                 continue
