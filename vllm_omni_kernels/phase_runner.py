@@ -14,7 +14,8 @@ reads only what such a runner has, so tests drive it with CPU buffers and a fake
   ``request_id`` and the three phase keys refreshed) and which ``updates`` are merged into.
 
 A step (``_omni_preprocess``): phase metadata for every row; the routing plan, validated before any
-hook runs; the hooks in batch order, each output validated as it returns, copies recorded, not done;
+hook runs; the hooks in batch order, each output validated as it returns, copies recorded, not done
+(a decode run's at once, the scalar rows' collected and recorded together after the last hook);
 then one fused launch (ids, non-MTP embeddings, packed MTP inputs, code flags), the updates merged,
 and with MTP ``_talker_mtp_forward`` (MTP model, one fused launch: MTP embeddings to their token
 offsets, codes to the per-request code buffer). On any ``PhaseRoutingError`` nothing has been

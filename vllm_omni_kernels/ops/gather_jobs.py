@@ -215,9 +215,9 @@ class GatherJobs:
         with one call (a mixed batch's single-row runs and prefill chunks).
 
         The checks of ``rows``, and the destination rows are always range-checked; an error names the
-        element (``srcs[k]: ...``, and its ``index`` attribute is k) and records nothing. With the compiled extension loaded the sources
-        are checked in one call into it and recorded as one block; otherwise, or when a source needs a
-        conversion, element by element through ``rows``.
+        element (``srcs[k]: ...``; its ``index`` attribute is k) and records nothing. With the compiled
+        extension loaded the sources are checked in one call into it and recorded as one block;
+        otherwise, or when a source needs a conversion, element by element through ``rows``.
         """
         self._record_each(dst, dst_starts, srcs, floating=True)
 
