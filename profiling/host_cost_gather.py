@@ -10,7 +10,8 @@ scenarios are timed in interleaved rounds and each figure is the median round, s
 under the same drift of a shared host's speed.
 
 Usage: python profiling/host_cost_gather.py [--batches 64] [--H 2048] [--kinds mtp,non_mtp,mixed]
-       [--device cpu|cuda] [--steps 500] [--rounds 7] [--profile]
+       [--device cpu|cuda] [--steps 500] [--rounds 7] [--profile] [--extension build/_vok_ops.so]
+       [--per-row]
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class Scenario:
     """One decode step's gather work on prepared tensors; ``step()`` returns the seconds spent in
     its launch calls."""
 
-    def __init__(self, kind: str, B: int, H: int, dev: str):
-        self.kind, self.B = kind, B
+    def __init__(self, kind: str, B: int, H: int, dev: str, per_row: bool = False):
+        self.kind, self.B, self.per_row = kind, B, per_row
         mtp = kind != "non_mtp"
         self.g = g = DecodeGather(hidden_size=H, dtype=torch.bfloat16, device=dev, max_rows=B, max_tokens=B,
                                   mtp=mtp)
@@ -54,7 +55,11 @@ class Scenario:
 
     def step(self) -> float:
         g, clock = self.g, time.perf_counter
-        if self.kind == "mixed":  # B one-row hook outputs, collected and recorded as the runner does
+        if self.kind == "mixed" and self.per_row:  # the same outputs, one record call each (before rows_each)
+            for i, (row_ids, row_emb) in enumerate(zip(self.row_ids, self.row_embs)):
+                g.add_ids(self.input_ids, i, row_ids)
+                g.add_mtp_inputs(i, row_ids, row_emb, row_emb, row_emb)
+        elif self.kind == "mixed":  # B one-row hook outputs, collected and recorded as the runner does
             ids, embs = self.row_ids, self.row_embs
             g.add_ids_each(self.input_ids, self.off, ids)
             g.add_mtp_inputs_each(self.off, ids, embs, embs, embs)
@@ -90,13 +95,22 @@ def main() -> None:
     ap.add_argument("--kinds", default="mtp,non_mtp,mixed")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--extension", help="on CPU: a built _vok_ops.so whose steps run host-only (they encode "
+                                        "without launching): the compiled backend's host work")
+    ap.add_argument("--per-row", action="store_true", help="mixed: one record call per row (no rows_each)")
     args = ap.parse_args()
     dev = args.device
     if dev == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("VLLM_OMNI_KERNELS_BACKEND", "triton")
         ops.row_gather = lambda *a, **k: None  # the table is still encoded and "uploaded" (host buffer)
-    scenarios = [Scenario(kind, int(B), args.H, dev) for B in args.batches.split(",") for kind in args.kinds.split(",")]
+        if args.extension:
+            from vllm_omni_kernels.ops import cuda_ext
+
+            cuda_ext._module = cuda_ext.import_extension(Path(args.extension))
+            ops.gather_step = lambda is_cuda: cuda_ext.gather_step
+    scenarios = [Scenario(kind, int(B), args.H, dev, args.per_row)
+                 for B in args.batches.split(",") for kind in args.kinds.split(",")]
     step_us = {id(sc): [] for sc in scenarios}
     launch_us = {id(sc): [] for sc in scenarios}
     for r in range(args.rounds + 1):  # round 0 warms up
