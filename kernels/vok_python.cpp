@@ -429,22 +429,22 @@ py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::T
   bool aligned = reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0 && (dst.stride(0) * dst.element_size()) % 16 == 0;
   i64 rows = 0;
   for (i64 k = 0; k < static_cast<i64>(sources.size()); ++k) {
-    const auto decline = py::make_tuple(-(k + 1), false);
+    const auto decline = [k] { return py::make_tuple(-(k + 1), false); };
     PyObject* obj = PyList_GET_ITEM(sources.ptr(), k);
-    if (!THPVariable_Check(obj)) return decline;
+    if (!THPVariable_Check(obj)) return decline();
     const at::Tensor& s = THPVariable_Unpack(obj);
-    if (s.device() != device || s.dim() < 1) return decline;
+    if (s.device() != device || s.dim() < 1) return decline();
     if (floating) {
-      if (s.scalar_type() != dtype || s.dim() != 2 || s.size(1) != width || s.stride(1) != 1) return decline;
+      if (s.scalar_type() != dtype || s.dim() != 2 || s.size(1) != width || s.stride(1) != 1) return decline();
       aligned = aligned && reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0 &&
                 (s.stride(0) * s.element_size()) % 16 == 0;
     } else {
       const at::ScalarType t = s.scalar_type();
-      if (t != at::kInt && t != at::kLong) return decline;
-      if (dst.dim() == 1 ? s.dim() != 1 : (s.dim() != 2 || s.size(1) != width || s.stride(1) != 1)) return decline;
+      if (t != at::kInt && t != at::kLong) return decline();
+      if (dst.dim() == 1 ? s.dim() != 1 : (s.dim() != 2 || s.size(1) != width || s.stride(1) != 1)) return decline();
     }
     const i64 start = st.at(k), n = s.size(0);
-    if (start < 0 || start + n > dst_rows) return decline;
+    if (start < 0 || start + n > dst_rows) return decline();
     rows += n;
   }
   return py::make_tuple(rows, aligned);
