@@ -81,6 +81,12 @@ i64 plan_rows(i64* __restrict__ table, const i64* __restrict__ slots, const i64*
   return max_n;
 }
 
+// Whether a buffer view is a 1-D array of 8-byte signed ints (numpy int64).
+bool is_i64_vector(const Py_buffer& view) {
+  const char f = view.format ? view.format[std::strlen(view.format) - 1] : 0;
+  return view.ndim == 1 && view.itemsize == 8 && (f == 'l' || f == 'q');
+}
+
 // Copies `count` int64 values of `obj` into `out`: a 1-D buffer of 8-byte signed ints (a numpy int64
 // array) or a list/tuple of ints. False, with no Python error left set, for anything else.
 bool read_i64s(PyObject* obj, i64 count, std::vector<i64>& out) {
@@ -103,8 +109,7 @@ bool read_i64s(PyObject* obj, i64 count, std::vector<i64>& out) {
     PyErr_Clear();
     return false;
   }
-  const char f = view.format ? view.format[std::strlen(view.format) - 1] : 0;
-  const bool ok = view.ndim == 1 && view.shape[0] == count && view.itemsize == 8 && (f == 'l' || f == 'q');
+  const bool ok = is_i64_vector(view) && view.shape[0] == count;
   if (ok) {
     const char* p = static_cast<const char*>(view.buf);
     const Py_ssize_t stride = view.strides[0];
@@ -372,8 +377,7 @@ struct Rows {  // a block's rows: one int, a 1-D int64 buffer, or None: the lead
     }
     if (PyObject_GetBuffer(obj, &view, PyBUF_RECORDS_RO) != 0) throw py::error_already_set();
     single = false;
-    const char f = view.format ? view.format[std::strlen(view.format) - 1] : 0;
-    if (view.ndim != 1 || view.itemsize != 8 || !(f == 'l' || f == 'q')) {
+    if (!is_i64_vector(view)) {
       PyBuffer_Release(&view);
       single = true;
       TORCH_CHECK(false, "block rows must be an int or a 1-D int64 array");

@@ -15,9 +15,9 @@ and never read the device. A step costs one kernel launch and nothing else on th
 kernel reads the step's metadata rows in place from a ring of pinned host buffers (device-addressable;
 a buffer is reused only after the work that read it has run). A step of long rows (more than
 ``UPLOAD_ELEMS`` elements: several programs per row, each of which would read its row over the bus)
-copies its metadata to a device buffer first: one small copy, then the kernel. The device heads are written by the
-kernel itself, so a ``StaticAppend`` (metadata resident on the device) can be captured in a CUDA
-graph and replayed step after step.
+copies its metadata to a device buffer first: one small copy, then the kernel. The device heads are
+written by the kernel itself, so a ``StaticAppend`` (metadata resident on the device) can be
+captured in a CUDA graph and replayed step after step.
 
 Overflow: when a chunk would overwrite unread data the slot grows to the next size class that fits
 (at least double), copying its unread span on the device; with growth off, or the budget spent, that
@@ -30,8 +30,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -297,7 +297,7 @@ class RingPool:
         if size:  # copy the unread span, linearized, to the start of the new region
             i, _ = self._stage(np.array([slot]), new_base, size, frames if self.last else self.frame_elems,
                                pos=self._tail[slot])
-            meta = self._staging.for_kernel(i, 1, size * self.frame_elems > UPLOAD_ELEMS)
+            meta = self._meta_for(i, 1, size * self.frame_elems)
             ops.ring_read(self.arena, meta, self.arena, rows=1, frame_elems=self.frame_elems, last=self.last,
                           max_elems=size * self.frame_elems)
         self.allocator.free(int(self._base[slot] // self.frame_elems))
@@ -333,6 +333,8 @@ class RingPool:
                 return _appended(rows)
             if rows < 0:  # declined: not the fast path's step
                 return self._general_append(request_ids, chunks)
+            done = self._compiled_append(eager.factory, request_ids, chunks, rows)  # a miss: give the slots
+            return _appended(done) if done is not None else self._general_append(request_ids, chunks)
         if nvtx_enabled():
             with nvtx_range(f"ring.append[{self.key}]"):
                 return self._append(request_ids, chunks)
@@ -397,7 +399,7 @@ class RingPool:
         if max_n < 0:
             return None  # nothing was planned
         max_elems = max_n * self.frame_elems
-        ops.ring_write(self.arena, self.state, self._staging.for_kernel(i, B, max_elems > UPLOAD_ELEMS), data, rows=B,
+        ops.ring_write(self.arena, self.state, self._meta_for(i, B, max_elems), data, rows=B,
                        frame_elems=self.frame_elems, last=self.last, max_elems=max_elems)
         if self._stale:
             self._unstale(slots)
@@ -420,10 +422,11 @@ class RingPool:
         self._ids_cache = (ids, slots, self.version)
         return ids, slots
 
-    def _compiled_append(self, make_step, request_ids, batch: PaddedBatch) -> int | None:
+    def _compiled_append(self, make_step, request_ids, batch: PaddedBatch, rows: int | None = None) -> int | None:
         """``_fast_append`` as one call into the compiled extension (``ops.ring_step``: checks,
         planning, staging, launch); on a miss of its cached request list it is given the slots once
-        and called again. ``append`` calls the bound step directly while the backend setting holds."""
+        and called again. ``append`` calls the bound step directly while the backend setting holds,
+        and passes ``rows`` = 0 when that call missed."""
         eager = self._eager
         if eager.factory is not make_step:
             step = make_step(self.arena, self.state, self._table_t, self.frame_shape, self.last)
@@ -431,7 +434,8 @@ class RingPool:
         if eager.setting is not ops.setting() and not nvtx_enabled():  # append may call it directly
             eager = eager._replace(setting=ops.setting())
         self._eager = eager
-        rows = eager.call(request_ids, batch.data, batch.lengths, self.version)
+        if rows is None:
+            rows = eager.call(request_ids, batch.data, batch.lengths, self.version)
         if rows == 0:
             cached = self._slots_of(request_ids)
             if cached is None:
@@ -595,10 +599,15 @@ class RingPool:
             m[:, POS] = pos
         return i, m
 
+    def _meta_for(self, i: int, rows: int, max_elems: int) -> torch.Tensor:
+        """Staging buffer ``i`` (its first ``rows`` rows) for a launch whose longest row has
+        ``max_elems`` elements: read in place, or copied to the device first for long rows."""
+        return self._staging.for_kernel(i, rows, max_elems > UPLOAD_ELEMS)
+
     def _write_staged(self, i: int, m: np.ndarray, src, slots: np.ndarray, n: np.ndarray) -> int:
         """Upload staged rows, launch the write kernel, advance the host mirrors."""
         max_elems = int(n.max()) * self.frame_elems
-        meta = self._staging.for_kernel(i, len(slots), max_elems > UPLOAD_ELEMS)
+        meta = self._meta_for(i, len(slots), max_elems)
         ops.ring_write(self.arena, self.state, meta, src, rows=len(slots), frame_elems=self.frame_elems,
                        last=self.last, max_elems=max_elems)
         self._size[slots] += n
@@ -659,7 +668,7 @@ class RingPool:
         if rows and n.any():
             i, _ = self._stage(slots, starts, n, n if self.last else F, pos=self._tail[slots])
             max_elems = int(n.max()) * F
-            meta = self._staging.for_kernel(i, rows, max_elems > UPLOAD_ELEMS)
+            meta = self._meta_for(i, rows, max_elems)
             ops.ring_read(self.arena, meta, out, rows=rows, frame_elems=F, last=self.last, max_elems=max_elems)
         views = []
         for s, k in zip(starts.tolist(), n.tolist()):

@@ -101,8 +101,9 @@ def gather_step(is_cuda: bool):
     tensor of the float dtype on the launch's device; ``capacity`` a ``TableLayout`` of its limits).
     ``step(float_blocks, int_blocks, value_blocks, n_float, n_int, n_values, aligned)`` checks the
     counts against ``capacity`` (``ValueError``), encodes a ``GatherJobs``'s jobs into its own pinned
-    table and launches the kernel reading it in place; it returns the launches (0 without jobs). ``step.call``
-    is the same call without pybind11's dispatch (positional arguments): the per-step entry.
+    table and launches the kernel reading it in place; it returns the launches (0 without jobs).
+    ``step.call`` is the same call without pybind11's dispatch (positional arguments): the per-step
+    entry.
     """
     impl = _impl(is_cuda, "gather")
     return None if impl is None else getattr(impl, "gather_step", None)

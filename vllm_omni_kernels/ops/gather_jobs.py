@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import cuda_ext
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
 _INTS = (int, np.integer)
@@ -62,9 +64,8 @@ def _arange(n: int) -> np.ndarray:
 
 def _check_each(srcs, starts, dst, floating: bool):
     """The compiled extension's check of a ``rows_each``/``ints_each`` call: (rows, aligned), or a
-    negative first value when a source is not plain; None without the extension."""
-    from . import cuda_ext  # the extension is optional: loaded by the compiled backend or by tests
-
+    negative first value when a source is not plain; None without the extension (it is optional:
+    loaded by the compiled backend, or by tests)."""
     module = cuda_ext._module
     return None if module is None else module.check_each(srcs, starts, dst, floating)
 
@@ -97,7 +98,7 @@ def _destination_rows(src, dst_rows):
     one array per source."""
     if type(src) is not list:
         return (np.asarray(dst_rows),)
-    return [np.arange(d, d + s.shape[0]) for s, d in zip(src, dst_rows.tolist())]
+    return [d + _arange(n) for _, d, n in each_jobs(src, dst_rows)]
 
 
 def each_jobs(srcs, starts):
