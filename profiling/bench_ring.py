@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_timing import event_ms, kernel_device_us  # noqa: E402
+from cuda_timing import copy_in_graph_ms, event_ms, kernel_device_us  # noqa: E402
 from vllm_omni_kernels import backend  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
@@ -213,12 +213,8 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
     for name in backend.kernel_backends():
         k_b = result["paths"][f"ours_kernel_ingraph[{name}]"]["us_per_step_median"]
         result.setdefault("kernel_GBps_by_backend", {})[name] = 2 * step_bytes / (k_b * 1e3)
-    dst = torch.empty(steps, *sources[0].shape, device=dev)
-    gc = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gc):
-        for s in range(steps):
-            dst[s].copy_(sources[0])
-    record("copy_ingraph", event_ms(gc.replay, repeats), "same bytes to a fresh destination per step, in one graph")
+    record("copy_ingraph", copy_in_graph_ms(sources[0], steps, repeats),
+           "same bytes to a fresh destination per step, in one graph")
     k = result["paths"]["ours_kernel_ingraph"]["us_per_step_median"]
     c = result["paths"]["copy_ingraph"]["us_per_step_median"]
     result["kernel_GBps"] = 2 * step_bytes / (k * 1e3)
@@ -226,7 +222,7 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
     result["kernel_vs_copy"] = c / k
     up = result["paths"]["upstream"]["us_per_step_median"]
     result["speedup_vs_upstream"] = {p: up / v["us_per_step_median"] for p, v in result["paths"].items()}
-    del gc, dst, sources
+    del sources
     torch.cuda.empty_cache()
     return result
 

@@ -55,15 +55,20 @@ def kernel_device_us(fn, name_part: str) -> list[float]:
                   if e.device_type.name == "CUDA" and name_part in e.name)
 
 
-def copy_in_graph_us(src: torch.Tensor, steps: int, repeats: int) -> float:
-    """Median microseconds per copy of ``src`` to a fresh destination, ``steps`` copies captured in
-    one CUDA graph: the bandwidth reference the ring kernels are compared with (they too write new
-    memory every step)."""
+def copy_in_graph_ms(src: torch.Tensor, steps: int, repeats: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` replays (``event_ms``) of one CUDA graph holding ``steps``
+    copies of ``src``, each to a fresh destination: the bandwidth reference the ring kernels are
+    compared with (they too write new memory every step)."""
     dst = torch.empty(steps, *src.shape, dtype=src.dtype, device=src.device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for s in range(steps):
             dst[s].copy_(src)
-    us = statistics.median(event_ms(graph.replay, repeats)) * 1000 / steps
+    runs = event_ms(graph.replay, repeats)
     del graph, dst
-    return us
+    return runs
+
+
+def copy_in_graph_us(src: torch.Tensor, steps: int, repeats: int) -> float:
+    """Median microseconds per copy of ``copy_in_graph_ms``."""
+    return statistics.median(copy_in_graph_ms(src, steps, repeats)) * 1000 / steps
