@@ -26,8 +26,16 @@ typedef unsigned long long u64;
 #endif
 constexpr int kRingThreads = VOK_RING_THREADS;
 constexpr int kRingPerThread = VOK_RING_PER_THREAD;  // elements in flight per thread
-constexpr int kGatherThreads = 128;
-constexpr int kGatherBlockBytes = 4096;  // bytes of a float row per block (2 x 16 B per thread)
+// Gather block shape (profiling/sweep_gather_cuda.py compiles variants with -D overrides; the
+// launchers in vok_torch.cu and cupy_nvrtc.py size grids from the defaults).
+#ifndef VOK_GATHER_THREADS
+#define VOK_GATHER_THREADS 128
+#endif
+#ifndef VOK_GATHER_BLOCK_BYTES
+#define VOK_GATHER_BLOCK_BYTES 4096
+#endif
+constexpr int kGatherThreads = VOK_GATHER_THREADS;
+constexpr int kGatherBlockBytes = VOK_GATHER_BLOCK_BYTES;  // bytes of a float row per block (2 x 16 B per thread)
 constexpr int kIntBlock = 128;
 constexpr int kHeadShift = 24;  // layout.py HEAD_SHIFT
 

@@ -354,6 +354,22 @@ struct RowIndex {
     std::memcpy(&v, ptr + k * stride, 8);
     return v;
   }
+  // f(index) with `index(k)` a callable specialised to this kind of rows, so a loop over a block
+  // compiles once per pair of kinds with no per-row branch.
+  template <class F>
+  void with(F&& f) const {
+    if (leading) {
+      f([](i64 k) { return k; });
+    } else if (!ptr) {
+      f([one = one](i64) { return one; });
+    } else {
+      f([p = ptr, s = stride](i64 k) {
+        i64 v;
+        std::memcpy(&v, p + k * s, 8);
+        return v;
+      });
+    }
+  }
 };
 
 struct Rows {  // a block's rows: one int, a 1-D int64 buffer, or None: the leading rows 0, 1, ...
@@ -401,47 +417,74 @@ struct Block {
         dst(tensor_of(PyTuple_GET_ITEM(b, 2), "block destination")), dst_rows(PyTuple_GET_ITEM(b, 3)) {}
 };
 
-// A block of many sources (gather_jobs.py's rows_each/ints_each): (sources, None, dst, starts), every
-// row of source k going to dst rows starts[k], starts[k] + 1, ...
+// What check_each noted of one source of a many-source block, so the encoder reads plain memory
+// instead of the tensor again (each tensor read is a chain of calls: ~25 ns a source, twice).
+struct SourceNote {
+  i64 address;  // of its first element
+  i64 stride;   // elements between rows
+  i64 rows;
+  i64 elem_size;
+};
+
+// A block of many sources (gather_jobs.py's rows_each/ints_each): (sources, notes, dst, starts), every
+// row of source k going to dst rows starts[k], starts[k] + 1, ...; `notes` is check_each's bytes (one
+// SourceNote per source), or None: the sources are read as tensors.
 struct EachBlock {
   PyObject* sources;
+  const SourceNote* notes = nullptr;
   const at::Tensor& dst;
   Rows starts;
   explicit EachBlock(PyObject* b)
       : sources(PyTuple_GET_ITEM(b, 0)), dst(tensor_of(PyTuple_GET_ITEM(b, 2), "block destination")),
         starts(PyTuple_GET_ITEM(b, 3)) {
     TORCH_CHECK(!starts.single && starts.count() == PyList_GET_SIZE(sources), "one start row per source");
+    PyObject* n = PyTuple_GET_ITEM(b, 1);
+    if (n != Py_None) {
+      TORCH_CHECK(PyBytes_Check(n) && PyBytes_GET_SIZE(n) == count() * static_cast<i64>(sizeof(SourceNote)),
+                  "a many-source block's notes are check_each's bytes");
+      notes = reinterpret_cast<const SourceNote*>(PyBytes_AS_STRING(n));
+    }
   }
   i64 count() const { return PyList_GET_SIZE(sources); }
-  const at::Tensor& source(i64 k) const { return tensor_of(PyList_GET_ITEM(sources, k), "block source"); }
-  i64 start(i64 k) const { return starts.index().at(k); }
+  // Source k's note: the recorded one, else read from the tensor into `scratch`.
+  const SourceNote& note(i64 k, SourceNote& scratch) const {
+    if (notes) return notes[k];
+    const at::Tensor& s = tensor_of(PyList_GET_ITEM(sources, k), "block source");
+    scratch = {static_cast<i64>(reinterpret_cast<intptr_t>(s.const_data_ptr())), s.stride(0), s.size(0),
+               static_cast<i64>(s.element_size())};
+    return scratch;
+  }
 };
 
 // rows_each/ints_each's check of their sources against `dst` in one call: each a tensor on dst's
 // device; float: dst's dtype, 2-D of dst's width, contiguous rows; int: int32/int64, 1-D for a 1-D
 // dst, else 2-D of its width with contiguous rows; its rows within dst from its start row. Returns
-// (rows in all, every float row 16-byte aligned), or (-(k + 1), False) for the first source k that is
-// not plain (the caller then checks source by source and reports it).
+// (rows in all, every float row 16-byte aligned, notes: bytes of one SourceNote per source, for the
+// encoder), or (-(k + 1), False, None) for the first source k that is not plain (the caller then
+// checks source by source and reports it).
 py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::Tensor& dst, bool floating) {
   const Rows starts(starts_obj.ptr());
-  TORCH_CHECK(!starts.single && !starts.leading && starts.count() == static_cast<i64>(sources.size()),
-              "one start row per source");
+  const i64 count = static_cast<i64>(sources.size());
+  TORCH_CHECK(!starts.single && !starts.leading && starts.count() == count, "one start row per source");
   const RowIndex st = starts.index();
   const at::Device device = dst.device();
   const at::ScalarType dtype = dst.scalar_type();
   const i64 dst_rows = dst.size(0), width = dst.dim() == 2 ? dst.size(1) : 1;
   bool aligned = reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0 && (dst.stride(0) * dst.element_size()) % 16 == 0;
+  py::bytes notes_obj(nullptr, count * sizeof(SourceNote));  // fresh, so still writable here
+  auto* notes = reinterpret_cast<SourceNote*>(PyBytes_AS_STRING(notes_obj.ptr()));
   i64 rows = 0;
-  for (i64 k = 0; k < static_cast<i64>(sources.size()); ++k) {
-    const auto decline = [k] { return py::make_tuple(-(k + 1), false); };
+  for (i64 k = 0; k < count; ++k) {
+    const auto decline = [k] { return py::make_tuple(-(k + 1), false, py::none()); };
     PyObject* obj = PyList_GET_ITEM(sources.ptr(), k);
     if (!THPVariable_Check(obj)) return decline();
     const at::Tensor& s = THPVariable_Unpack(obj);
     if (s.device() != device || s.dim() < 1) return decline();
+    const auto address = reinterpret_cast<intptr_t>(s.const_data_ptr());
+    const i64 stride = s.stride(0), es = s.element_size();
     if (floating) {
       if (s.scalar_type() != dtype || s.dim() != 2 || s.size(1) != width || s.stride(1) != 1) return decline();
-      aligned = aligned && reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0 &&
-                (s.stride(0) * s.element_size()) % 16 == 0;
+      aligned = aligned && address % 16 == 0 && (stride * es) % 16 == 0;
     } else {
       const at::ScalarType t = s.scalar_type();
       if (t != at::kInt && t != at::kLong) return decline();
@@ -449,9 +492,10 @@ py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::T
     }
     const i64 start = st.at(k), n = s.size(0);
     if (start < 0 || start + n > dst_rows) return decline();
+    notes[k] = {static_cast<i64>(address), stride, n, es};
     rows += n;
   }
-  return py::make_tuple(rows, aligned);
+  return py::make_tuple(rows, aligned, notes_obj);
 }
 
 PyObject* block_at(const py::list& blocks, size_t i) {
@@ -468,7 +512,11 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
                    i64 payload_off) {
   const auto fbase = reinterpret_cast<intptr_t>(anchor.data_ptr());
   const auto ibase = reinterpret_cast<intptr_t>(t);
-  const i64 es = anchor.element_size();
+  // Element offsets by shifts (floor, as the numpy twin's //): a 64-bit division by a run-time
+  // element size costs tens of cycles, per source of a many-source block.
+  const int fshift = anchor.element_size() == 2 ? 1 : 2;
+  const auto fword = [fbase, fshift](const void* p) { return (reinterpret_cast<intptr_t>(p) - fbase) >> fshift; };
+  const auto iword = [ibase](const void* p) { return (reinterpret_cast<intptr_t>(p) - ibase) >> 2; };
   t[0] = n_float;
   t[1] = n_int;
   std::vector<std::pair<i64, i64>> singles;
@@ -477,22 +525,28 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
     PyObject* tup = block_at(float_blocks, i);
     if (PyList_Check(PyTuple_GET_ITEM(tup, 0))) {  // rows_each: every row of each source from its start row
       const EachBlock b(tup);
-      const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - fbase) / es, ds = b.dst.stride(0);
-      for (i64 k = 0; k < b.count(); ++k) {
-        const at::Tensor& src = b.source(k);
-        const i64 so = (reinterpret_cast<intptr_t>(src.data_ptr()) - fbase) / es, ss = src.stride(0), rows = src.size(0);
-        const i64 d0 = b.start(k);
-        TORCH_CHECK(f + rows <= n_float, "float jobs do not match their count");
-        for (i64 j = 0; j < rows; ++j, ++f) {
-          t[2 + 2 * f] = so + j * ss;
-          t[3 + 2 * f] = dO + (d0 + j) * ds;
+      const i64 dO = fword(b.dst.data_ptr()), ds = b.dst.stride(0), count = b.count();
+      const RowIndex starts = b.starts.index();
+      i64 pos = f;  // a local the loop keeps in a register
+      bool over = false;
+      for (i64 k = 0; k < count; ++k) {
+        SourceNote scratch;
+        const SourceNote& src = b.note(k, scratch);
+        const i64 so = (src.address - fbase) >> fshift, ss = src.stride, rows = src.rows, d0 = starts.at(k);
+        if ((over = pos + rows > n_float)) break;
+        i64* __restrict__ out = t + 2 + 2 * pos;
+        for (i64 j = 0; j < rows; ++j) {
+          out[2 * j] = so + j * ss;
+          out[2 * j + 1] = dO + (d0 + j) * ds;
         }
+        pos += rows;
       }
+      TORCH_CHECK(!over, "float jobs do not match their count");
+      f = pos;
       continue;
     }
     const Block b(tup);
-    const i64 so = (reinterpret_cast<intptr_t>(b.src.data_ptr()) - fbase) / es;
-    const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - fbase) / es;
+    const i64 so = fword(b.src.const_data_ptr()), dO = fword(b.dst.data_ptr());
     const i64 ss = b.src.stride(0), ds = b.dst.stride(0), k = b.dst_rows.count();
     TORCH_CHECK((b.src_rows.leading || b.src_rows.count() == k) && f + k <= n_float,
                 "float jobs do not match their count");
@@ -501,11 +555,15 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
       singles.emplace_back(so + sr.at(0) * ss, dO + dr.at(0) * ds);
       continue;
     }
-    i64* out = t + 2 + 2 * f;
-    for (i64 j = 0; j < k; ++j) {
-      out[2 * j] = so + sr.at(j) * ss;
-      out[2 * j + 1] = dO + dr.at(j) * ds;
-    }
+    i64* __restrict__ out = t + 2 + 2 * f;
+    sr.with([&](auto src_at) {
+      dr.with([&](auto dst_at) {
+        for (i64 j = 0; j < k; ++j) {
+          out[2 * j] = so + src_at(j) * ss;
+          out[2 * j + 1] = dO + dst_at(j) * ds;
+        }
+      });
+    });
     f += k;
   }
   for (const auto& [s, d] : singles) {
@@ -532,29 +590,35 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
     if (PyList_Check(PyTuple_GET_ITEM(tup, 0))) {  // ints_each
       const EachBlock b(tup);
       const i64 dw = b.dst.element_size() / 4, ds = b.dst.stride(0) * dw;
-      const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - ibase) / 4;
+      const i64 dO = iword(b.dst.data_ptr());
       const i64 width = b.dst.dim() == 2 ? b.dst.size(1) : 1;
-      for (i64 k = 0; k < b.count(); ++k) {
-        const at::Tensor& src = b.source(k);
-        const i64 sw = src.element_size() / 4, rows = src.size(0), d0 = b.start(k);
-        const i64 so = (reinterpret_cast<intptr_t>(src.data_ptr()) - ibase) / 4, ss = src.stride(0) * sw;
+      const i64 count = b.count();
+      const RowIndex starts = b.starts.index();
+      i64 pos = n;  // a local the loop keeps in a register (`put` holds n by reference)
+      bool over = false;
+      for (i64 k = 0; k < count; ++k) {
+        SourceNote scratch;
+        const SourceNote& src = b.note(k, scratch);
+        const i64 sw = src.elem_size / 4, rows = src.rows, d0 = starts.at(k);
+        const i64 so = (src.address - ibase) >> 2, ss = src.stride * sw;
         const i64 flags = (sw == 2) | ((dw == 2) << 1);
-        TORCH_CHECK(n + rows <= n_int, "int jobs do not match their count");
-        i64* rec = t + int_off + 4 * n;
+        if ((over = pos + rows > n_int)) break;
+        i64* __restrict__ rec = t + int_off + 4 * pos;
         for (i64 j = 0; j < rows; ++j, rec += 4) {
           rec[0] = so + j * ss;
           rec[1] = dO + (d0 + j) * ds;
           rec[2] = width;
           rec[3] = flags;
         }
-        n += rows;
+        pos += rows;
       }
+      TORCH_CHECK(!over, "int jobs do not match their count");
+      n = pos;
       continue;
     }
     const Block b(tup);
     const i64 sw = b.src.element_size() / 4, dw = b.dst.element_size() / 4;
-    const i64 so = (reinterpret_cast<intptr_t>(b.src.data_ptr()) - ibase) / 4;
-    const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - ibase) / 4;
+    const i64 so = iword(b.src.const_data_ptr()), dO = iword(b.dst.data_ptr());
     const i64 ss = b.src.stride(0) * sw, ds = b.dst.stride(0) * dw, k = b.dst_rows.count();
     const i64 width = b.dst.dim() == 2 ? b.dst.size(1) : 1, flags = (sw == 2) | ((dw == 2) << 1);
     TORCH_CHECK(b.src_rows.leading || b.src_rows.count() == k, "int jobs do not match their count");
@@ -564,13 +628,17 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
       continue;
     }
     TORCH_CHECK(n + k <= n_int, "int jobs do not match their count");
-    i64* rec = t + int_off + 4 * n;
-    for (i64 j = 0; j < k; ++j, rec += 4) {
-      rec[0] = so + sr.at(j) * ss;
-      rec[1] = dO + dr.at(j) * ds;
-      rec[2] = width;
-      rec[3] = flags;
-    }
+    i64* __restrict__ rec = t + int_off + 4 * n;
+    sr.with([&](auto src_at) {
+      dr.with([&](auto dst_at) {
+        for (i64 j = 0; j < k; ++j) {
+          rec[4 * j] = so + src_at(j) * ss;
+          rec[4 * j + 1] = dO + dst_at(j) * ds;
+          rec[4 * j + 2] = width;
+          rec[4 * j + 3] = flags;
+        }
+      });
+    });
     n += k;
   }
   for (const auto& r : int_singles) put(r[0], r[1], r[2], r[3]);
@@ -589,7 +657,7 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
     if (ok) std::memcpy(payload + p, view.buf, count * 4);
     PyBuffer_Release(&view);
     TORCH_CHECK(ok, "values must be int32 and fit in the payload");
-    put(2 * payload_off + p, (reinterpret_cast<intptr_t>(dst.data_ptr()) - ibase) / 4, count,
+    put(2 * payload_off + p, iword(dst.data_ptr()), count,
         (dst.element_size() == 8) << 1);
     p += count;
   }
@@ -757,6 +825,62 @@ PyObject* gather_step_entry(void* step, PyObject* const* args, Py_ssize_t nargs)
   END_HANDLE_TH_ERRORS
 }
 
+constexpr const char* kGatherJobsCall = "GatherStep.call_jobs(jobs)";
+
+PyObject* small_zero() {
+  static PyObject* zero = PyLong_FromLong(0);  // kept for the process
+  return zero;
+}
+
+// A GatherJobs' fields (gather_jobs.py: a dataclass, so they live in its __dict__), keys interned once.
+struct JobsKeys {
+  PyObject* lists[3];   // float_blocks, int_blocks, value_blocks
+  PyObject* counts[3];  // n_float, n_int, n_values
+  PyObject* aligned;
+  JobsKeys() {
+    const char* names[] = {"float_blocks", "int_blocks", "value_blocks", "n_float", "n_int", "n_values", "aligned"};
+    PyObject** keys[] = {&lists[0], &lists[1], &lists[2], &counts[0], &counts[1], &counts[2], &aligned};
+    for (int i = 0; i < 7; ++i) *keys[i] = PyUnicode_InternFromString(names[i]);  // kept for the process
+  }
+};
+
+// RowGather's per-step entry: the step on a GatherJobs' recorded blocks, then the jobs cleared (as
+// GatherJobs.clear) once it succeeded; on an error they stay recorded. Reading and resetting the
+// fields here saves the Python attribute traffic of a launch (about a microsecond).
+PyObject* gather_jobs_entry(void* step, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (wrong_count(nargs, 1, kGatherJobsCall)) return nullptr;
+  static const JobsKeys keys;
+  PyObject* dict = PyObject_GenericGetDict(args[0], nullptr);
+  if (!dict) return nullptr;
+  const auto held = py::reinterpret_steal<py::object>(dict);
+  PyObject* fields[7];
+  PyObject* const* names[] = {&keys.lists[0], &keys.lists[1], &keys.lists[2], &keys.counts[0], &keys.counts[1],
+                              &keys.counts[2], &keys.aligned};
+  for (int i = 0; i < 7; ++i) {
+    fields[i] = PyDict_GetItemWithError(dict, *names[i]);  // borrowed
+    if (!fields[i]) {
+      if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: the jobs have no %U", kGatherJobsCall, *names[i]);
+      return nullptr;
+    }
+  }
+  PyObject* result = gather_step_entry(step, fields, 7);
+  if (!result) return nullptr;
+  for (int i = 0; i < 3; ++i) {
+    if (PyList_SetSlice(fields[i], 0, PY_SSIZE_T_MAX, nullptr) < 0 ||
+        PyDict_SetItem(dict, keys.counts[i], small_zero()) < 0) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+  }
+  if (PyDict_SetItem(dict, keys.aligned, Py_True) < 0) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  return result;
+  END_HANDLE_TH_ERRORS
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_vok_ops, m) {
@@ -785,5 +909,11 @@ PYBIND11_MODULE(_vok_ops, m) {
           [](py::object self) {
             return make_step_call(self, self.cast<GatherStep*>(), gather_step_entry, kGatherCall);
           },
-          "__call__ without pybind11's dispatch: the per-step entry");
+          "__call__ without pybind11's dispatch")
+      .def_property_readonly(
+          "call_jobs",
+          [](py::object self) {
+            return make_step_call(self, self.cast<GatherStep*>(), gather_jobs_entry, kGatherJobsCall);
+          },
+          "call_jobs(jobs): the step on a GatherJobs' blocks, then the jobs cleared (RowGather's per-step entry)");
 }

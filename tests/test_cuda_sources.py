@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from gather_cases import check_gather_case, make_gather_case, record_gather_case
 from vllm_omni_kernels.gather import RowGather
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ops import cuda_ext
-from vllm_omni_kernels.ops.gather_jobs import TableLayout
+from vllm_omni_kernels.ops.gather_jobs import GatherJobs, TableLayout
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,6 +207,33 @@ def test_step_call_entries_check_their_arguments(compiled_module):
 
 
 @needs_cmake
+def test_gather_call_jobs_clears_the_jobs_only_after_a_launch(compiled_module):
+    """``GatherStep.call_jobs(jobs)`` (RowGather's per-step entry) encodes a GatherJobs' blocks and
+    then clears them as ``GatherJobs.clear`` does; a step that raises (over capacity) leaves every
+    job recorded, and an object without the jobs' fields is a TypeError naming the call."""
+    step = compiled_module.GatherStep(torch.zeros(1), 4, 2, 2, 2)
+    jobs = GatherJobs(torch.float32, 4, "cpu")
+    dst, ids = torch.zeros(4, 4), torch.zeros(4, dtype=torch.int32)
+    jobs.rows(dst, np.array([0, 1]), torch.ones(2, 4))
+    jobs.ints(ids, np.array([2]), torch.ones(1, dtype=torch.int64))
+    jobs.values(ids[3:], np.array([5], np.int32))
+    jobs.rows(dst, 3, torch.ones(1, 4))  # a third float row: over the step's capacity of 2
+    with pytest.raises(ValueError, match="exceed this gather's capacity"):
+        step.call_jobs(jobs)
+    assert (jobs.n_float, jobs.n_int, jobs.n_values, len(jobs.float_blocks)) == (3, 2, 1, 2)
+    jobs.float_blocks.pop()
+    jobs.n_float, jobs.aligned = 2, False
+    assert step.call_jobs(jobs) == 1
+    assert (jobs.float_blocks, jobs.int_blocks, jobs.value_blocks) == ([], [], [])
+    assert (jobs.n_float, jobs.n_int, jobs.n_values, jobs.aligned) == (0, 0, 0, True)
+    assert step.call_jobs(jobs) == 0  # nothing recorded: no launch
+    with pytest.raises(TypeError, match=r"call_jobs\(jobs\): the jobs have no float_blocks"):
+        step.call_jobs(types.SimpleNamespace())
+    with pytest.raises(TypeError, match="takes 1 arguments"):
+        step.call_jobs(jobs, jobs)
+
+
+@needs_cmake
 def test_pool_append_calls_its_bound_compiled_step_until_the_backend_setting_changes(compiled_module, monkeypatch):
     """With a compiled backend, RingPool.append resolves its step once and then calls it directly
     while the backend setting holds: request-list changes (the step asks for the slots), declined
@@ -304,6 +332,14 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
     numpy_table = np.full(layout.words, -7, np.int64)
     j.encode(numpy_table, layout, anchor.data_ptr(), compiled.data_ptr())
     assert np.array_equal(compiled.numpy(), numpy_table)
+    # Many-source blocks carry check_each's notes of their sources; without them the encoder reads
+    # the tensors again and writes the same words.
+    assert all(type(b[1]) is bytes for b in j.float_blocks + j.int_blocks if type(b[0]) is list)
+    bare = [[(b[0], None, *b[2:]) if type(b[0]) is list else b for b in blocks]
+            for blocks in (j.float_blocks, j.int_blocks)]
+    step.table.fill_(-7)
+    assert step.call(*bare, *args[2:]) == 1
+    assert np.array_equal(step.table.numpy(), numpy_table)
 
 
 @needs_cmake

@@ -63,9 +63,10 @@ def _arange(n: int) -> np.ndarray:
 
 
 def _check_each(srcs, starts, dst, floating: bool):
-    """The compiled extension's check of a ``rows_each``/``ints_each`` call: (rows, aligned), or a
-    negative first value when a source is not plain; None without the extension (it is optional:
-    loaded by the compiled backend, or by tests)."""
+    """The compiled extension's check of a ``rows_each``/``ints_each`` call: (rows, aligned, notes),
+    or a negative first value when a source is not plain; None without the extension (it is
+    optional: loaded by the compiled backend, or by tests). ``notes`` (bytes: address, row stride,
+    rows and element size of each source) go into the block for the compiled encoder."""
     module = cuda_ext._module
     return None if module is None else module.check_each(srcs, starts, dst, floating)
 
@@ -88,9 +89,13 @@ def _rows(rows, count: int, what: str) -> np.ndarray:
 #   (src, src_rows, dst, dst_rows): rows src[src_rows] to dst[dst_rows]
 # Rows are int64 ndarrays, or ints for a single row (the common one-row-per-hook case skips numpy
 # entirely); ``src_rows`` None with a ``dst_rows`` array means the source's leading rows
-# 0..len(dst_rows)-1 (a hook's batched output). The compiled encoder (``kernels/vok_python.cpp``)
-# reads the same positions.
-Block = tuple[torch.Tensor, "np.ndarray | int | None", torch.Tensor, "np.ndarray | int"]
+# 0..len(dst_rows)-1 (a hook's batched output). A block of ``rows_each``/``ints_each`` is
+# (list of sources, notes, dst, start rows): ``notes`` is what the extension's ``check_each`` noted
+# of the sources (bytes; None: read them again), so the sources must keep their storage and shape
+# until the launch, as every recorded source must keep its data. The compiled encoder
+# (``kernels/vok_python.cpp``) reads the same positions.
+Block = tuple["torch.Tensor | list[torch.Tensor]", "np.ndarray | int | bytes | None", torch.Tensor,
+              "np.ndarray | int"]
 
 
 def _destination_rows(src, dst_rows):
@@ -236,9 +241,9 @@ class GatherJobs:
             return
         checked = _check_each(srcs, starts, dst, floating) if self._plain_dst(dst, floating) else None
         if checked is not None and checked[0] >= 0:  # every source plain: one block
-            rows, aligned = checked
+            rows, aligned, notes = checked
             if rows:
-                (self.float_blocks if floating else self.int_blocks).append((srcs, None, dst, starts))
+                (self.float_blocks if floating else self.int_blocks).append((srcs, notes, dst, starts))
             if floating:
                 self.n_float += rows
                 self.aligned = self.aligned and self._width_aligned and aligned
