@@ -4,10 +4,10 @@ runs); with ``--device cuda`` everything runs on the selected backend.
 
 Per scenario (``mtp``: one batched MTP run of B rows; ``non_mtp``: B decode rows of a model without
 MTP; ``mixed``: B single-row MTP runs, each row its own hook output, recorded with one call per
-destination as the runner does) it reports the host time of a
-whole step and of one launch call alone (``launch_pre``/``launch_post``, recording excluded). The
-scenarios are timed in interleaved rounds and each figure is the median round, so they are compared
-under the same drift of a shared host's speed.
+destination as the runner does) it reports the host time of a whole step and of one launch call
+alone (``launch_pre``/``launch_post``, recording excluded), and the host's floor: one small torch op
+(``tiny.zero_()``). The scenarios and the floor are timed in interleaved rounds and each figure is
+the median round, so they are compared under the same drift of a shared host's speed.
 
 Usage: python profiling/host_cost_gather.py [--batches 64] [--H 2048] [--kinds mtp,non_mtp,mixed]
        [--device cpu|cuda] [--steps 500] [--rounds 7] [--profile] [--extension build/_vok_ops.so]
@@ -113,7 +113,15 @@ def main() -> None:
                  for B in args.batches.split(",") for kind in args.kinds.split(",")]
     step_us = {id(sc): [] for sc in scenarios}
     launch_us = {id(sc): [] for sc in scenarios}
+    tiny, floor_us = torch.zeros(1, device=dev), []  # one torch op per round: this host's floor
     for r in range(args.rounds + 1):  # round 0 warms up
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            tiny.zero_()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        if r:
+            floor_us.append((time.perf_counter() - t0) / args.steps * 1e6)
         for sc in scenarios:
             steps = args.steps if sc.kind != "mixed" else max(1, args.steps // 10)
             if dev == "cuda":
@@ -126,6 +134,8 @@ def main() -> None:
                 step_us[id(sc)].append((time.perf_counter() - t0) / steps * 1e6)
                 launch_us[id(sc)].append(in_launch / (steps * sc.launches) * 1e6)
     what = "kernels launched" if dev == "cuda" else "kernels stubbed"
+    print(f"floor: tiny.zero_() (one torch op: dispatcher + launch) {statistics.median(floor_us):6.2f} us "
+          f"(median of {len(floor_us)} rounds, {min(floor_us):.2f} to {max(floor_us):.2f})")
     for sc in scenarios:
         lu = launch_us[id(sc)]
         print(f"{sc.kind:8s} B={sc.B:5d}: {statistics.median(step_us[id(sc)]):8.1f} us of host work per step "
