@@ -6,7 +6,9 @@ The kernel header is compiled through CuPy's NVRTC with ``-DVOK_GATHER_THREADS``
 per variant and launched on the gathers' resident tables (``prepare_static``), as ``run_static`` does.
 
 Usage: python profiling/sweep_gather_cuda.py [--shapes 128x4096,256x8192] [--cases mtp:256,mtp:64]
-       [--H 4096]
+       [--H 4096] [--source other.cuh ...]
+(``--source`` adds kernel sources to compare at every shape, e.g. an earlier revision's header from
+``git show REV:kernels/vok_kernels.cuh``)
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--cases", default=CASES)
     ap.add_argument("--H", type=int, default=4096)
+    ap.add_argument("--source", action="append", default=[])
     args = ap.parse_args()
-    code = SOURCE.read_text()
+    sources = {"": SOURCE.read_text()} | {f"{Path(p).name} ": Path(p).read_text() for p in args.source}
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
-    modules = {shape: cupy.RawModule(code=code, options=("-std=c++17", f"-DVOK_GATHER_THREADS={shape[0]}",
-                                                          f"-DVOK_GATHER_BLOCK_BYTES={shape[1]}"))
-               for shape in shapes}
+    modules = {(label, shape): cupy.RawModule(code=code, options=(
+        "-std=c++17", f"-DVOK_GATHER_THREADS={shape[0]}", f"-DVOK_GATHER_BLOCK_BYTES={shape[1]}"))
+        for label, code in sources.items() for shape in shapes}
     for case in args.cases.split(","):
         kind, B = case.split(":")
         sc = Scenario(kind, int(B), args.H)
@@ -68,10 +71,10 @@ def main() -> None:
 
         res = {"shipped": graph_us(shipped)}
         es = sc.inputs_embeds.element_size()
-        for threads, block_bytes in shapes:
+        for (label, (threads, block_bytes)), module in modules.items():
             launches = []
             for g, n in jobs:
-                fn = modules[threads, block_bytes].get_function(f"vok_row_gather_e{es}_a{int(g.jobs.aligned)}")
+                fn = module.get_function(f"vok_row_gather_e{es}_a{int(g.jobs.aligned)}")
                 grid = (n, max(1, -(-args.H * es // block_bytes)))
                 table = np.uint64(g.table.data_ptr())
                 launches.append((fn, grid, (np.uint64(g._anchor.data_ptr()), table, table, np.int64(args.H),
@@ -82,7 +85,7 @@ def main() -> None:
                     for fn, grid, kargs in launches:
                         fn(grid, (threads,), kargs)
 
-            res[f"{threads}x{block_bytes}"] = graph_us(variant)
+            res[f"{label}{threads}x{block_bytes}"] = graph_us(variant)
         src = torch.randn(sc.float_rows(), args.H, device="cuda").to(sc.inputs_embeds.dtype)
         dst = torch.empty_like(src)
         res["copy"] = graph_us(lambda: dst.copy_(src))
