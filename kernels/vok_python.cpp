@@ -825,62 +825,6 @@ PyObject* gather_step_entry(void* step, PyObject* const* args, Py_ssize_t nargs)
   END_HANDLE_TH_ERRORS
 }
 
-constexpr const char* kGatherJobsCall = "GatherStep.call_jobs(jobs)";
-
-PyObject* small_zero() {
-  static PyObject* zero = PyLong_FromLong(0);  // kept for the process
-  return zero;
-}
-
-// A GatherJobs' fields (gather_jobs.py: a dataclass, so they live in its __dict__), keys interned once.
-struct JobsKeys {
-  PyObject* lists[3];   // float_blocks, int_blocks, value_blocks
-  PyObject* counts[3];  // n_float, n_int, n_values
-  PyObject* aligned;
-  JobsKeys() {
-    const char* names[] = {"float_blocks", "int_blocks", "value_blocks", "n_float", "n_int", "n_values", "aligned"};
-    PyObject** keys[] = {&lists[0], &lists[1], &lists[2], &counts[0], &counts[1], &counts[2], &aligned};
-    for (int i = 0; i < 7; ++i) *keys[i] = PyUnicode_InternFromString(names[i]);  // kept for the process
-  }
-};
-
-// RowGather's per-step entry: the step on a GatherJobs' recorded blocks, then the jobs cleared (as
-// GatherJobs.clear) once it succeeded; on an error they stay recorded. Reading and resetting the
-// fields here saves the Python attribute traffic of a launch (about a microsecond).
-PyObject* gather_jobs_entry(void* step, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  if (wrong_count(nargs, 1, kGatherJobsCall)) return nullptr;
-  static const JobsKeys keys;
-  PyObject* dict = PyObject_GenericGetDict(args[0], nullptr);
-  if (!dict) return nullptr;
-  const auto held = py::reinterpret_steal<py::object>(dict);
-  PyObject* fields[7];
-  PyObject* const* names[] = {&keys.lists[0], &keys.lists[1], &keys.lists[2], &keys.counts[0], &keys.counts[1],
-                              &keys.counts[2], &keys.aligned};
-  for (int i = 0; i < 7; ++i) {
-    fields[i] = PyDict_GetItemWithError(dict, *names[i]);  // borrowed
-    if (!fields[i]) {
-      if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: the jobs have no %U", kGatherJobsCall, *names[i]);
-      return nullptr;
-    }
-  }
-  PyObject* result = gather_step_entry(step, fields, 7);
-  if (!result) return nullptr;
-  for (int i = 0; i < 3; ++i) {
-    if (PyList_SetSlice(fields[i], 0, PY_SSIZE_T_MAX, nullptr) < 0 ||
-        PyDict_SetItem(dict, keys.counts[i], small_zero()) < 0) {
-      Py_DECREF(result);
-      return nullptr;
-    }
-  }
-  if (PyDict_SetItem(dict, keys.aligned, Py_True) < 0) {
-    Py_DECREF(result);
-    return nullptr;
-  }
-  return result;
-  END_HANDLE_TH_ERRORS
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_vok_ops, m) {
@@ -909,11 +853,5 @@ PYBIND11_MODULE(_vok_ops, m) {
           [](py::object self) {
             return make_step_call(self, self.cast<GatherStep*>(), gather_step_entry, kGatherCall);
           },
-          "__call__ without pybind11's dispatch")
-      .def_property_readonly(
-          "call_jobs",
-          [](py::object self) {
-            return make_step_call(self, self.cast<GatherStep*>(), gather_jobs_entry, kGatherJobsCall);
-          },
-          "call_jobs(jobs): the step on a GatherJobs' blocks, then the jobs cleared (RowGather's per-step entry)");
+          "__call__ without pybind11's dispatch: the per-step entry");
 }

@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from gather_cases import check_gather_case, make_gather_case, record_gather_case
 from vllm_omni_kernels.gather import RowGather
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ops import cuda_ext
-from vllm_omni_kernels.ops.gather_jobs import GatherJobs, TableLayout
+from vllm_omni_kernels.ops.gather_jobs import TableLayout
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,33 +203,6 @@ def test_step_call_entries_check_their_arguments(compiled_module):
     for counts in ((2, 0, 0), (0, 2, 0), (1, 1, 3)):  # over a capacity: nothing encoded
         with pytest.raises(ValueError, match="exceed this gather's capacity"):
             gather([], [], [], *counts, True)
-
-
-@needs_cmake
-def test_gather_call_jobs_clears_the_jobs_only_after_a_launch(compiled_module):
-    """``GatherStep.call_jobs(jobs)`` (RowGather's per-step entry) encodes a GatherJobs' blocks and
-    then clears them as ``GatherJobs.clear`` does; a step that raises (over capacity) leaves every
-    job recorded, and an object without the jobs' fields is a TypeError naming the call."""
-    step = compiled_module.GatherStep(torch.zeros(1), 4, 2, 2, 2)
-    jobs = GatherJobs(torch.float32, 4, "cpu")
-    dst, ids = torch.zeros(4, 4), torch.zeros(4, dtype=torch.int32)
-    jobs.rows(dst, np.array([0, 1]), torch.ones(2, 4))
-    jobs.ints(ids, np.array([2]), torch.ones(1, dtype=torch.int64))
-    jobs.values(ids[3:], np.array([5], np.int32))
-    jobs.rows(dst, 3, torch.ones(1, 4))  # a third float row: over the step's capacity of 2
-    with pytest.raises(ValueError, match="exceed this gather's capacity"):
-        step.call_jobs(jobs)
-    assert (jobs.n_float, jobs.n_int, jobs.n_values, len(jobs.float_blocks)) == (3, 2, 1, 2)
-    jobs.float_blocks.pop()
-    jobs.n_float, jobs.aligned = 2, False
-    assert step.call_jobs(jobs) == 1
-    assert (jobs.float_blocks, jobs.int_blocks, jobs.value_blocks) == ([], [], [])
-    assert (jobs.n_float, jobs.n_int, jobs.n_values, jobs.aligned) == (0, 0, 0, True)
-    assert step.call_jobs(jobs) == 0  # nothing recorded: no launch
-    with pytest.raises(TypeError, match=r"call_jobs\(jobs\): the jobs have no float_blocks"):
-        step.call_jobs(types.SimpleNamespace())
-    with pytest.raises(TypeError, match="takes 1 arguments"):
-        step.call_jobs(jobs, jobs)
 
 
 @needs_cmake

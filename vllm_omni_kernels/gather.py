@@ -74,37 +74,38 @@ class RowGather:
     def launch(self) -> int:
         """Run and clear the recorded jobs: one kernel reading its table in place (0 launches when
         empty)."""
-        jobs, step = self.jobs, self._step
-        if step[0] is not ops.setting():  # resolved again only when the backend setting changed
-            step = self._step = self._resolve_step()
-        if step[2] is not None:  # compiled: checks capacity, encodes, launches and clears in one call
-            if jobs.check_rows:
-                jobs.check_disjoint()
-            launched = step[2](jobs)
-            self.launches += launched
-            return launched
+        jobs = self.jobs
         if jobs.n_float + jobs.n_int == 0:
             return 0
-        key = (jobs.n_float, jobs.n_int, jobs.n_values)
-        layout = self._layouts.get(key)
-        if layout is None:  # compact: only what is used (few distinct step shapes: cached)
-            if len(self._layouts) > 1024:
-                self._layouts.clear()
-            layout = self._layouts[key] = TableLayout(*key)
-        table = self._encode(layout, resident=False)
-        ops.row_gather(jobs, table, self._anchor, layout=layout)
+        step = self._step
+        if step[0] is not ops.setting():  # resolved again only when the backend setting changed
+            step = self._step = self._resolve_step()
+        if step[2] is not None:  # the compiled backend checks capacity, encodes and launches in one call
+            if jobs.check_rows:
+                jobs.check_disjoint()
+            step[2](jobs.float_blocks, jobs.int_blocks, jobs.value_blocks, jobs.n_float, jobs.n_int, jobs.n_values,
+                    jobs.aligned)
+        else:
+            key = (jobs.n_float, jobs.n_int, jobs.n_values)
+            layout = self._layouts.get(key)
+            if layout is None:  # compact: only what is used (few distinct step shapes: cached)
+                if len(self._layouts) > 1024:
+                    self._layouts.clear()
+                layout = self._layouts[key] = TableLayout(*key)
+            table = self._encode(layout, resident=False)
+            ops.row_gather(jobs, table, self._anchor, layout=layout)
         jobs.clear()
         self.launches += 1
         return 1
 
     def _resolve_step(self) -> tuple:
-        """(the backend setting, ops.gather_step's factory, the ``call_jobs`` of the compiled step bound
-        to this gather, kept while the factory is the same) or (setting, None, None) without one."""
+        """(the backend setting, ops.gather_step's factory, the ``call`` of the compiled step bound to
+        this gather, kept while the factory is the same) or (setting, None, None) without one."""
         make_step = ops.gather_step(self.jobs.is_cuda)
         old = self._step
         if make_step is None:
             return ops.setting(), None, None
-        call = old[2] if old[1] is make_step else make_step(self._anchor, self.jobs.width, self.capacity).call_jobs
+        call = old[2] if old[1] is make_step else make_step(self._anchor, self.jobs.width, self.capacity).call
         return ops.setting(), make_step, call
 
     def prepare_static(self) -> None:
