@@ -418,7 +418,8 @@ struct Block {
 };
 
 // What check_each noted of one source of a many-source block, so the encoder reads plain memory
-// instead of the tensor again (each tensor read is a chain of calls: ~25 ns a source, twice).
+// instead of the tensor a second time (each tensor read is a chain of out-of-line calls; a mixed
+// B=256 step's 1024 one-row sources cost 18 -> 7 us per launch call on the CPU machine).
 struct SourceNote {
   i64 address;  // of its first element
   i64 stride;   // elements between rows
@@ -512,8 +513,8 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
                    i64 payload_off) {
   const auto fbase = reinterpret_cast<intptr_t>(anchor.data_ptr());
   const auto ibase = reinterpret_cast<intptr_t>(t);
-  // Element offsets by shifts (floor, as the numpy twin's //): a 64-bit division by a run-time
-  // element size costs tens of cycles, per source of a many-source block.
+  // Element offsets by shifts (floor, as the numpy twin's //), not a 64-bit division by a run-time
+  // element size per source of a many-source block.
   const int fshift = anchor.element_size() == 2 ? 1 : 2;
   const auto fword = [fbase, fshift](const void* p) { return (reinterpret_cast<intptr_t>(p) - fbase) >> fshift; };
   const auto iword = [ibase](const void* p) { return (reinterpret_cast<intptr_t>(p) - ibase) >> 2; };
