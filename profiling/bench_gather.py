@@ -35,6 +35,7 @@ Usage: python profiling/bench_gather.py [--steps 50] [--repeats 5] [--out out/be
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -47,9 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_timing import us_per_call  # noqa: E402
+from cuda_timing import graph_us_per_step, us_per_call  # noqa: E402
 from vllm_omni_kernels import backend  # noqa: E402
-from vllm_omni_kernels.cuda_graphs import capture  # noqa: E402
 from vllm_omni_kernels.decode_gather import DecodeGather  # noqa: E402
 from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
 
@@ -147,6 +147,23 @@ class Scenario:
 
     def record_post(self):
         self.g.add_mtp_outputs(self.inputs_embeds, self.dec_off, self.mtp_emb, self.codes, self.slots)
+
+    def static_step(self):
+        """Record the step's jobs again and upload them at the gathers' capacity layout (what precedes
+        a replay); returns the step's kernels (``run_static``, to capture) and the (gather, jobs) of
+        each launch."""
+        gathers = [(self.g.pre, self.record_pre)] + ([(self.g.post, self.record_post)] if self.mtp else [])
+        for g, record in gathers:
+            g.jobs.clear()
+            record()
+            g.prepare_static()
+        launches = [(g, g.jobs.n_float + g.jobs.n_int) for g, _ in gathers]
+
+        def kernels():
+            for g, jobs in launches:
+                g.run_static(jobs)
+
+        return kernels, launches
 
     def ours_eager(self):
         self.record_pre()
@@ -254,25 +271,8 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
 
     # In a CUDA graph: the two kernels captured graph_steps times, tables prepared outside the graph.
     g = sc.g
-    g.pre.jobs.clear()
-    sc.record_pre()
-    g.pre.prepare_static()
-    pre_rows = g.pre.jobs.n_float + g.pre.jobs.n_int
-    if sc.mtp:
-        g.post.jobs.clear()
-        sc.record_post()
-        g.post.prepare_static()
-        post_rows = g.post.jobs.n_float + g.post.jobs.n_int
-
-    def kernels():
-        g.pre.run_static(pre_rows)
-        if sc.mtp:
-            g.post.run_static(post_rows)
-
-    graph = capture(kernels, graph_steps)
-    sc.check(graph.replay)
     launches = 2 if sc.mtp else 1
-    runs = [t / graph_steps for t in us_per_call(graph.replay, 3, repeats)]
+    runs = graph_us_per_step(sc.static_step()[0], graph_steps, repeats, check=sc.check)
     record("ours_graph", runs, {"kernels": launches, "memcpys": 0}, f"{graph_steps} steps in one graph")
     res["ours_graph_us_per_launch"] = statistics.median(runs) / launches
 
@@ -288,29 +288,15 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
             res.setdefault("eager_launch_host_us", {})[name] = statistics.median(runs)
             print(f"  {kind:8s} B={B:5d} H={H} eager launch call [{name}] {statistics.median(runs):7.2f} us (host)",
                   flush=True)
-            g.pre.jobs.clear()
-            sc.record_pre()
-            g.pre.prepare_static()
-            if sc.mtp:
-                g.post.jobs.clear()
-                sc.record_post()
-                g.post.prepare_static()
-            gb = capture(kernels, graph_steps)
-            sc.check(gb.replay)
-            runs = [t / graph_steps for t in us_per_call(gb.replay, 3, repeats)]
+            runs = graph_us_per_step(sc.static_step()[0], graph_steps, repeats, check=sc.check)
             record(f"ours_graph[{name}]", runs, {"kernels": launches, "memcpys": 0})
-            del gb
         finally:
             os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "auto"
 
     rows = sc.float_rows()
     src = torch.randn(rows, H, device="cuda").to(DTYPE)
     dst = torch.empty_like(src)
-    cg = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cg):
-        for _ in range(graph_steps):
-            dst.copy_(src)
-    runs = [t / graph_steps for t in us_per_call(cg.replay, 3, repeats)]
+    runs = graph_us_per_step(functools.partial(dst.copy_, src), graph_steps, repeats)
     record("copy_graph", runs, {"kernels": 1, "memcpys": 0}, "the same float bytes, one copy_")
     step_bytes = 2 * rows * H * es
     k = res["paths"]["ours_graph"]["us_per_step_median"]
@@ -322,7 +308,7 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     res["speedup_vs_row_loop"] = {p: loop / v["us_per_step_median"] for p, v in res["paths"].items()}
     res["GBps_by_backend"] = {name: step_bytes / (res["paths"][f"ours_graph[{name}]"]["us_per_step_median"] * 1e3)
                               for name in backend.kernel_backends()}
-    del graph, cg, src, dst, sc
+    del src, dst, sc
     torch.cuda.empty_cache()
     return res
 

@@ -38,6 +38,20 @@ def us_per_call(fn, calls: int, repeats: int) -> list[float]:
     return [ms * 1000 / calls for ms in event_ms(run, repeats)]
 
 
+def graph_us_per_step(fn, steps: int, repeats: int, check=None) -> list[float]:
+    """Microseconds per call of ``fn`` captured ``steps`` times in one CUDA graph, one figure per
+    timed run of 3 replays (``us_per_call``). ``fn`` runs once first, outside the capture (Triton
+    compiles there); ``check(replay)``, if given, verifies the graph before it is timed."""
+    from vllm_omni_kernels.cuda_graphs import capture
+
+    graph = capture(fn, steps)
+    if check is not None:
+        check(graph.replay)
+    runs = [t / steps for t in us_per_call(graph.replay, 3, repeats)]
+    del graph
+    return runs
+
+
 def kernel_device_us(fn, name_part: str) -> list[float]:
     """Device microseconds of every kernel whose name contains ``name_part`` launched by one run of
     ``fn()``, from the CUDA profiler (sorted; empty if the profiler is unavailable)."""

@@ -17,8 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gather import Scenario  # noqa: E402
-from cuda_timing import us_per_call  # noqa: E402
-from vllm_omni_kernels.cuda_graphs import capture  # noqa: E402
+from cuda_timing import graph_us_per_step  # noqa: E402
 from vllm_omni_kernels.ops import triton_gather  # noqa: E402
 
 
@@ -32,31 +31,11 @@ def main() -> None:
     rows = sc.float_rows()
     src = torch.randn(rows, args.H, device="cuda").to(torch.bfloat16)
     dst = torch.empty_like(src)
-    cg = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cg):
-        for _ in range(20):
-            dst.copy_(src)
-    copy_us = statistics.median(us_per_call(cg.replay, 3, 7)) / 20
+    copy_us = statistics.median(graph_us_per_step(lambda: dst.copy_(src), 20, 7))
     print(f"{args.kind} B={args.B} H={args.H}: copy of the same bytes {copy_us:.2f} us")
     for block, warps in itertools.product((1024, 2048, 4096), (2, 4, 8, 16)):
         triton_gather.MAX_BLOCK_F, triton_gather.MAX_WARPS, triton_gather.ELEMS_PER_WARP = block, warps, 1
-        sc.g.pre.jobs.clear()
-        sc.g.post.jobs.clear()
-        sc.record_pre()
-        sc.g.pre.prepare_static()
-        if sc.mtp:
-            sc.record_post()
-            sc.g.post.prepare_static()
-        pre, post = sc.g.pre.jobs, sc.g.post.jobs
-        n_pre, n_post = pre.n_float + pre.n_int, post.n_float + post.n_int
-
-        def step():
-            sc.g.pre.run_static(n_pre)
-            if sc.mtp:
-                sc.g.post.run_static(n_post)
-
-        graph = capture(step, 20)  # its warm-up step compiles outside the capture
-        us = statistics.median(us_per_call(graph.replay, 3, 7)) / 20
+        us = statistics.median(graph_us_per_step(sc.static_step()[0], 20, 7))  # compiles outside the capture
         print(f"  block {block:5d} warps {warps:2d}: {us:7.2f} us/step = {100 * copy_us / us:5.1f}% of copy", flush=True)
 
 

@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gather import Scenario  # noqa: E402
-from cuda_timing import us_per_call  # noqa: E402
-from vllm_omni_kernels.cuda_graphs import capture  # noqa: E402
+from cuda_timing import graph_us_per_step  # noqa: E402
 
 STEPS = 20
 SHAPES = "128x4096,256x4096,128x8192,256x8192,512x8192,64x2048,128x2048"
@@ -37,8 +36,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "vok_kernels.cuh"
 
 def graph_us(step) -> float:
     """Median us per step of ``STEPS`` steps captured in one graph."""
-    graph = capture(step, STEPS)
-    return statistics.median(us_per_call(graph.replay, 3, 7)) / STEPS
+    return statistics.median(graph_us_per_step(step, STEPS, 7))
 
 
 def main() -> None:
@@ -56,19 +54,7 @@ def main() -> None:
     for case in args.cases.split(","):
         kind, B = case.split(":")
         sc = Scenario(kind, int(B), args.H)
-        sc.record_pre()
-        sc.g.pre.prepare_static()
-        gathers = [sc.g.pre]
-        if sc.mtp:
-            sc.record_post()
-            sc.g.post.prepare_static()
-            gathers.append(sc.g.post)
-        jobs = [(g, g.jobs.n_float + g.jobs.n_int) for g in gathers]
-
-        def shipped():
-            for g, n in jobs:
-                g.run_static(n)
-
+        shipped, jobs = sc.static_step()
         res = {"shipped": graph_us(shipped)}
         es = sc.inputs_embeds.element_size()
         for (label, (threads, block_bytes)), module in modules.items():
