@@ -347,13 +347,12 @@ struct RowIndex {
   i64 stride;       // bytes between elements
   i64 one;          // the single row
   bool leading;
-  i64 at(i64 k) const {
-    if (leading) return k;
-    if (!ptr) return one;
+  static i64 load(const char* p) {  // an int64 of a numpy buffer, whatever its alignment
     i64 v;
-    std::memcpy(&v, ptr + k * stride, 8);
+    std::memcpy(&v, p, 8);
     return v;
   }
+  i64 at(i64 k) const { return leading ? k : ptr ? load(ptr + k * stride) : one; }
   // f(index) with `index(k)` a callable specialised to this kind of rows, so a loop over a block
   // compiles once per pair of kinds with no per-row branch.
   template <class F>
@@ -363,11 +362,7 @@ struct RowIndex {
     } else if (!ptr) {
       f([one = one](i64) { return one; });
     } else {
-      f([p = ptr, s = stride](i64 k) {
-        i64 v;
-        std::memcpy(&v, p + k * s, 8);
-        return v;
-      });
+      f([p = ptr, s = stride](i64 k) { return load(p + k * s); });
     }
   }
 };
