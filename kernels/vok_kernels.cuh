@@ -9,6 +9,12 @@
 //   0 SLOT, 1 LIN_OFF, 2 N, 3 BASE, 4 CAP, 5 POS (-1: the device head), 6 LIN_STRIDE.
 // state: int64 [slots], one word per slot: head << kHeadShift | ticket (layout.py says how the ticket
 // protects the head). Gather table: vllm_omni_kernels/ops/gather_jobs.py.
+//
+// Every copy kernel reads its metadata through a pointer (device memory, or pinned host memory read
+// in place) and also comes with the metadata in its parameters (`_p<N>`: N int64 words, the
+// parameter declared __grid_constant__ so it is read in place from the constant bank). The compiled
+// eager steps launch those: pinned memory read in place costs a bus round trip per warp, which for a
+// gather of a few hundred blocks is 10 us of device time; parameters cost nothing on the device.
 #pragma once
 
 namespace vok {
@@ -37,6 +43,11 @@ constexpr int kRingPerThread = VOK_RING_PER_THREAD;  // elements in flight per t
 constexpr int kGatherThreads = VOK_GATHER_THREADS;
 constexpr int kGatherBlockBytes = VOK_GATHER_BLOCK_BYTES;  // bytes of a float row per block (2 x 16 B per thread)
 constexpr int kIntBlock = 128;
+// Metadata carried in the parameters, in one of VOK_PARAM_WORDS' sizes (int64 words). A launch takes
+// at most 32764 bytes of parameters; 4088 words leave room for every entry's other arguments.
+template <int N> struct Words {
+  i64 w[N];
+};
 constexpr int kHeadShift = 24;  // layout.py HEAD_SHIFT
 
 template <int S> struct Bits;
@@ -145,6 +156,14 @@ __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ aren
   }
 }
 
+// A ring write entry's body (MONO chosen at run time: CONCAT_LAST with one channel).
+template <int S, bool LAST>
+__device__ __forceinline__ void ring_write(void* arena, i64* state, const i64* meta, void* src, i64 F, int mono) {
+  typedef typename Bits<S>::T T;
+  if (LAST && mono) ring_copy<S, LAST, true, true>(static_cast<T*>(arena), state, meta, static_cast<T*>(src), F);
+  else ring_copy<S, LAST, true, false>(static_cast<T*>(arena), state, meta, static_cast<T*>(src), F);
+}
+
 // Fused row gather over a job table (see gather_jobs.py). Grid (jobs, blocks).
 template <int S, bool ALIGNED>
 __device__ __forceinline__ void row_gather(char* __restrict__ fbase, int* __restrict__ ibase,
@@ -182,9 +201,10 @@ __device__ __forceinline__ void row_gather(char* __restrict__ fbase, int* __rest
     const i64* rec = table + i_off + 4 * (job - n_float);
     const i64 src = rec[0], dst = rec[1], n = rec[2], flags = rec[3];
     const bool s_wide = flags & 1, d_wide = flags & 2;
+    const int* sbase = (flags & 4) ? reinterpret_cast<const int*>(table) : ibase;  // 4: a payload in the table
     for (i64 e = (i64)blockIdx.y * kGatherThreads + threadIdx.x; e < n; e += (i64)gridDim.y * kGatherThreads) {
-      const int lo = ibase[src + (s_wide ? 2 * e : e)];
-      const int hi = s_wide ? ibase[src + 2 * e + 1] : (lo < 0 ? -1 : 0);
+      const int lo = sbase[src + (s_wide ? 2 * e : e)];
+      const int hi = s_wide ? sbase[src + 2 * e + 1] : (lo < 0 ? -1 : 0);
       ibase[dst + (d_wide ? 2 * e : e)] = lo;
       if (d_wide) ibase[dst + 2 * e + 1] = hi;
     }
@@ -197,9 +217,7 @@ __device__ __forceinline__ void row_gather(char* __restrict__ fbase, int* __rest
   extern "C" __global__ void __launch_bounds__(vok::kRingThreads)                                      \
       vok_ring_write_e##S##_##NAME(void* arena, long long* state, const long long* meta, void* src,    \
                                    long long F, int mono) {                                             \
-    typedef vok::Bits<S>::T T;                                                                          \
-    if (LAST && mono) vok::ring_copy<S, LAST, true, true>(static_cast<T*>(arena), state, meta, static_cast<T*>(src), F); \
-    else vok::ring_copy<S, LAST, true, false>(static_cast<T*>(arena), state, meta, static_cast<T*>(src), F); \
+    vok::ring_write<S, LAST>(arena, state, meta, src, F, mono);                                         \
   }                                                                                                     \
   extern "C" __global__ void __launch_bounds__(vok::kRingThreads)                                      \
       vok_ring_read_e##S##_##NAME(void* arena, const long long* meta, void* out, long long F, int mono) { \
@@ -215,6 +233,23 @@ VOK_RING(4, last, true)
 VOK_RING(8, dim0, false)
 VOK_RING(8, last, true)
 
+// The parameter sizes of the `_p<N>` entries (int64 words; vok_torch.cu picks the smallest that fits).
+#define VOK_PARAM_WORDS(X, ...) X(128, __VA_ARGS__) X(512, __VA_ARGS__) X(2048, __VA_ARGS__) X(4088, __VA_ARGS__)
+
+#define VOK_RING_P(N, S, NAME, LAST)                                                                   \
+  extern "C" __global__ void __launch_bounds__(vok::kRingThreads) vok_ring_write_e##S##_##NAME##_p##N( \
+      void* arena, long long* state, const __grid_constant__ vok::Words<N> meta, void* src, long long F,   \
+      int mono) {                                                                                       \
+    vok::ring_write<S, LAST>(arena, state, meta.w, src, F, mono);                                       \
+  }
+
+VOK_PARAM_WORDS(VOK_RING_P, 2, dim0, false)
+VOK_PARAM_WORDS(VOK_RING_P, 2, last, true)
+VOK_PARAM_WORDS(VOK_RING_P, 4, dim0, false)
+VOK_PARAM_WORDS(VOK_RING_P, 4, last, true)
+VOK_PARAM_WORDS(VOK_RING_P, 8, dim0, false)
+VOK_PARAM_WORDS(VOK_RING_P, 8, last, true)
+
 #define VOK_GATHER(S, A, ALIGNED)                                                                       \
   extern "C" __global__ void __launch_bounds__(vok::kGatherThreads)                                     \
       vok_row_gather_e##S##_a##A(void* fbase, int* ibase, const long long* table, long long W,          \
@@ -226,3 +261,17 @@ VOK_GATHER(2, 0, false)
 VOK_GATHER(2, 1, true)
 VOK_GATHER(4, 0, false)
 VOK_GATHER(4, 1, true)
+
+// With the table in the parameters, int words are addressed from the float base (`fbase`, 4-byte
+// aligned): the host cannot know where the parameters live, so a payload is flagged (4) instead.
+// (The two bases are then one pointer; a block touches only float rows or only int words.)
+#define VOK_GATHER_P(N, S, A, ALIGNED)                                                                 \
+  extern "C" __global__ void __launch_bounds__(vok::kGatherThreads) vok_row_gather_e##S##_a##A##_p##N( \
+      void* fbase, const __grid_constant__ vok::Words<N> table, long long W, long long i_off) {        \
+    vok::row_gather<S, ALIGNED>(static_cast<char*>(fbase), static_cast<int*>(fbase), table.w, W, i_off); \
+  }
+
+VOK_PARAM_WORDS(VOK_GATHER_P, 2, 0, false)
+VOK_PARAM_WORDS(VOK_GATHER_P, 2, 1, true)
+VOK_PARAM_WORDS(VOK_GATHER_P, 4, 0, false)
+VOK_PARAM_WORDS(VOK_GATHER_P, 4, 1, true)

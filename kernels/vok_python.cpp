@@ -4,11 +4,14 @@
 // stack (about 5 us for the 12 arguments an append step needs, on an H200 host): more than the rest
 // of an eager step. The steps here take Python objects directly (pybind11 with torch's tensor
 // casters) and do all of their host work in C++:
-//   RingStep       RingPool's fast append: checks, planning against the pool's host slot table,
-//                  staging the metadata rows in pinned memory the kernel reads in place (copied to
-//                  the device first for long rows: kUploadElems), the launch;
-//   GatherStep     RowGather's launch: the job table encoded from the recorded blocks into pinned
-//                  memory the kernel reads in place, the launch.
+//   RingStep       RingPool's fast append: checks, planning against the pool's host slot table
+//                  into the launch's parameters, the launch;
+//   GatherStep     RowGather's launch: the job table encoded from the recorded blocks into the
+//                  launch's parameters, the launch.
+// The metadata travels in the kernel's parameters (vok_launch.h: up to kParamWords words; the
+// kernel reads it from the constant bank) rather than in pinned memory the kernel reads in place:
+// those reads cross the bus once per warp, which cost a gather of a few hundred blocks 10 to 15 us
+// of device time on the H200. Larger steps stage it in pinned memory as before (MetaRing).
 // Given a CPU arena or anchor they plan or encode without launching: that is how CI tests them
 // against their numpy twins (RingPool._plan_numpy, GatherJobs.encode). The kernels stay registered as
 // torch ops (vok_torch.cu) for torch.compile and for every other caller.
@@ -18,6 +21,7 @@
 #include <pybind11/stl.h>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -285,26 +289,35 @@ class RingStep {
 
     const DeviceScope scope(arena_);
     const cudaStream_t stream = scope.stream;
-    i64* staged = meta_.next(B, stream);
+    const bool in_params = B * kCols <= vok::kParamWords;
+    i64* staged = in_params ? params_.data() : meta_.next(B, stream);
     const i64 max_n = plan_rows(table_.data_ptr<i64>(), slots_.data(), n_.data(), B, staged, row_elems, axis_len,
                                 last_ ? axis_len : frame_elems_);
     if (max_n < 0) return -1;
-    if (arena_.is_cuda()) {
-      const i64 max_elems = max_n * frame_elems_;
+    staged_in_params_ = in_params;
+    const i64 max_elems = max_n * frame_elems_;
+    if (arena_.is_cuda() && in_params) {
+      vok::launch_ring_write_params(arena_.data_ptr(), arena_.element_size(), state_.data_ptr<i64>(), staged,
+                                    data.data_ptr(), B, frame_elems_, last_, max_elems, stream);
+    } else if (arena_.is_cuda()) {
       const i64* meta = max_elems > kUploadElems ? meta_.upload(B, stream) : staged;
       vok::launch_ring_write(arena_.data_ptr(), arena_.element_size(), state_.data_ptr<i64>(), meta, data.data_ptr(),
                              B, frame_elems_, last_, max_elems, stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    meta_.queued(stream);
+    if (!in_params) meta_.queued(stream);
     return B;
   }
 
-  // The metadata rows the last step staged (its first B rows), for tests.
-  at::Tensor staged() const {
+  // The metadata rows the last step staged (its first B rows), for tests; `staged_in_params`: whether
+  // they went in the launch's parameters (else in the pinned ring).
+  at::Tensor staged() {
+    const i64 B = static_cast<i64>(slots_.size());
+    if (staged_in_params_) return at::from_blob(params_.data(), {B, kCols}, at::TensorOptions().dtype(at::kLong));
     const at::Tensor cur = meta_.current();
-    return cur.defined() ? cur.narrow(0, 0, static_cast<i64>(slots_.size())) : cur;
+    return cur.defined() ? cur.narrow(0, 0, B) : cur;
   }
+  bool staged_in_params() const { return staged_in_params_; }
 
  private:
   bool same_ids(PyObject* ids) {
@@ -332,7 +345,9 @@ class RingStep {
   std::vector<i64> frame_shape_;
   bool last_;
   i64 frame_elems_ = 1;
-  MetaRing meta_;
+  MetaRing meta_;  // steps of more than kParamWords / kCols rows
+  std::vector<i64> params_ = std::vector<i64>(vok::kParamWords);  // the launch's parameters
+  bool staged_in_params_ = false;
   py::object ids_;  // a tuple once set_slots ran
   std::vector<i64> slots_, n_;
   i64 version_ = -1;
@@ -502,12 +517,12 @@ PyObject* block_at(const py::list& blocks, size_t i) {
 
 // Encode the recorded jobs into `table` (host int64, flat): float jobs from word 2, int jobs from
 // `int_off`, value payloads from `payload_off`; array blocks in order, then single-row jobs, then
-// value jobs, exactly as GatherJobs.encode orders them.
-void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& float_blocks,
+// value jobs, exactly as GatherJobs.encode orders them. Int words are offsets from `ibase` (the
+// table's device address, or the anchor's for a table in the launch's parameters).
+void encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, const py::list& float_blocks,
                    const py::list& int_blocks, const py::list& value_blocks, i64 n_float, i64 n_int, i64 int_off,
                    i64 payload_off) {
   const auto fbase = reinterpret_cast<intptr_t>(anchor.data_ptr());
-  const auto ibase = reinterpret_cast<intptr_t>(t);
   // Element offsets by shifts (floor, as the numpy twin's //), not a 64-bit division by a run-time
   // element size per source of a many-source block.
   const int fshift = anchor.element_size() == 2 ? 1 : 2;
@@ -653,15 +668,15 @@ void encode_gather(const at::Tensor& anchor, i64* t, i64 words, const py::list& 
     if (ok) std::memcpy(payload + p, view.buf, count * 4);
     PyBuffer_Release(&view);
     TORCH_CHECK(ok, "values must be int32 and fit in the payload");
-    put(2 * payload_off + p, iword(dst.data_ptr()), count,
-        (dst.element_size() == 8) << 1);
+    put(2 * payload_off + p, iword(dst.data_ptr()), count, ((dst.element_size() == 8) << 1) | 4);
     p += count;
   }
   TORCH_CHECK(n == n_int, "int jobs do not match their count");
 }
 
-// RowGather's compiled launch (gather.py): the job table encoded from the recorded blocks into a
-// pinned buffer the kernel reads in place, and the launch on the current stream; one call per step.
+// RowGather's compiled launch (gather.py): the job table encoded from the recorded blocks into the
+// launch's parameters (a larger one into a pinned buffer the kernel reads in place), and the launch
+// on the current stream; one call per step.
 class GatherStep {
  public:
   // `anchor`: a tensor of the float rows' dtype on the launch's device (float offsets are relative
@@ -693,27 +708,39 @@ class GatherStep {
     words_ = payload_off + (n_values + 1) / 2;
     const DeviceScope scope(anchor_);
     const cudaStream_t stream = scope.stream;
-    i64* t = table_.next(words_, stream);
-    encode_gather(anchor_, t, words_, float_blocks, int_blocks, value_blocks, n_float, n_int, int_off, payload_off);
-    if (anchor_.is_cuda()) {
+    in_params_ = words_ <= vok::kParamWords;
+    i64* t = in_params_ ? params_.data() : table_.next(words_, stream);
+    int_base_ = reinterpret_cast<intptr_t>(in_params_ ? anchor_.data_ptr() : static_cast<void*>(t));
+    encode_gather(anchor_, t, int_base_, words_, float_blocks, int_blocks, value_blocks, n_float, n_int, int_off,
+                  payload_off);
+    if (anchor_.is_cuda() && in_params_) {
+      vok::launch_row_gather_params(anchor_.data_ptr(), anchor_.element_size(), t, words_, width_, int_off,
+                                    n_float + n_int, aligned, stream);
+    } else if (anchor_.is_cuda()) {
       vok::launch_row_gather(anchor_.data_ptr(), anchor_.element_size(), t, width_, int_off, n_float + n_int, aligned,
                              stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    table_.queued(stream);
+    if (!in_params_) table_.queued(stream);
     return 1;
   }
 
-  // The table the last call encoded (flat int64), for tests.
-  at::Tensor table() const {
+  // The table the last call encoded (flat int64) and the address its int words are offsets from,
+  // for tests.
+  at::Tensor table() {
+    if (in_params_) return at::from_blob(params_.data(), {words_}, at::TensorOptions().dtype(at::kLong));
     const at::Tensor cur = table_.current();
     return cur.defined() ? cur.view(-1).narrow(0, 0, words_) : cur;
   }
+  i64 int_base() const { return static_cast<i64>(int_base_); }
 
  private:
   at::Tensor anchor_;
   i64 width_, float_cap_, int_cap_, payload_cap_;
-  MetaRing table_;
+  MetaRing table_;  // tables of more than kParamWords words
+  std::vector<i64> params_ = std::vector<i64>(vok::kParamWords);  // the launch's parameters
+  bool in_params_ = false;
+  intptr_t int_base_ = 0;
   i64 words_ = 0;
 };
 
@@ -834,6 +861,7 @@ PYBIND11_MODULE(_vok_ops, m) {
       .def("__call__", &RingStep::operator(), py::arg("ids"), py::arg("data"), py::arg("lengths"),
            py::arg("version"))
       .def_property_readonly("staged", &RingStep::staged)
+      .def_property_readonly("staged_in_params", &RingStep::staged_in_params)
       .def_property_readonly(
           "call",
           [](py::object self) { return make_step_call(self, self.cast<RingStep*>(), ring_step_entry, kRingCall); },
@@ -844,6 +872,7 @@ PYBIND11_MODULE(_vok_ops, m) {
       .def("__call__", &GatherStep::operator(), py::arg("float_blocks"), py::arg("int_blocks"),
            py::arg("value_blocks"), py::arg("n_float"), py::arg("n_int"), py::arg("n_values"), py::arg("aligned"))
       .def_property_readonly("table", &GatherStep::table)
+      .def_property_readonly("int_base", &GatherStep::int_base)
       .def_property_readonly(
           "call",
           [](py::object self) {

@@ -17,6 +17,7 @@
 namespace vok {
 
 static_assert(kGatherRowBlockBytes == kGatherBlockBytes, "vok_launch.h and vok_kernels.cuh disagree on gather blocks");
+static_assert(sizeof(Words<kParamWords>) + 48 <= 32764, "a launch's parameters fit in 32764 bytes");
 
 namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -69,6 +70,51 @@ void launch_row_gather(void* f, int es, int64_t* table, int64_t width, int64_t i
     if (aligned) vok_row_gather_e4_a1<<<grid, kGatherThreads, 0, s>>>(f, ib, t, width, int_off);
     else vok_row_gather_e4_a0<<<grid, kGatherThreads, 0, s>>>(f, ib, t, width, int_off);
   }
+}
+
+// The `_p<N>` entry of the smallest size N that holds `words` (callers check words <= kParamWords).
+#define VOK_SIZE_PICK(N, PREFIX, SUFFIX) \
+  if (words <= N) return reinterpret_cast<const void*>(&PREFIX##SUFFIX##_p##N);
+
+namespace {
+const void* ring_write_params_entry(int es, bool last, int64_t words) {
+  if (es == 2 && !last) { VOK_PARAM_WORDS(VOK_SIZE_PICK, vok_ring_write_e2_, dim0) }
+  if (es == 2 && last) { VOK_PARAM_WORDS(VOK_SIZE_PICK, vok_ring_write_e2_, last) }
+  if (es == 4 && !last) { VOK_PARAM_WORDS(VOK_SIZE_PICK, vok_ring_write_e4_, dim0) }
+  if (es == 4 && last) { VOK_PARAM_WORDS(VOK_SIZE_PICK, vok_ring_write_e4_, last) }
+  if (es == 8 && !last) { VOK_PARAM_WORDS(VOK_SIZE_PICK, vok_ring_write_e8_, dim0) }
+  if (es == 8 && last) { VOK_PARAM_WORDS(VOK_SIZE_PICK, vok_ring_write_e8_, last) }
+  return nullptr;
+}
+
+const void* row_gather_params_entry(int es, bool aligned, int64_t words) {
+  if (es == 2 && !aligned) { VOK_PARAM_WORDS(VOK_SIZE_PICK, vok_row_gather_e2_, a0) }
+  if (es == 2 && aligned) { VOK_PARAM_WORDS(VOK_SIZE_PICK, vok_row_gather_e2_, a1) }
+  if (es == 4 && !aligned) { VOK_PARAM_WORDS(VOK_SIZE_PICK, vok_row_gather_e4_, a0) }
+  if (es == 4 && aligned) { VOK_PARAM_WORDS(VOK_SIZE_PICK, vok_row_gather_e4_, a1) }
+  return nullptr;
+}
+}  // namespace
+#undef VOK_SIZE_PICK
+
+// cudaLaunchKernel reads each argument through a pointer: the metadata's is the caller's buffer
+// itself, so nothing is copied before the driver copies the parameters.
+void launch_ring_write_params(void* a, int es, int64_t* state, const int64_t* meta, const void* src, int64_t rows,
+                              int64_t frame_elems, bool last, int64_t max_elems, cudaStream_t s) {
+  const dim3 grid = ring_grid(rows, max_elems);
+  int mono = last && frame_elems == 1;
+  long long F = frame_elems;
+  void* x = const_cast<void*>(src);
+  void* args[] = {&a, &state, const_cast<int64_t*>(meta), &x, &F, &mono};
+  C10_CUDA_CHECK(cudaLaunchKernel(ring_write_params_entry(es, last, rows * 8), grid, dim3(kRingThreads), args, 0, s));
+}
+
+void launch_row_gather_params(void* f, int es, const int64_t* table, int64_t words, int64_t width, int64_t int_off,
+                              int64_t grid_rows, bool aligned, cudaStream_t s) {
+  const dim3 grid(grid_rows, std::max<int64_t>(1, ceil_div(width * es, kGatherBlockBytes)));
+  long long W = width, off = int_off;
+  void* args[] = {&f, const_cast<int64_t*>(table), &W, &off};
+  C10_CUDA_CHECK(cudaLaunchKernel(row_gather_params_entry(es, aligned, words), grid, dim3(kGatherThreads), args, 0, s));
 }
 
 }  // namespace vok

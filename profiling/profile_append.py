@@ -84,7 +84,7 @@ for r in range(args.rounds + 1):  # round 0 warms up
 for name, runs in rounds.items():
     print(f"{B}x{T}: {statistics.median(runs):6.2f} us per call (median of {len(runs)} rounds, "
           f"{min(runs):.2f} to {max(runs):.2f}): {name}")
-if dev == "cuda":  # the append kernel's own time on the device (it reads its metadata in place from pinned memory)
+if dev == "cuda":  # the append kernel's own time on the device (its metadata in the launch's parameters, or pinned)
     steps(20)
     us = kernel_device_us(lambda: steps(200), "ring_write")
     if us:

@@ -27,8 +27,11 @@ from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "kernels"
+PARAM_WORDS = (128, 512, 2048, 4088)  # the sizes of the entries that take their metadata as parameters
 ENTRY_POINTS = [f"vok_ring_{op}_e{s}_{k}" for op in ("write", "read") for s in (2, 4, 8) for k in ("dim0", "last")] + \
-    [f"vok_row_gather_e{s}_a{a}" for s in (2, 4) for a in (0, 1)]
+    [f"vok_row_gather_e{s}_a{a}" for s in (2, 4) for a in (0, 1)] + \
+    [f"vok_ring_write_e{s}_{k}_p{n}" for s in (2, 4, 8) for k in ("dim0", "last") for n in PARAM_WORDS] + \
+    [f"vok_row_gather_e{s}_a{a}_p{n}" for s in (2, 4) for a in (0, 1) for n in PARAM_WORDS]
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 
@@ -146,6 +149,7 @@ def test_compiled_ring_step_plans_as_the_numpy_plan(compiled_module, seed, bad, 
     assert np.array_equal(pool._table, after_np)
     if bad == "none":
         assert got == len(sub) and got_np == n.max()
+        assert step.staged_in_params  # a few rows: the launch's parameters
         assert np.array_equal(step.staged.numpy(), staged_np)
     else:
         assert got == -1 and got_np == -(b + 1)
@@ -274,6 +278,10 @@ def test_compiled_ring_step_declines_more_rows_than_one_launch_takes(compiled_mo
     assert torch.equal(table, before)
     step.set_slots(ids[:-1], list(range(rows - 1)), 1)
     assert step(ids[:-1], torch.zeros(rows - 1, 1), np.ones(rows - 1, np.int64), 1) == rows - 1
+    assert not step.staged_in_params  # too many rows for the parameters: staged in the ring
+    staged = step.staged.numpy()
+    assert staged.shape == (rows - 1, 8) and np.array_equal(staged[:, 0], np.arange(rows - 1))
+    assert np.array_equal(staged[:, 2], np.ones(rows - 1)) and np.array_equal(staged[:, 1], np.arange(rows - 1))
 
 
 @needs_cmake
@@ -301,8 +309,9 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
     assert step.call(*args) == 1  # the per-step entry encodes the same
     compiled = step.table
     assert compiled.numel() == layout.words
+    assert step.int_base == anchor.data_ptr()  # a small table travels in the parameters: ints from the anchor
     numpy_table = np.full(layout.words, -7, np.int64)
-    j.encode(numpy_table, layout, anchor.data_ptr(), compiled.data_ptr())
+    j.encode(numpy_table, layout, anchor.data_ptr(), step.int_base)
     assert np.array_equal(compiled.numpy(), numpy_table)
     # Many-source blocks carry check_each's notes of their sources; without them the encoder reads
     # the tensors again and writes the same words.
@@ -312,6 +321,31 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
     step.table.fill_(-7)
     assert step.call(*bare, *args[2:]) == 1
     assert np.array_equal(step.table.numpy(), numpy_table)
+
+
+@needs_cmake
+def test_compiled_gather_tables_past_the_parameter_size_are_staged_with_ints_from_the_table(compiled_module):
+    """A table of more words than a launch's parameters take (kernels/vok_launch.h: 4088) goes to
+    the pinned ring, its int words offsets from the table itself; the encoders agree there too."""
+    rows = 2100  # 2 + 2 * 2100 float words alone
+    gather = RowGather(torch.float32, 4, "cpu", max_float_rows=rows, max_int_rows=2, max_values=8)
+    src, dst = torch.randn(rows, 4), torch.zeros(rows, 4)
+    ids, out = torch.arange(6, dtype=torch.int64).view(1, 6), torch.zeros(1, 6, dtype=torch.int32)
+    j = gather.jobs
+    j.rows(dst, np.arange(rows)[::-1].copy(), src)
+    j.ints(out, np.arange(1), ids)  # one int job of 6 elements
+    j.values(torch.zeros(5, dtype=torch.int32), np.arange(5, dtype=np.int32))
+    layout = TableLayout(j.n_float, j.n_int, j.n_values)
+    assert layout.words > 4088
+    anchor = torch.zeros(1)
+    step = compiled_module.GatherStep(anchor, 4, rows, 2, 8)
+    assert step.call(j.float_blocks, j.int_blocks, j.value_blocks, j.n_float, j.n_int, j.n_values, j.aligned) == 1
+    table = step.table
+    assert step.int_base == table.data_ptr() != anchor.data_ptr()
+    numpy_table = np.zeros(layout.words, np.int64)
+    j.encode(numpy_table, layout, anchor.data_ptr(), step.int_base)
+    assert np.array_equal(table.numpy(), numpy_table)
+    assert numpy_table[layout.int_off + 4 + 3] == 4  # the value job (int job 1) reads the table's payload
 
 
 @needs_cmake

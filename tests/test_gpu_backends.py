@@ -18,6 +18,7 @@ from phase_fakes import FakeRunner, FakeTalker
 from ring_cases import check_case, check_graph_of_appends
 from test_phase_routing import MIXED, PROMPTS, check_step
 from vllm_omni_kernels import backend as _backend
+from vllm_omni_kernels.gather import RowGather
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
@@ -140,6 +141,49 @@ def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, max_le
     on("cuda")
     for a, b in zip(want, pools["cuda"].consolidate(ids[3:])):
         assert torch.equal(a, b.cpu())
+
+
+def test_steps_on_either_side_of_the_launch_parameter_size_match_the_reference(kernel_backend, monkeypatch):
+    """The compiled eager steps carry their metadata in the launch's parameters up to 4088 words
+    (kernels/vok_launch.h) and stage larger steps in pinned memory: ring steps of 511 rows (8 words
+    each: parameters) and 512 or 600 rows (staged), gather tables of 2000 and 2100 float rows plus an
+    int job and values (parameters, staged). Every backend matches the reference on both sides."""
+    rng = np.random.default_rng(11)
+    for rows in (511, 512, 600):
+        pools = {}
+        for d in ("cpu", "cuda"):
+            monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend if d == "cuda" else "torch")
+            pools[d] = p = RingPool("k", torch.float32, (), d, S.CONCAT_LAST, budget_bytes=1 << 26,
+                                    initial_frames=64, max_slots=rows)
+            for r in range(rows):
+                p.alloc(f"r{r}")
+        ids = [f"r{r}" for r in range(rows)]
+        for _ in range(2):
+            lens = rng.integers(0, 33, rows)
+            data = torch.randn(rows, 32)
+            for d, p in pools.items():
+                monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend if d == "cuda" else "torch")
+                p.append(ids, PaddedBatch(data.to(d), lens))
+        monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend)
+        got = pools["cuda"].consolidate(ids)
+        monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", "torch")
+        for a, b in zip(pools["cpu"].consolidate(ids), got):
+            assert torch.equal(a, b.cpu())
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend)
+    for rows in (2000, 2100):
+        gather = RowGather(torch.bfloat16, 8, "cuda", max_float_rows=rows, max_int_rows=2, max_values=8)
+        src = torch.randn(rows, 8, device="cuda").bfloat16()
+        dst = torch.zeros(rows, 8, dtype=torch.bfloat16, device="cuda")
+        ids_src = torch.arange(6, device="cuda").view(1, 6) - 3
+        ids_dst = torch.zeros(1, 6, dtype=torch.int32, device="cuda")
+        flags = torch.zeros(5, dtype=torch.int64, device="cuda")
+        order = rng.permutation(rows)
+        gather.jobs.rows(dst, order, src)
+        gather.jobs.ints(ids_dst, np.arange(1), ids_src)
+        gather.jobs.values(flags, np.arange(5, dtype=np.int32) - 2)
+        assert gather.launch() == 1
+        assert torch.equal(dst[torch.from_numpy(order).cuda()], src)
+        assert torch.equal(ids_dst, ids_src.int()) and torch.equal(flags.cpu(), torch.arange(5) - 2)
 
 
 def test_graph_of_appends_replayed(kernel_backend):

@@ -1,9 +1,10 @@
 """``RowGather``: one fused launch of row copies per call, with its metadata in a persistent buffer.
 
 The launcher owns a ``GatherJobs`` (what to copy), a ring of pinned host tables and a device table.
-``launch()`` is the eager step: validate, encode on the host into the next pinned table, one kernel
-that reads that table in place over the bus (pinned memory is device-addressable): no copy, nothing
-else on the device, nothing allocated. For CUDA graphs, ``prepare_static()`` uploads the table into
+``launch()`` is the eager step: validate, encode on the host, one kernel, nothing else on the device,
+nothing allocated. The compiled backend passes the table in the launch's parameters (up to 4088
+words; ``kernels/vok_python.cpp``); the other backends encode into the next pinned table and the
+kernel reads it in place over the bus (pinned memory is device-addressable): no copy. For CUDA graphs, ``prepare_static()`` uploads the table into
 the resident device table (before each replay) and ``run_static(grid_rows)`` is the one kernel to
 capture.
 """

@@ -11,11 +11,13 @@ Frames: CONCAT_DIM0 chunks are ``[n, *frame_shape]`` (n frames); CONCAT_LAST chu
 
 Host mirrors: every head, tail, unread size and capacity lives in numpy arrays on the host, so all
 validation (dtype, shape, device, unknown slot, overflow) and growth decisions happen before a launch
-and never read the device. A step costs one kernel launch and nothing else on the device: the
-kernel reads the step's metadata rows in place from a ring of pinned host buffers (device-addressable;
-a buffer is reused only after the work that read it has run). A step of long rows (more than
-``UPLOAD_ELEMS`` elements: several programs per row, each of which would read its row over the bus)
-copies its metadata to a device buffer first: one small copy, then the kernel. The device heads are
+and never read the device. A step costs one kernel launch and nothing else on the device. The
+compiled backend's step passes the metadata rows in the launch's parameters (up to 511 rows; see
+``kernels/vok_python.cpp``). Otherwise the kernel reads them in place from a ring of pinned host
+buffers (device-addressable; a buffer is reused only after the work that read it has run), and a
+step of long rows (more than ``UPLOAD_ELEMS`` elements: several programs per row, each of which
+would read its row over the bus) copies its metadata to a device buffer first: one small copy, then
+the kernel. The device heads are
 written by the kernel itself, so a ``StaticAppend`` (metadata resident on the device) can be
 captured in a CUDA graph and replayed step after step.
 

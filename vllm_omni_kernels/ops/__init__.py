@@ -100,8 +100,9 @@ def gather_step(is_cuda: bool):
     ``factory(anchor, width, capacity)`` binds a gather (float offsets are relative to ``anchor``, a
     tensor of the float dtype on the launch's device; ``capacity`` a ``TableLayout`` of its limits).
     ``step(float_blocks, int_blocks, value_blocks, n_float, n_int, n_values, aligned)`` checks the
-    counts against ``capacity`` (``ValueError``), encodes a ``GatherJobs``'s jobs into its own pinned
-    table and launches the kernel reading it in place; it returns the launches (0 without jobs).
+    counts against ``capacity`` (``ValueError``), encodes a ``GatherJobs``'s jobs into the launch's
+    parameters (a table of more than 4088 words into its own pinned table, read in place) and
+    launches the kernel; it returns the launches (0 without jobs).
     ``step.call`` is the same call without pybind11's dispatch (positional arguments): the per-step
     entry.
     """

@@ -14,10 +14,14 @@ Table (int64, flat; capacities fixed per ``TableLayout``)::
 
     [0] n_float  [1] n_int
     [2 + 2j, 3 + 2j]                      float job j: src, dst element offsets from the float base
-    [i_off + 4j .. i_off + 4j + 3]        int job j: src, dst int32-word offsets from the int base
-                                          (the table itself), element count, flags (1: src is int64,
-                                          2: dst is int64)
+    [i_off + 4j .. i_off + 4j + 3]        int job j: src, dst int32-word offsets from the int base,
+                                          element count, flags (1: src is int64, 2: dst is int64,
+                                          4: src is in this table, offset from its start)
     [p_off ..]                            payload: int32 values that value jobs copy from
+
+The int base is the table's own device address, except for the compiled eager launch, which passes
+its table in the kernel's parameters (``kernels/vok_launch.h``): the host cannot know where those
+live, so its int words are offsets from the float base, and payload sources (flag 4) from the table.
 """
 
 from __future__ import annotations
@@ -385,7 +389,7 @@ class GatherJobs:
         twin is ``encode_gather`` in ``kernels/vok_python.cpp``: same words, same order).
 
         ``float_base``/``int_base`` are the data pointers the kernel gets as its two bases (a float
-        anchor tensor of the launcher, and the device table itself).
+        anchor tensor of the launcher, and the device table itself; see the module docstring).
         """
         self._check_capacity(layout)
         out[0], out[1] = self.n_float, self.n_int
@@ -461,6 +465,6 @@ class GatherJobs:
             rec[0] = 2 * layout.payload_off + p
             rec[1] = (dst.data_ptr() - int_base) // 4
             rec[2] = v.size
-            rec[3] = (dst.element_size() == 8) << 1
+            rec[3] = ((dst.element_size() == 8) << 1) | 4
             pos += 1
             p += v.size

@@ -45,6 +45,7 @@ def _row_gather_kernel(fbase, ibase, table, W, I_OFF, BLOCK_F: tl.constexpr, BLO
         dst = tl.load(rec + 1)
         n = tl.load(rec + 2)
         flags = tl.load(rec + 3)
+        # flag 4 (a payload in the table) needs nothing here: this kernel's int base is the table
         s_wide = (flags & 1) != 0
         d_wide = (flags & 2) != 0
         s_step = 1 + (flags & 1)
