@@ -27,7 +27,7 @@ from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "kernels"
-PARAM_WORDS = (128, 512, 2048, 4088)  # the sizes of the entries that take their metadata as parameters
+PARAM_WORDS = (128, 256, 512, 1024, 2048, 3072, 4088)  # the sizes of the entries that take their metadata as parameters
 ENTRY_POINTS = [f"vok_ring_{op}_e{s}_{k}" for op in ("write", "read") for s in (2, 4, 8) for k in ("dim0", "last")] + \
     [f"vok_row_gather_e{s}_a{a}" for s in (2, 4) for a in (0, 1)] + \
     [f"vok_ring_write_e{s}_{k}_p{n}" for s in (2, 4, 8) for k in ("dim0", "last") for n in PARAM_WORDS] + \

@@ -145,11 +145,12 @@ def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, max_le
 
 def test_steps_on_either_side_of_the_launch_parameter_size_match_the_reference(kernel_backend, monkeypatch):
     """The compiled eager steps carry their metadata in the launch's parameters up to 4088 words
-    (kernels/vok_launch.h) and stage larger steps in pinned memory: ring steps of 511 rows (8 words
-    each: parameters) and 512 or 600 rows (staged), gather tables of 2000 and 2100 float rows plus an
-    int job and values (parameters, staged). Every backend matches the reference on both sides."""
+    (kernels/vok_launch.h; entries of 128 to 4088 words) and stage larger steps in pinned memory:
+    ring steps of 20 to 511 rows (8 words each: every parameter size from 256 words) and of 512 or
+    600 rows (staged), gather tables of 1200, 2000 and 2100 float rows plus an int job and values
+    (parameters of 3072 and 4088 words, staged). Every backend matches the reference."""
     rng = np.random.default_rng(11)
-    for rows in (511, 512, 600):
+    for rows in (20, 100, 200, 300, 511, 512, 600):
         pools = {}
         for d in ("cpu", "cuda"):
             monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend if d == "cuda" else "torch")
@@ -170,7 +171,7 @@ def test_steps_on_either_side_of_the_launch_parameter_size_match_the_reference(k
         for a, b in zip(pools["cpu"].consolidate(ids), got):
             assert torch.equal(a, b.cpu())
     monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend)
-    for rows in (2000, 2100):
+    for rows in (1200, 2000, 2100):
         gather = RowGather(torch.bfloat16, 8, "cuda", max_float_rows=rows, max_int_rows=2, max_values=8)
         src = torch.randn(rows, 8, device="cuda").bfloat16()
         dst = torch.zeros(rows, 8, dtype=torch.bfloat16, device="cuda")
