@@ -1,0 +1,93 @@
+"""Device time of the eager steps' kernels, and whether their launch calls wait on the device.
+
+For the fused gather (``host_cost_gather.Scenario``: mtp / non_mtp at B rows, H=4096, bf16) it prints
+the host time of one launch call back to back and with the device drained before each call (if
+the drained call is much cheaper, the back-to-back call waits on queued work), the eager kernels'
+device time from the CUDA profiler, and the whole step per step; for the ring append
+(``RingPool.append``, float32 audio, B x 1920) the append kernel's device time. This is how the
+pinned tables' cost was found: a kernel that reads its table in place from pinned host memory
+crosses the bus once per warp (``profiling/RESULTS.md``, seventh session).
+
+Usage: python profiling/eager_device_time.py [--batches 64,256] [--kinds mtp,non_mtp] [--steps 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from cuda_timing import kernel_device_us  # noqa: E402
+from host_cost_gather import Scenario  # noqa: E402
+from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
+from vllm_omni_kernels.ring import PaddedBatch, RingPool  # noqa: E402
+
+
+def launch_call_us(sc: Scenario, steps: int, drain: bool) -> float:
+    """Median host microseconds of one launch call over ``steps`` steps."""
+    out = []
+    for _ in range(steps):
+        if drain:
+            torch.cuda.synchronize()
+        out.append(sc.step() / sc.launches * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--kinds", default="mtp,non_mtp")
+    ap.add_argument("--steps", type=int, default=1000)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("eager_device_time needs a CUDA device")
+    tiny = torch.zeros(1, device="cuda")
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        tiny.zero_()
+    torch.cuda.synchronize()
+    print(f"floor: tiny.zero_() {(time.perf_counter() - t0) / 2000 * 1e6:.2f} us", flush=True)
+    for B in (int(b) for b in args.batches.split(",")):
+        for kind in args.kinds.split(","):
+            sc = Scenario(kind, B, 4096, "cuda")
+            for _ in range(50):
+                sc.step()
+            busy = launch_call_us(sc, args.steps, drain=False)
+            idle = launch_call_us(sc, args.steps // 3, drain=True)
+            kernels = kernel_device_us(lambda sc=sc: [sc.step() for _ in range(20)], "gather")
+            t0 = time.perf_counter()
+            for _ in range(args.steps // 2):
+                sc.step()
+            torch.cuda.synchronize()
+            step_us = (time.perf_counter() - t0) / (args.steps // 2) * 1e6
+            device = f"{statistics.median(kernels):6.2f} us (n={len(kernels)})" if kernels else "(no profiler)"
+            print(f"gather {kind:8s} B={B:4d}: launch call back to back {busy:6.2f} us, device drained {idle:6.2f} us; "
+                  f"eager kernel on the device {device}; whole step {step_us:6.1f} us", flush=True)
+        pool = RingPool("audio", torch.float32, (), "cuda", S.CONCAT_LAST, budget_bytes=1 << 31,
+                        initial_frames=1920 * 64, max_slots=B)
+        ids = [f"r{i}" for i in range(B)]
+        for r in ids:
+            pool.alloc(r)
+        batch = PaddedBatch(torch.randn(B, 1920, device="cuda"), np.full(B, 1920))
+
+        def appends():
+            for _ in range(10):
+                pool.append(ids, batch)
+
+        appends()
+        kernels = kernel_device_us(appends, "ring_write")
+        device = f"{statistics.median(kernels):6.2f} us (n={len(kernels)})" if kernels else "(no profiler)"
+        print(f"ring append {B}x1920: eager kernel on the device {device}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
