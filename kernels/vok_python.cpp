@@ -457,13 +457,25 @@ struct EachBlock {
     }
   }
   i64 count() const { return PyList_GET_SIZE(sources); }
-  // Source k's note: the recorded one, else read from the tensor into `scratch`.
-  const SourceNote& note(i64 k, SourceNote& scratch) const {
-    if (notes) return notes[k];
-    const at::Tensor& s = tensor_of(PyList_GET_ITEM(sources, k), "block source");
-    scratch = {static_cast<i64>(reinterpret_cast<intptr_t>(s.const_data_ptr())), s.stride(0), s.size(0),
-               static_cast<i64>(s.element_size())};
-    return scratch;
+  // f(note, start row) for every source in order, until f returns false (then false). The loop is
+  // compiled once for recorded notes and once for notes read from the tensors, so the usual one
+  // keeps its positions in registers.
+  template <class F>
+  bool each(F&& f) const {
+    const char* sp = static_cast<const char*>(starts.view.buf);
+    const i64 sstride = starts.view.strides[0], n = count();
+    if (notes) {
+      for (i64 k = 0; k < n; ++k)
+        if (!f(notes[k], RowIndex::load(sp + k * sstride))) return false;
+      return true;
+    }
+    for (i64 k = 0; k < n; ++k) {
+      const at::Tensor& s = tensor_of(PyList_GET_ITEM(sources, k), "block source");
+      const SourceNote note{static_cast<i64>(reinterpret_cast<intptr_t>(s.const_data_ptr())), s.stride(0), s.size(0),
+                            static_cast<i64>(s.element_size())};
+      if (!f(note, RowIndex::load(sp + k * sstride))) return false;
+    }
+    return true;
   }
 };
 
@@ -536,23 +548,20 @@ void encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, 
     PyObject* tup = block_at(float_blocks, i);
     if (PyList_Check(PyTuple_GET_ITEM(tup, 0))) {  // rows_each: every row of each source from its start row
       const EachBlock b(tup);
-      const i64 dO = fword(b.dst.data_ptr()), ds = b.dst.stride(0), count = b.count();
-      const RowIndex starts = b.starts.index();
+      const i64 dO = fword(b.dst.data_ptr()), ds = b.dst.stride(0);
       i64 pos = f;  // a local the loop keeps in a register
-      bool over = false;
-      for (i64 k = 0; k < count; ++k) {
-        SourceNote scratch;
-        const SourceNote& src = b.note(k, scratch);
-        const i64 so = (src.address - fbase) >> fshift, ss = src.stride, rows = src.rows, d0 = starts.at(k);
-        if ((over = pos + rows > n_float)) break;
+      const bool fits = b.each([&](const SourceNote& src, i64 d0) {
+        const i64 so = (src.address - fbase) >> fshift, ss = src.stride, rows = src.rows;
+        if (pos + rows > n_float) return false;
         i64* __restrict__ out = t + 2 + 2 * pos;
         for (i64 j = 0; j < rows; ++j) {
           out[2 * j] = so + j * ss;
           out[2 * j + 1] = dO + (d0 + j) * ds;
         }
         pos += rows;
-      }
-      TORCH_CHECK(!over, "float jobs do not match their count");
+        return true;
+      });
+      TORCH_CHECK(fits, "float jobs do not match their count");
       f = pos;
       continue;
     }
@@ -603,17 +612,12 @@ void encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, 
       const i64 dw = b.dst.element_size() / 4, ds = b.dst.stride(0) * dw;
       const i64 dO = iword(b.dst.data_ptr());
       const i64 width = b.dst.dim() == 2 ? b.dst.size(1) : 1;
-      const i64 count = b.count();
-      const RowIndex starts = b.starts.index();
       i64 pos = n;  // a local the loop keeps in a register (`put` holds n by reference)
-      bool over = false;
-      for (i64 k = 0; k < count; ++k) {
-        SourceNote scratch;
-        const SourceNote& src = b.note(k, scratch);
-        const i64 sw = src.elem_size / 4, rows = src.rows, d0 = starts.at(k);
+      const bool fits = b.each([&](const SourceNote& src, i64 d0) {
+        const i64 sw = src.elem_size >> 2, rows = src.rows;
         const i64 so = (src.address - ibase) >> 2, ss = src.stride * sw;
         const i64 flags = (sw == 2) | ((dw == 2) << 1);
-        if ((over = pos + rows > n_int)) break;
+        if (pos + rows > n_int) return false;
         i64* __restrict__ rec = t + int_off + 4 * pos;
         for (i64 j = 0; j < rows; ++j, rec += 4) {
           rec[0] = so + j * ss;
@@ -622,8 +626,9 @@ void encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, 
           rec[3] = flags;
         }
         pos += rows;
-      }
-      TORCH_CHECK(!over, "int jobs do not match their count");
+        return true;
+      });
+      TORCH_CHECK(fits, "int jobs do not match their count");
       n = pos;
       continue;
     }
