@@ -11,10 +11,11 @@
 // protects the head). Gather table: vllm_omni_kernels/ops/gather_jobs.py.
 //
 // Every copy kernel reads its metadata through a pointer (device memory, or pinned host memory read
-// in place) and also comes with the metadata in its parameters (`_p<N>`: N int64 words, the
-// parameter declared __grid_constant__ so it is read in place from the constant bank). The compiled
-// eager steps launch those: pinned memory read in place costs a bus round trip per warp, which for a
-// gather of a few hundred blocks is 10 us of device time; parameters cost nothing on the device.
+// in place). The ring write and the gather also come with the metadata in their parameters
+// (`_p<N>`: N int64 words, the parameter declared __grid_constant__ so it is read in place from the
+// constant bank). The compiled eager steps launch those: pinned memory read in place costs a bus
+// round trip per warp, which for a gather of a few hundred blocks was 11 to 15 us of device time on
+// the H200; from the parameters the kernels take 1.5 to 3.5 us.
 #pragma once
 
 namespace vok {
