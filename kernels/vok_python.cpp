@@ -55,30 +55,30 @@ constexpr i64 kDepth = 64, kEventEvery = 16;
 // device first instead of letting each program read its row over the bus (ring.py's UPLOAD_ELEMS).
 constexpr i64 kUploadElems = 4096;
 
-// Plan one append step (RingPool._plan_numpy has the same contract). Every row is checked first:
-// 0 <= n <= axis_len and n fits in the slot's free frames. Then the rows are staged, unread sizes
-// advance and head overrides (POS) are cleared, and the largest n is returned; else -(b + 1) for
-// the first row b that does not fit, with nothing written.
+// Plan one append step (RingPool._plan_numpy has the same contract; slots are distinct). Every row
+// is checked and staged first: 0 <= n <= axis_len and n fits in the slot's free frames. Then unread
+// sizes advance and head overrides (POS) are cleared, and the largest n is returned; else -(b + 1)
+// for the first row b that does not fit, with the slot table untouched (`staged` is scratch).
 i64 plan_rows(i64* __restrict__ table, const i64* __restrict__ slots, const i64* __restrict__ n, i64 B,
               i64* __restrict__ staged, i64 row_elems, i64 axis_len, i64 lin_stride) {
   i64 max_n = 0;
-  for (i64 b = 0; b < B; ++b) {
+  for (i64 b = 0; b < B; ++b) {  // one read of each slot's row: checked and staged together
     const i64 k = n[b];
     const i64* row = table + slots[b] * kCols;
     if (k < 0 || k > axis_len || k > row[kCap] - row[kSize]) return -(b + 1);
     max_n = std::max(max_n, k);
-  }
-  for (i64 b = 0; b < B; ++b) {
-    i64* row = table + slots[b] * kCols;
     i64* m = staged + b * kCols;
     m[kSlot] = slots[b];
     m[kLinOff] = b * row_elems;
-    m[kN] = n[b];
+    m[kN] = k;
     m[kBase] = row[kBase];
     m[kCap] = row[kCap];
     m[kPos] = row[kPos];
     m[kLinStride] = lin_stride;
     m[kSize] = row[kSize];
+  }
+  for (i64 b = 0; b < B; ++b) {
+    i64* row = table + slots[b] * kCols;
     row[kSize] += n[b];
     row[kPos] = -1;
   }
