@@ -5,9 +5,8 @@ The launcher owns a ``GatherJobs`` (what to copy), a ring of pinned host tables 
 nothing allocated. The compiled backend passes the table in the launch's parameters (up to 4088
 words; ``kernels/vok_python.cpp``); the other backends encode into the next pinned table and the
 kernel reads it in place over the bus (pinned memory is device-addressable): no copy. For CUDA
-graphs, ``prepare_static()`` uploads the table into
-the resident device table (before each replay) and ``run_static(grid_rows)`` is the one kernel to
-capture.
+graphs, ``prepare_static()`` uploads the table into the resident device table (before each replay)
+and ``run_static(grid_rows)`` is the one kernel to capture.
 """
 
 from __future__ import annotations
