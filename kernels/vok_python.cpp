@@ -10,7 +10,7 @@
 //                  launch's parameters, the launch.
 // The metadata travels in the kernel's parameters (vok_launch.h: up to kParamWords words; the
 // kernel reads it from the constant bank) rather than in pinned memory the kernel reads in place:
-// those reads cross the bus once per warp, which cost a gather of a few hundred blocks 10 to 15 us
+// those reads cross the bus once per warp, which cost a gather of a few hundred blocks 11 to 15 us
 // of device time on the H200. Larger steps stage it in pinned memory as before (MetaRing).
 // Given a CPU arena or anchor they plan or encode without launching: that is how CI tests them
 // against their numpy twins (RingPool._plan_numpy, GatherJobs.encode). The kernels stay registered as
@@ -145,9 +145,11 @@ const at::Tensor& tensor_of(PyObject* obj, const char* what) {
   return THPVariable_Unpack(obj);
 }
 
-// A ring of metadata buffers [rows, cols] int64 for one stream, pinned on CUDA (the kernel reads them
-// in place): PinnedStaging of staging.py, in C++. Buffer i is reused kDepth steps later, after the
-// first event recorded at or after its last use has completed (normally long ago: no wait).
+// Where a step's metadata [rows, cols] int64 goes, for one stream: the launch's parameters when they
+// hold it (in_params(): rows * cols <= kParamWords; the launch copies them, so the buffer is free
+// again at once), else a ring of buffers, pinned on CUDA (the kernel reads them in place):
+// PinnedStaging of staging.py, in C++. Ring buffer i is reused kDepth steps later, after the first
+// event recorded at or after its last use has completed (normally long ago: no wait).
 class MetaRing {
  public:
   // `twin_device`: where upload() copies to (its buffer is made with the ring's: a step must not
@@ -176,6 +178,8 @@ class MetaRing {
 
   // The next buffer, with at least `rows` rows; waits only if the device is far behind.
   i64* next(i64 rows, cudaStream_t stream) {
+    in_params_ = rows * cols_ <= vok::kParamWords;
+    if (in_params_) return params_.data();
     if (rows > rows_) grow(rows, stream);
     const i64 depth = static_cast<i64>(bufs_.size());
     if (pinned_ && count_ - depth >= done_) {
@@ -190,7 +194,7 @@ class MetaRing {
   // Copies the first `rows` rows of the buffer handed out by next() into a device twin (reused every
   // step: the copy and the kernels that read it are ordered on the one stream) and returns the twin.
   i64* upload(i64 rows, cudaStream_t stream) {
-    TORCH_CHECK(twin_.defined(), "this metadata ring has no device twin");
+    TORCH_CHECK(!in_params_ && twin_.defined(), "this metadata ring has no device twin for this buffer");
     C10_CUDA_CHECK(cudaMemcpyAsync(twin_.data_ptr<i64>(), bufs_[current_].data_ptr<i64>(), rows * cols_ * sizeof(i64),
                                    cudaMemcpyHostToDevice, stream));
     return twin_.data_ptr<i64>();
@@ -198,6 +202,7 @@ class MetaRing {
 
   // The buffer handed out by next() is now read by queued work.
   void queued(cudaStream_t stream) {
+    if (in_params_) return;  // copied by the launch
     ++count_;
     last_stream_ = stream;
     if (pinned_ && count_ % kEventEvery == 0) {
@@ -208,7 +213,14 @@ class MetaRing {
     }
   }
 
-  at::Tensor current() const { return bufs_.empty() ? at::Tensor() : bufs_[current_]; }
+  // Whether the buffer handed out by next() is the launch's parameters.
+  bool in_params() const { return in_params_; }
+
+  // The buffer handed out by next() (all its rows), for tests.
+  at::Tensor current() {
+    if (in_params_) return at::from_blob(params_.data(), {vok::kParamWords / cols_, cols_}, at::kLong);
+    return bufs_.empty() ? at::Tensor() : bufs_[current_];
+  }
 
  private:
   void grow(i64 rows, cudaStream_t stream) {
@@ -239,6 +251,8 @@ class MetaRing {
   std::optional<at::Device> twin_device_;
   at::Tensor twin_;  // upload()'s device copy
   std::deque<std::pair<i64, cudaEvent_t>> events_;
+  std::vector<i64> params_ = std::vector<i64>(vok::kParamWords);  // the launch's parameters
+  bool in_params_ = false;
 };
 
 // RingPool's fast append step (ring.py): one call checks the step, plans it and launches it.
@@ -289,14 +303,12 @@ class RingStep {
 
     const DeviceScope scope(arena_);
     const cudaStream_t stream = scope.stream;
-    const bool in_params = B * kCols <= vok::kParamWords;
-    i64* staged = in_params ? params_.data() : meta_.next(B, stream);
+    i64* staged = meta_.next(B, stream);
     const i64 max_n = plan_rows(table_.data_ptr<i64>(), slots_.data(), n_.data(), B, staged, row_elems, axis_len,
                                 last_ ? axis_len : frame_elems_);
     if (max_n < 0) return -1;
-    staged_in_params_ = in_params;
     const i64 max_elems = max_n * frame_elems_;
-    if (arena_.is_cuda() && in_params) {
+    if (arena_.is_cuda() && meta_.in_params()) {
       vok::launch_ring_write_params(arena_.data_ptr(), arena_.element_size(), state_.data_ptr<i64>(), staged,
                                     data.data_ptr(), B, frame_elems_, last_, max_elems, stream);
     } else if (arena_.is_cuda()) {
@@ -305,19 +317,17 @@ class RingStep {
                              B, frame_elems_, last_, max_elems, stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (!in_params) meta_.queued(stream);
+    meta_.queued(stream);
     return B;
   }
 
   // The metadata rows the last step staged (its first B rows), for tests; `staged_in_params`: whether
   // they went in the launch's parameters (else in the pinned ring).
   at::Tensor staged() {
-    const i64 B = static_cast<i64>(slots_.size());
-    if (staged_in_params_) return at::from_blob(params_.data(), {B, kCols}, at::TensorOptions().dtype(at::kLong));
     const at::Tensor cur = meta_.current();
-    return cur.defined() ? cur.narrow(0, 0, B) : cur;
+    return cur.defined() ? cur.narrow(0, 0, static_cast<i64>(slots_.size())) : cur;
   }
-  bool staged_in_params() const { return staged_in_params_; }
+  bool staged_in_params() const { return meta_.in_params(); }
 
  private:
   bool same_ids(PyObject* ids) {
@@ -345,9 +355,7 @@ class RingStep {
   std::vector<i64> frame_shape_;
   bool last_;
   i64 frame_elems_ = 1;
-  MetaRing meta_;  // steps of more than kParamWords / kCols rows
-  std::vector<i64> params_ = std::vector<i64>(vok::kParamWords);  // the launch's parameters
-  bool staged_in_params_ = false;
+  MetaRing meta_;
   py::object ids_;  // a tuple once set_slots ran
   std::vector<i64> slots_, n_;
   i64 version_ = -1;
@@ -435,6 +443,10 @@ struct SourceNote {
   i64 stride;   // elements between rows
   i64 rows;
   i64 elem_size;
+  static SourceNote of(const at::Tensor& s) {
+    return {static_cast<i64>(reinterpret_cast<intptr_t>(s.const_data_ptr())), s.stride(0), s.size(0),
+            static_cast<i64>(s.element_size())};
+  }
 };
 
 // A block of many sources (gather_jobs.py's rows_each/ints_each): (sources, notes, dst, starts), every
@@ -470,9 +482,7 @@ struct EachBlock {
       return true;
     }
     for (i64 k = 0; k < n; ++k) {
-      const at::Tensor& s = tensor_of(PyList_GET_ITEM(sources, k), "block source");
-      const SourceNote note{static_cast<i64>(reinterpret_cast<intptr_t>(s.const_data_ptr())), s.stride(0), s.size(0),
-                            static_cast<i64>(s.element_size())};
+      const SourceNote note = SourceNote::of(tensor_of(PyList_GET_ITEM(sources, k), "block source"));
       if (!f(note, RowIndex::load(sp + k * sstride))) return false;
     }
     return true;
@@ -503,20 +513,19 @@ py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::T
     if (!THPVariable_Check(obj)) return decline();
     const at::Tensor& s = THPVariable_Unpack(obj);
     if (s.device() != device || s.dim() < 1) return decline();
-    const auto address = reinterpret_cast<intptr_t>(s.const_data_ptr());
-    const i64 stride = s.stride(0), es = s.element_size();
+    const SourceNote note = SourceNote::of(s);
     if (floating) {
       if (s.scalar_type() != dtype || s.dim() != 2 || s.size(1) != width || s.stride(1) != 1) return decline();
-      aligned = aligned && address % 16 == 0 && (stride * es) % 16 == 0;
+      aligned = aligned && note.address % 16 == 0 && (note.stride * note.elem_size) % 16 == 0;
     } else {
       const at::ScalarType t = s.scalar_type();
       if (t != at::kInt && t != at::kLong) return decline();
       if (dst.dim() == 1 ? s.dim() != 1 : (s.dim() != 2 || s.size(1) != width || s.stride(1) != 1)) return decline();
     }
-    const i64 start = st.at(k), n = s.size(0);
-    if (start < 0 || start + n > dst_rows) return decline();
-    notes[k] = {static_cast<i64>(address), stride, n, es};
-    rows += n;
+    const i64 start = st.at(k);
+    if (start < 0 || start + note.rows > dst_rows) return decline();
+    notes[k] = note;
+    rows += note.rows;
   }
   return py::make_tuple(rows, aligned, notes_obj);
 }
@@ -713,12 +722,10 @@ class GatherStep {
     words_ = payload_off + (n_values + 1) / 2;
     const DeviceScope scope(anchor_);
     const cudaStream_t stream = scope.stream;
-    in_params_ = words_ <= vok::kParamWords;
-    i64* t = in_params_ ? params_.data() : table_.next(words_, stream);
-    int_base_ = reinterpret_cast<intptr_t>(in_params_ ? anchor_.data_ptr() : static_cast<void*>(t));
-    encode_gather(anchor_, t, int_base_, words_, float_blocks, int_blocks, value_blocks, n_float, n_int, int_off,
+    i64* t = table_.next(words_, stream);
+    encode_gather(anchor_, t, int_base_for(t), words_, float_blocks, int_blocks, value_blocks, n_float, n_int, int_off,
                   payload_off);
-    if (anchor_.is_cuda() && in_params_) {
+    if (anchor_.is_cuda() && table_.in_params()) {
       vok::launch_row_gather_params(anchor_.data_ptr(), anchor_.element_size(), t, words_, width_, int_off,
                                     n_float + n_int, aligned, stream);
     } else if (anchor_.is_cuda()) {
@@ -726,26 +733,28 @@ class GatherStep {
                              stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (!in_params_) table_.queued(stream);
+    table_.queued(stream);
     return 1;
   }
 
   // The table the last call encoded (flat int64) and the address its int words are offsets from,
   // for tests.
   at::Tensor table() {
-    if (in_params_) return at::from_blob(params_.data(), {words_}, at::TensorOptions().dtype(at::kLong));
     const at::Tensor cur = table_.current();
     return cur.defined() ? cur.view(-1).narrow(0, 0, words_) : cur;
   }
-  i64 int_base() const { return static_cast<i64>(int_base_); }
+  i64 int_base() { return int_base_for(table_.current().data_ptr<i64>()); }
 
  private:
+  // Int words count from the table `t` itself, or from the anchor when the table travels in the
+  // launch's parameters (whose address the host cannot know).
+  intptr_t int_base_for(const i64* t) const {
+    return reinterpret_cast<intptr_t>(table_.in_params() ? anchor_.data_ptr() : static_cast<const void*>(t));
+  }
+
   at::Tensor anchor_;
   i64 width_, float_cap_, int_cap_, payload_cap_;
-  MetaRing table_;  // tables of more than kParamWords words
-  std::vector<i64> params_ = std::vector<i64>(vok::kParamWords);  // the launch's parameters
-  bool in_params_ = false;
-  intptr_t int_base_ = 0;
+  MetaRing table_;
   i64 words_ = 0;
 };
 
