@@ -103,15 +103,18 @@ def test_reused_slot_gets_its_head_reset_by_an_empty_first_append(kernel_backend
         assert torch.equal(got[1], torch.cat([torch.zeros(3, device="cuda"), x[1]]))
 
 
+def _backend_for(device: str, kernel_backend: str, monkeypatch) -> None:
+    """The backend setting is process-wide: a CUDA pool runs ``kernel_backend``, a CPU pool the
+    reference."""
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend if device == "cuda" else "torch")
+
+
 @pytest.mark.parametrize("max_len", [40, 5000], ids=["metadata read in place", "metadata uploaded"])
 @pytest.mark.parametrize("strategy, frame", [(S.CONCAT_LAST, ()), (S.CONCAT_LAST, (2,)), (S.CONCAT_DIM0, (16,))])
 def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, max_len, monkeypatch):
     """The same lifecycle on a CUDA pool (this backend) and a CPU pool (the reference). Rows of up to
     5000 frames run several programs per row: appends, growth copies and reads then copy their
     metadata to the device first (``UPLOAD_ELEMS``); short rows read it in place."""
-
-    def on(device):  # the backend setting is process-wide: switch it per pool
-        monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend if device == "cuda" else "torch")
 
     rng = np.random.default_rng(3)
     last = strategy is S.CONCAT_LAST
@@ -127,18 +130,19 @@ def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, max_le
         shape = (5, *frame, int(lens.max())) if last else (5, int(lens.max()), *frame)
         data = torch.randn(shape, generator=g).to(torch.bfloat16)
         for d, p in pools.items():
-            on(d)
+            _backend_for(d, kernel_backend, monkeypatch)
             p.append(ids, PaddedBatch(data.to(d), lens))
         if rng.random() < 0.4:
             outs = {}
             for d, p in pools.items():
-                on(d)
+                _backend_for(d, kernel_backend, monkeypatch)
                 outs[d] = p.drain(ids[:3])
             for a, b in zip(outs["cpu"], outs["cuda"]):
                 assert torch.equal(a, b.cpu())
-    on("cpu")  # consolidate the requests never drained (a drained request cannot be consolidated)
+    # consolidate the requests never drained (a drained request cannot be consolidated)
+    _backend_for("cpu", kernel_backend, monkeypatch)
     want = pools["cpu"].consolidate(ids[3:])
-    on("cuda")
+    _backend_for("cuda", kernel_backend, monkeypatch)
     for a, b in zip(want, pools["cuda"].consolidate(ids[3:])):
         assert torch.equal(a, b.cpu())
 
@@ -153,7 +157,7 @@ def test_steps_on_either_side_of_the_launch_parameter_size_match_the_reference(k
     for rows in (20, 100, 200, 300, 511, 512, 600):
         pools = {}
         for d in ("cpu", "cuda"):
-            monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend if d == "cuda" else "torch")
+            _backend_for(d, kernel_backend, monkeypatch)
             pools[d] = p = RingPool("k", torch.float32, (), d, S.CONCAT_LAST, budget_bytes=1 << 26,
                                     initial_frames=64, max_slots=rows)
             for r in range(rows):
@@ -163,14 +167,14 @@ def test_steps_on_either_side_of_the_launch_parameter_size_match_the_reference(k
             lens = rng.integers(0, 33, rows)
             data = torch.randn(rows, 32)
             for d, p in pools.items():
-                monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend if d == "cuda" else "torch")
+                _backend_for(d, kernel_backend, monkeypatch)
                 p.append(ids, PaddedBatch(data.to(d), lens))
-        monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend)
+        _backend_for("cuda", kernel_backend, monkeypatch)
         got = pools["cuda"].consolidate(ids)
-        monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", "torch")
+        _backend_for("cpu", kernel_backend, monkeypatch)
         for a, b in zip(pools["cpu"].consolidate(ids), got):
             assert torch.equal(a, b.cpu())
-    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", kernel_backend)
+    _backend_for("cuda", kernel_backend, monkeypatch)
     for rows in (1200, 2000, 2100):
         gather = RowGather(torch.bfloat16, 8, "cuda", max_float_rows=rows, max_int_rows=2, max_values=8)
         src = torch.randn(rows, 8, device="cuda").bfloat16()
