@@ -1,12 +1,12 @@
-"""Device time of the eager steps' kernels, and whether their launch calls wait on the device.
+"""Device time of the eager gather's kernels, and whether its launch calls wait on the device.
 
 For the fused gather (``host_cost_gather.Scenario``: mtp / non_mtp at B rows, H=4096, bf16) it prints
 the host time of one launch call back to back and with the device drained before each call (if
 the drained call is much cheaper, the back-to-back call waits on queued work), the eager kernels'
-device time from the CUDA profiler, and the whole step per step; for the ring append
-(``RingPool.append``, float32 audio, B x 1920) the append kernel's device time. This is how the
-pinned tables' cost was found: a kernel that reads its table in place from pinned host memory
-crosses the bus once per warp (``profiling/RESULTS.md``, seventh session).
+device time from the CUDA profiler, and the whole step per step. (``profile_append.py`` prints the
+same device time for the ring append.) This is how the pinned tables' cost was found: a kernel
+that reads its table in place from pinned host memory crosses the bus once per warp
+(``profiling/RESULTS.md``, seventh session).
 
 Usage: python profiling/eager_device_time.py [--batches 64,256] [--kinds mtp,non_mtp] [--steps 1000]
 """
@@ -22,13 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cuda_timing import kernel_device_us  # noqa: E402
 from host_cost_gather import Scenario  # noqa: E402
-from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
-from vllm_omni_kernels.ring import PaddedBatch, RingPool  # noqa: E402
 
 
 def launch_call_us(sc: Scenario, steps: int, drain: bool) -> float:
@@ -72,21 +69,6 @@ def main() -> None:
             device = f"{statistics.median(kernels):6.2f} us (n={len(kernels)})" if kernels else "(no profiler)"
             print(f"gather {kind:8s} B={B:4d}: launch call back to back {busy:6.2f} us, device drained {idle:6.2f} us; "
                   f"eager kernel on the device {device}; whole step {step_us:6.1f} us", flush=True)
-        pool = RingPool("audio", torch.float32, (), "cuda", S.CONCAT_LAST, budget_bytes=1 << 31,
-                        initial_frames=1920 * 64, max_slots=B)
-        ids = [f"r{i}" for i in range(B)]
-        for r in ids:
-            pool.alloc(r)
-        batch = PaddedBatch(torch.randn(B, 1920, device="cuda"), np.full(B, 1920))
-
-        def appends():
-            for _ in range(10):
-                pool.append(ids, batch)
-
-        appends()
-        kernels = kernel_device_us(appends, "ring_write")
-        device = f"{statistics.median(kernels):6.2f} us (n={len(kernels)})" if kernels else "(no profiler)"
-        print(f"ring append {B}x1920: eager kernel on the device {device}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,8 @@ compiled backend's step passes the metadata rows in the launch's parameters (up 
 buffers (device-addressable; a buffer is reused only after the work that read it has run), and a
 step of long rows (more than ``UPLOAD_ELEMS`` elements: several programs per row, each of which
 would read its row over the bus) copies its metadata to a device buffer first: one small copy, then
-the kernel. The device heads are
-written by the kernel itself, so a ``StaticAppend`` (metadata resident on the device) can be
-captured in a CUDA graph and replayed step after step.
+the kernel. The device heads are written by the kernel itself, so a ``StaticAppend`` (metadata
+resident on the device) can be captured in a CUDA graph and replayed step after step.
 
 Overflow: when a chunk would overwrite unread data the slot grows to the next size class that fits
 (at least double), copying its unread span on the device; with growth off, or the budget spent, that
