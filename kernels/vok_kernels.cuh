@@ -56,6 +56,28 @@ template <> struct Bits<2> { typedef unsigned short T; };
 template <> struct Bits<4> { typedef unsigned int T; };
 template <> struct Bits<8> { typedef unsigned long long T; };
 
+// Programmatic dependent launch (Hopper and newer). The compiled launchers may let a kernel's blocks
+// be scheduled before the kernel ahead of it in the stream has finished (vok_launch.h:
+// set_programmatic_launch); every kernel here then waits for it before touching memory at all
+// (wait_previous_grid), so nothing is read early: the metadata may itself come from a kernel. So a
+// chain of appends and gathers in a CUDA graph overlaps each launch with the tail of the kernel
+// before it. A ring write also lets the next such kernel be scheduled once it has issued its loads
+// (let_next_grid_start); the gather does not, and so lets it start as its blocks exit. Measured on
+// the H200 in a graph (profiling/RESULTS.md, eighth session): for the ring the early start is worth
+// 0.3 us at 8 x 48000; in the gather it cost up to 2 us at B = 1024 (more blocks than fit at once),
+// and 0.8 us there even without PDL. Without the launch attribute (CuPy, older GPUs, the setting off)
+// the wait returns at once.
+__device__ __forceinline__ void wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_grid_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 struct RingRow {
   i64 slot, lin_off, n, base, cap, pos, lin_stride;
 };
@@ -111,6 +133,7 @@ __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ aren
                                           const i64* __restrict__ meta, typename Bits<S>::T* __restrict__ lin_ptr,
                                           i64 F64) {
   typedef typename Bits<S>::T T;
+  wait_previous_grid();
   const RingRow r = load_row(meta, blockIdx.y);
   const int F = (int)F64, n = (int)r.n, total = n * F;
   const int start = blockIdx.x * (kRingThreads * kRingPerThread);
@@ -125,6 +148,7 @@ __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ aren
                       : arena[ring_offset<LAST>(r, r.pos, F64, outer[k], inner[k])];
     }
   }
+  let_next_grid_start();
   if (!WRITE) {
 #pragma unroll
     for (int k = 0; k < kRingPerThread; ++k) {
@@ -170,6 +194,7 @@ template <int S, bool ALIGNED>
 __device__ __forceinline__ void row_gather(char* __restrict__ fbase, int* __restrict__ ibase,
                                            const i64* __restrict__ table, i64 W, i64 i_off) {
   typedef typename Bits<S>::T T;
+  wait_previous_grid();
   const i64 job = blockIdx.x;
   const i64 n_float = table[0], n_int = table[1];
   if (job < n_float) {

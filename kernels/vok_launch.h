@@ -16,9 +16,19 @@ namespace vok {
 constexpr int64_t kMaxRingRows = 65535;
 constexpr int64_t kMaxRowElems = 2147483647;
 constexpr int64_t kGatherRowBlockBytes = 4096;
+constexpr int64_t kGatherIntThreads = 128;  // threads of a gather block: an int job's elements per block and pass
 inline bool gather_width_fits(int64_t width, int64_t elem_size) {
   return width > 0 && (width * elem_size + kGatherRowBlockBytes - 1) / kGatherRowBlockBytes <= 65535;
 }
+
+// Programmatic dependent launch: on Hopper and newer every launch below may let its blocks be
+// scheduled while the kernel ahead of it in the stream finishes (the kernels wait for it before
+// touching memory: vok_kernels.cuh, wait_previous_grid). In a CUDA graph this takes a launch's
+// latency off each of a chain of small kernels. On by default; VLLM_OMNI_KERNELS_PDL=0 in the
+// environment turns it off, and so does set_programmatic_launch(false) (for launches from then on;
+// a captured graph keeps what it was captured with).
+void set_programmatic_launch(bool enabled);
+bool programmatic_launch();
 
 // One block row per metadata row; `max_elems` (largest N * F of the step, <= 2**31 - 1) sizes the
 // grid. A write runs at least one block per row even when nothing is copied (it publishes POS).

@@ -536,13 +536,40 @@ PyObject* block_at(const py::list& blocks, size_t i) {
   return b;
 }
 
-// Encode the recorded jobs into `table` (host int64, flat): float jobs from word 2, int jobs from
-// `int_off`, value payloads from `payload_off`; array blocks in order, then single-row jobs, then
-// value jobs, exactly as GatherJobs.encode orders them. Int words are offsets from `ibase` (the
-// table's device address, or the anchor's for a table in the launch's parameters).
-void encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, const py::list& float_blocks,
-                   const py::list& int_blocks, const py::list& value_blocks, i64 n_float, i64 n_int, i64 int_off,
-                   i64 payload_off) {
+// gather_jobs._run_records: a run of `elems` int elements from word `src` to word `dst` (both sides
+// contiguous) as records of at most `cap` elements from `rec` on; returns the records written.
+i64 run_records(i64* __restrict__ rec, i64 src, i64 dst, i64 elems, i64 flags, i64 cap) {
+  const i64 sw = 1 + (flags & 1), dw = 1 + (flags >> 1);
+  i64 n = 0;
+  for (i64 first = 0; first < elems; first += cap, ++n, rec += 4) {
+    rec[0] = src + first * sw;
+    rec[1] = dst + first * dw;
+    rec[2] = std::min(cap, elems - first);
+    rec[3] = flags;
+  }
+  return n;
+}
+
+// Whether a block's rows are r, r + 1, ... (leading rows are).
+bool consecutive(const RowIndex& rows, i64 k) {
+  if (rows.leading) return true;
+  bool yes = true;
+  rows.with([&](auto at) {
+    const i64 first = at(0);
+    for (i64 j = 1; j < k && yes; ++j) yes = at(j) == first + j;
+  });
+  return yes;
+}
+
+// Encode the recorded jobs into `table` (host int64, flat, `words` long): float jobs from word 2, int
+// jobs from `int_off` (a block of consecutive rows as a run: run_records with `int_cap`), value jobs
+// after them and their payload after those; array blocks in order, then single-row jobs, then value
+// jobs, exactly as GatherJobs.encode orders them. Int words are offsets from `ibase` (the
+// table's device address, or the anchor's for a table in the launch's parameters). Returns the
+// words used; t[0] + t[1] is the launch's job count.
+i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, const py::list& float_blocks,
+                  const py::list& int_blocks, const py::list& value_blocks, i64 n_float, i64 n_int, i64 int_off,
+                  i64 int_cap) {
   const auto fbase = reinterpret_cast<intptr_t>(anchor.data_ptr());
   // Element offsets by shifts (floor, as the numpy twin's //), not a 64-bit division by a run-time
   // element size per source of a many-source block.
@@ -603,7 +630,8 @@ void encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, 
   }
   TORCH_CHECK(f == n_float, "float jobs do not match their count");
 
-  // Int jobs: records of (src word, dst word, width, flags) from word int_off.
+  // Int jobs: records of (src word, dst word, width, flags) from word int_off; a block of consecutive
+  // rows lying end to end on both sides as a run of elements (run_records).
   i64 n = 0;
   auto put = [&](i64 s, i64 d, i64 width, i64 flags) {
     TORCH_CHECK(n < n_int, "int jobs do not match their count");
@@ -653,6 +681,10 @@ void encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, 
       continue;
     }
     TORCH_CHECK(n + k <= n_int, "int jobs do not match their count");
+    if (ss == width * sw && ds == width * dw && consecutive(dr, k) && consecutive(sr, k)) {  // one run
+      n += run_records(t + int_off + 4 * n, so + sr.at(0) * ss, dO + dr.at(0) * ds, k * width, flags, int_cap);
+      continue;
+    }
     i64* __restrict__ rec = t + int_off + 4 * n;
     sr.with([&](auto src_at) {
       dr.with([&](auto dst_at) {
@@ -667,6 +699,11 @@ void encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, 
     n += k;
   }
   for (const auto& r : int_singles) put(r[0], r[1], r[2], r[3]);
+  // Value jobs follow the int records, their payload follows them.
+  const i64 value_jobs = static_cast<i64>(value_blocks.size());
+  TORCH_CHECK(n + value_jobs <= n_int, "int jobs do not match their count");
+  const i64 payload_off = int_off + 4 * (n + value_jobs);
+  t[1] = n + value_jobs;
   int32_t* payload = reinterpret_cast<int32_t*>(t + payload_off);
   const i64 payload_cap = 2 * (words - payload_off);
   i64 p = 0;
@@ -685,7 +722,7 @@ void encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, 
     put(2 * payload_off + p, iword(dst.data_ptr()), count, ((dst.element_size() == 8) << 1) | 4);
     p += count;
   }
-  TORCH_CHECK(n == n_int, "int jobs do not match their count");
+  return payload_off + (p + 1) / 2;
 }
 
 // RowGather's compiled launch (gather.py): the job table encoded from the recorded blocks into the
@@ -706,6 +743,7 @@ class GatherStep {
     const i64 es = anchor_.element_size();
     TORCH_CHECK((es == 2 || es == 4) && vok::gather_width_fits(width, es),
                 "float rows of 2 or 4 bytes and a width of 1 to 65535 * 4096 bytes");
+    int_run_cap_ = vok::kGatherIntThreads * ((width * es + vok::kGatherRowBlockBytes - 1) / vok::kGatherRowBlockBytes);
   }
 
   // Encode and launch the jobs of a GatherJobs (its blocks and counts; `aligned`: every float row
@@ -718,19 +756,19 @@ class GatherStep {
     TORCH_CHECK_VALUE(n_float <= float_cap_ && n_int <= int_cap_ && n_values <= payload_cap_, n_float,
                       " float rows / ", n_int, " int jobs / ", n_values, " values exceed this gather's capacity (",
                       float_cap_, " / ", int_cap_, " / ", payload_cap_, ")");
-    const i64 int_off = 2 + 2 * n_float, payload_off = int_off + 4 * n_int;
-    words_ = payload_off + (n_values + 1) / 2;
+    const i64 int_off = 2 + 2 * n_float;
+    const i64 most = int_off + 4 * n_int + (n_values + 1) / 2;  // before int jobs merge
     const DeviceScope scope(anchor_);
     const cudaStream_t stream = scope.stream;
-    i64* t = table_.next(words_, stream);
-    encode_gather(anchor_, t, int_base_for(t), words_, float_blocks, int_blocks, value_blocks, n_float, n_int, int_off,
-                  payload_off);
+    i64* t = table_.next(most, stream);
+    words_ = encode_gather(anchor_, t, int_base_for(t), most, float_blocks, int_blocks, value_blocks, n_float, n_int,
+                           int_off, int_run_cap_);
+    const i64 jobs = n_float + t[1];
     if (anchor_.is_cuda() && table_.in_params()) {
-      vok::launch_row_gather_params(anchor_.data_ptr(), anchor_.element_size(), t, words_, width_, int_off,
-                                    n_float + n_int, aligned, stream);
+      vok::launch_row_gather_params(anchor_.data_ptr(), anchor_.element_size(), t, words_, width_, int_off, jobs,
+                                    aligned, stream);
     } else if (anchor_.is_cuda()) {
-      vok::launch_row_gather(anchor_.data_ptr(), anchor_.element_size(), t, width_, int_off, n_float + n_int, aligned,
-                             stream);
+      vok::launch_row_gather(anchor_.data_ptr(), anchor_.element_size(), t, width_, int_off, jobs, aligned, stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     table_.queued(stream);
@@ -755,6 +793,7 @@ class GatherStep {
   at::Tensor anchor_;
   i64 width_, float_cap_, int_cap_, payload_cap_;
   MetaRing table_;
+  i64 int_run_cap_ = 0;  // gather_jobs.int_run_cap: the most elements of a run's record
   i64 words_ = 0;
 };
 
@@ -868,6 +907,10 @@ PYBIND11_MODULE(_vok_ops, m) {
   m.doc() = "vllm-omni-kernels compiled eager steps (kernels/vok_python.cpp); the kernels are torch ops too";
   m.def("check_each", &check_each, py::arg("sources"), py::arg("starts"), py::arg("dst"), py::arg("floating"),
         "GatherJobs.rows_each/ints_each: check every source against dst in one call");
+  m.def("set_programmatic_launch", &vok::set_programmatic_launch, py::arg("enabled"),
+        "Programmatic dependent launch of every kernel launched from now on (Hopper and newer; default "
+        "on unless VLLM_OMNI_KERNELS_PDL=0)");
+  m.def("programmatic_launch", &vok::programmatic_launch, "Whether launches use programmatic dependent launch");
   py::class_<RingStep>(m, "RingStep")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<i64>, bool>(), py::arg("arena"),
            py::arg("state"), py::arg("table"), py::arg("frame_shape"), py::arg("last"))

@@ -9,67 +9,117 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 
 #include "vok_kernels.cuh"
 #include "vok_launch.h"
 
 namespace vok {
 
-static_assert(kGatherRowBlockBytes == kGatherBlockBytes, "vok_launch.h and vok_kernels.cuh disagree on gather blocks");
+static_assert(kGatherRowBlockBytes == kGatherBlockBytes && kGatherIntThreads == kGatherThreads,
+              "vok_launch.h and vok_kernels.cuh disagree on gather blocks");
 static_assert(sizeof(Words<kParamWords>) + 48 <= 32764, "a launch's parameters fit in 32764 bytes");
 
 namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// -1: not read yet (VLLM_OMNI_KERNELS_PDL, default on); else 0 or 1.
+std::atomic<int> g_programmatic{-1};
+// Per device: 0 not known yet, 1 older than Hopper, 2 Hopper or newer (what the launch attribute is for).
+std::atomic<int> g_device_kind[64];
+
+bool programmatic_here() {
+  if (!programmatic_launch()) return false;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return false;
+  int kind = g_device_kind[dev].load(std::memory_order_relaxed);
+  if (kind == 0) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    kind = major >= 9 ? 2 : 1;
+    g_device_kind[dev].store(kind, std::memory_order_relaxed);
+  }
+  return kind == 2;
+}
+
+// Every launch of this file: `args` point at the kernel's arguments, in order.
+void launch(const void* kernel, dim3 grid, int threads, void** args, cudaStream_t s) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.stream = s;
+  cudaLaunchAttribute attr[1];
+  if (programmatic_here()) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelExC(&config, kernel, args));
+}
+
 dim3 ring_grid(int64_t rows, int64_t max_elems) {
   return dim3(std::max<int64_t>(1, ceil_div(max_elems, kRingThreads * kRingPerThread)), rows);
 }
+
+dim3 gather_grid(int64_t grid_rows, int64_t width, int es) {
+  return dim3(grid_rows, std::max<int64_t>(1, ceil_div(width * es, kGatherBlockBytes)));
+}
+
+const void* ring_entry(int es, bool last, bool write) {
+#define VOK_E(S)                                                                                                 \
+  if (es == S) {                                                                                                 \
+    if (write) return last ? (const void*)&vok_ring_write_e##S##_last : (const void*)&vok_ring_write_e##S##_dim0; \
+    return last ? (const void*)&vok_ring_read_e##S##_last : (const void*)&vok_ring_read_e##S##_dim0;             \
+  }
+  VOK_E(2) VOK_E(4) VOK_E(8)
+#undef VOK_E
+  return nullptr;
+}
 }  // namespace
+
+void set_programmatic_launch(bool enabled) { g_programmatic.store(enabled ? 1 : 0); }
+
+bool programmatic_launch() {
+  int on = g_programmatic.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* env = std::getenv("VLLM_OMNI_KERNELS_PDL");
+    on = !(env && env[0] == '0' && env[1] == '\0');
+    g_programmatic.store(on, std::memory_order_relaxed);
+  }
+  return on == 1;
+}
 
 void launch_ring_write(void* a, int es, int64_t* state, const int64_t* meta, const void* src, int64_t rows,
                        int64_t frame_elems, bool last, int64_t max_elems, cudaStream_t s) {
-  const dim3 grid = ring_grid(rows, max_elems);
-  const int mono = last && frame_elems == 1;
-  i64* st = reinterpret_cast<i64*>(state);
-  const i64* m = reinterpret_cast<const i64*>(meta);
+  int mono = last && frame_elems == 1;
+  long long F = frame_elems;
   void* x = const_cast<void*>(src);
-#define VOK_W(S)                                                                                   \
-  if (es == S) {                                                                                   \
-    if (last) vok_ring_write_e##S##_last<<<grid, kRingThreads, 0, s>>>(a, st, m, x, frame_elems, mono); \
-    else vok_ring_write_e##S##_dim0<<<grid, kRingThreads, 0, s>>>(a, st, m, x, frame_elems, mono);      \
-  }
-  VOK_W(2) VOK_W(4) VOK_W(8)
-#undef VOK_W
+  const void* m = meta;
+  void* args[] = {&a, &state, &m, &x, &F, &mono};
+  launch(ring_entry(es, last, /*write=*/true), ring_grid(rows, max_elems), kRingThreads, args, s);
 }
 
 void launch_ring_read(const void* arena, int es, const int64_t* meta, void* o, int64_t rows, int64_t frame_elems,
                       bool last, int64_t max_elems, cudaStream_t s) {
-  const dim3 grid = ring_grid(rows, max_elems);
-  const int mono = last && frame_elems == 1;
-  void* a = const_cast<void*>(arena);
-  const i64* m = reinterpret_cast<const i64*>(meta);
-#define VOK_R(S)                                                                                   \
-  if (es == S) {                                                                                   \
-    if (last) vok_ring_read_e##S##_last<<<grid, kRingThreads, 0, s>>>(a, m, o, frame_elems, mono); \
-    else vok_ring_read_e##S##_dim0<<<grid, kRingThreads, 0, s>>>(a, m, o, frame_elems, mono);      \
-  }
-  VOK_R(2) VOK_R(4) VOK_R(8)
-#undef VOK_R
+  int mono = last && frame_elems == 1;
+  long long F = frame_elems;
+  const void* a = arena;
+  const void* m = meta;
+  void* args[] = {&a, &m, &o, &F, &mono};
+  launch(ring_entry(es, last, /*write=*/false), ring_grid(rows, max_elems), kRingThreads, args, s);
 }
 
 void launch_row_gather(void* f, int es, int64_t* table, int64_t width, int64_t int_off, int64_t grid_rows,
                        bool aligned, cudaStream_t s) {
-  const dim3 grid(grid_rows, std::max<int64_t>(1, ceil_div(width * es, kGatherBlockBytes)));
-  int* ib = reinterpret_cast<int*>(table);
-  const i64* t = reinterpret_cast<const i64*>(table);
-  if (es == 2) {
-    if (aligned) vok_row_gather_e2_a1<<<grid, kGatherThreads, 0, s>>>(f, ib, t, width, int_off);
-    else vok_row_gather_e2_a0<<<grid, kGatherThreads, 0, s>>>(f, ib, t, width, int_off);
-  } else {
-    if (aligned) vok_row_gather_e4_a1<<<grid, kGatherThreads, 0, s>>>(f, ib, t, width, int_off);
-    else vok_row_gather_e4_a0<<<grid, kGatherThreads, 0, s>>>(f, ib, t, width, int_off);
-  }
+  long long W = width, off = int_off;
+  void* args[] = {&f, &table, &table, &W, &off};  // the int base is the table itself
+  const void* kernel = es == 2 ? (aligned ? (const void*)&vok_row_gather_e2_a1 : (const void*)&vok_row_gather_e2_a0)
+                               : (aligned ? (const void*)&vok_row_gather_e4_a1 : (const void*)&vok_row_gather_e4_a0);
+  launch(kernel, gather_grid(grid_rows, width, es), kGatherThreads, args, s);
 }
 
 // The `_p<N>` entry of the smallest size N that holds `words` (callers check words <= kParamWords).
@@ -101,20 +151,18 @@ const void* row_gather_params_entry(int es, bool aligned, int64_t words) {
 // itself, so nothing is copied before the driver copies the parameters.
 void launch_ring_write_params(void* a, int es, int64_t* state, const int64_t* meta, const void* src, int64_t rows,
                               int64_t frame_elems, bool last, int64_t max_elems, cudaStream_t s) {
-  const dim3 grid = ring_grid(rows, max_elems);
   int mono = last && frame_elems == 1;
   long long F = frame_elems;
   void* x = const_cast<void*>(src);
   void* args[] = {&a, &state, const_cast<int64_t*>(meta), &x, &F, &mono};
-  C10_CUDA_CHECK(cudaLaunchKernel(ring_write_params_entry(es, last, rows * 8), grid, dim3(kRingThreads), args, 0, s));
+  launch(ring_write_params_entry(es, last, rows * 8), ring_grid(rows, max_elems), kRingThreads, args, s);
 }
 
 void launch_row_gather_params(void* f, int es, const int64_t* table, int64_t words, int64_t width, int64_t int_off,
                               int64_t grid_rows, bool aligned, cudaStream_t s) {
-  const dim3 grid(grid_rows, std::max<int64_t>(1, ceil_div(width * es, kGatherBlockBytes)));
   long long W = width, off = int_off;
   void* args[] = {&f, const_cast<int64_t*>(table), &W, &off};
-  C10_CUDA_CHECK(cudaLaunchKernel(row_gather_params_entry(es, aligned, words), grid, dim3(kGatherThreads), args, 0, s));
+  launch(row_gather_params_entry(es, aligned, words), gather_grid(grid_rows, width, es), kGatherThreads, args, s);
 }
 
 }  // namespace vok

@@ -20,8 +20,9 @@ Paths (the hooks' and MTP's outputs are prepared tensors: only the data movement
   ours_graph   the same two kernels captured ``graph_steps`` times in one CUDA graph (table prepared
                per step outside the graph); also reported per launch
   ours_eager[b], ours_graph[b]
-               the same per kernel backend b (triton, cuda, cupy); for each also the host time of one
-               eager launch call alone (``launch_pre``/``launch_post``, recording excluded)
+               the same per kernel backend b (triton, cuda, cupy, and cuda_no_pdl: the compiled
+               kernels launched without programmatic dependent launch); for each also the host time
+               of one eager launch call alone (``launch_pre``/``launch_post``, recording excluded)
   copy_graph   one plain copy of the same float bytes per step, captured the same way (the copy
                bandwidth the kernels are compared with)
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import sys
 import time
@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_timing import graph_us_per_step, us_per_call  # noqa: E402
+from cuda_timing import backend_variant, backend_variants, graph_us_per_step, us_per_call  # noqa: E402
 from vllm_omni_kernels import backend  # noqa: E402
 from vllm_omni_kernels.decode_gather import DecodeGather  # noqa: E402
 from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
@@ -277,9 +277,8 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     res["ours_graph_us_per_launch"] = statistics.median(runs) / launches
 
     # Every kernel backend available here: eager steps and the two kernels in a graph.
-    for name in backend.kernel_backends():
-        os.environ["VLLM_OMNI_KERNELS_BACKEND"] = name
-        try:
+    for name in backend_variants(backend.kernel_backends()):
+        with backend_variant(name):
             g.pre.jobs.clear()  # the graph's recorded jobs
             g.post.jobs.clear()
             sc.check(sc.ours_eager)
@@ -290,8 +289,6 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
                   flush=True)
             runs = graph_us_per_step(sc.static_step()[0], graph_steps, repeats, check=sc.check)
             record(f"ours_graph[{name}]", runs, {"kernels": launches, "memcpys": 0})
-        finally:
-            os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "auto"
 
     rows = sc.float_rows()
     src = torch.randn(rows, H, device="cuda").to(DTYPE)
@@ -307,7 +304,7 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     loop = res["paths"]["row_loop"]["us_per_step_median"]
     res["speedup_vs_row_loop"] = {p: loop / v["us_per_step_median"] for p, v in res["paths"].items()}
     res["GBps_by_backend"] = {name: step_bytes / (res["paths"][f"ours_graph[{name}]"]["us_per_step_median"] * 1e3)
-                              for name in backend.kernel_backends()}
+                              for name in backend_variants(backend.kernel_backends())}
     del src, dst, sc
     torch.cuda.empty_cache()
     return res

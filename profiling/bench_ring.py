@@ -16,9 +16,10 @@ Paths:
   ours_ingraph the same kernel captured ``steps`` times in one graph: the per-step device cost when the
                append is part of the model's captured step
   ours_append[b], ours_kernel_ingraph[b]
-               per kernel backend b (triton, cuda = the compiled extension, cupy = NVRTC): eager
-               appends only (slot reset before and finish after not timed), and the kernel alone in
-               a graph
+               per kernel backend b (triton, cuda = the compiled extension, cupy = NVRTC; and
+               cuda_no_pdl: the compiled kernels launched without programmatic dependent launch):
+               eager appends only (slot reset before and finish after not timed), and the kernel
+               alone in a graph
   copy_ingraph a plain device-to-device copy of the step's bytes, captured the same way (the copy
                bandwidth the kernel is compared with), plus one large copy for the peak
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_timing import copy_in_graph_ms, event_ms, kernel_device_us  # noqa: E402
+from cuda_timing import backend_variant, backend_variants, copy_in_graph_ms, event_ms, kernel_device_us  # noqa: E402
 from vllm_omni_kernels import backend  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
@@ -172,9 +172,8 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
         for s in range(steps):
             pool.append(ids, PaddedBatch(sources[s], lens))
 
-    for name in backend.kernel_backends():
-        os.environ["VLLM_OMNI_KERNELS_BACKEND"] = name
-        try:
+    for name in backend_variants(backend.kernel_backends()):
+        with backend_variant(name):
             record(f"ours_append[{name}]", event_ms(appends_only, repeats, setup=reset),
                    "eager appends only (slot reset and finish not timed)")
             if trace:  # where an eager step's time goes: the host call, and the kernel on the device
@@ -205,12 +204,10 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
             reset()
             record(f"ours_kernel_ingraph[{name}]", event_ms(kernel_only_b, repeats), "append kernels only")
             del gb, sb
-        finally:
-            os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "auto"
     # The copy reference moves the same bytes the same way: one static source, a fresh destination
     # every step (as the ring writes new arena memory every step), so neither is served from L2.
     del pool, sa, g1, gN
-    for name in backend.kernel_backends():
+    for name in backend_variants(backend.kernel_backends()):
         k_b = result["paths"][f"ours_kernel_ingraph[{name}]"]["us_per_step_median"]
         result.setdefault("kernel_GBps_by_backend", {})[name] = 2 * step_bytes / (k_b * 1e3)
     record("copy_ingraph", copy_in_graph_ms(sources[0], steps, repeats),

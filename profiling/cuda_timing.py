@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 
 import torch
@@ -86,3 +88,30 @@ def copy_in_graph_ms(src: torch.Tensor, steps: int, repeats: int) -> list[float]
 def copy_in_graph_us(src: torch.Tensor, steps: int, repeats: int) -> float:
     """Median microseconds per copy of ``copy_in_graph_ms``."""
     return statistics.median(copy_in_graph_ms(src, steps, repeats)) * 1000 / steps
+
+
+NO_PDL = "cuda_no_pdl"  # the compiled backend launching without programmatic dependent launch
+
+
+def backend_variants(kernel_backends: list[str]) -> list[str]:
+    """The benchmarks' backend labels: every kernel backend available here, and with the compiled one
+    also ``cuda_no_pdl`` (its kernels launched without programmatic dependent launch), so the
+    launch setting is compared in the same process."""
+    return list(kernel_backends) + ([NO_PDL] if "cuda" in kernel_backends else [])
+
+
+@contextlib.contextmanager
+def backend_variant(label: str):
+    """Run the block on the backend ``label`` names (``backend_variants``); restores auto and the
+    compiled backend's default launch setting after."""
+    from vllm_omni_kernels.ops import cuda_ext
+
+    os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "cuda" if label == NO_PDL else label
+    if label == NO_PDL:
+        cuda_ext.set_programmatic_launch(False)
+    try:
+        yield
+    finally:
+        os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "auto"
+        if label == NO_PDL:
+            cuda_ext.set_programmatic_launch(True)

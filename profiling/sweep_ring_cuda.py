@@ -5,8 +5,9 @@ The kernel header is compiled through CuPy's NVRTC with ``-DVOK_RING_THREADS``/`
 per variant and launched on the pool's resident metadata (``StaticAppend``), as the backends do.
 
 Usage: python profiling/sweep_ring_cuda.py [--shapes 256x8,128x16] [--source other.cuh ...]
-(prints us/step and % of the copy per workload and variant; ``--source`` adds kernel sources to compare,
-e.g. an earlier revision's header from ``git show REV:kernels/vok_kernels.cuh``)
+(prints us/step and % of the copy per workload and variant, and of the ``shipped`` launch: the selected
+backend, for the compiled one its launch with programmatic dependent launch; ``--source`` adds kernel
+sources to compare, e.g. an earlier revision's header from ``git show REV:kernels/vok_kernels.cuh``)
 """
 
 import argparse
@@ -60,6 +61,9 @@ def main() -> None:
             sa.prepare(steps)
 
         res = {"triton": graph_time(sa.launch, rewind)}
+        os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "auto"
+        res["shipped"] = graph_time(sa.launch, rewind)  # the selected backend's launch (compiled: with PDL)
+        os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "triton"
         for label, code, threads, per in variants:
             mod = cupy.RawModule(code=code, options=("-std=c++17", f"-DVOK_RING_THREADS={threads}",
                                                       f"-DVOK_RING_PER_THREAD={per}"))

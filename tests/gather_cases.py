@@ -23,7 +23,9 @@ def make_gather_case(seed: int, dtype: torch.dtype, width: int, device="cpu", ro
             "ids1d": random_tensor((rows,), torch.int32, device, g),
             "each_emb": random_tensor((rows * 3, width), dtype, device, g),
             "each_ids": random_tensor((rows * 3,), torch.int32, device, g),
-            "each_codes": random_tensor((rows * 3, 5), torch.int64, device, g)}
+            "each_codes": random_tensor((rows * 3, 5), torch.int64, device, g),
+            "run_ids": random_tensor((rows * 2,), torch.int32, device, g),
+            "run_codes": random_tensor((rows * 2, 5), torch.int64, device, g)}
     srcs = {"a": random_tensor((rows, width), dtype, device, g),
             "b": random_tensor((rows + 3, width), torch.float32, device, g),  # converted on the host
             "ids64": torch.randint(-2**31, 2**31, (rows, 1), generator=g).to(device),
@@ -46,6 +48,14 @@ def make_gather_case(seed: int, dtype: torch.dtype, width: int, device="cpu", ro
     jobs += [("rows", "emb", int(emb_rows[k + 2]), "a", int(rng.integers(rows))),
              ("ints", "ids1d", int(rng.integers(rows)), "ids1d", int(rng.integers(rows))),
              ("ints", "ids32", int(id_rows[k]), "ids1d", 1)]
+    # Blocks of consecutive int rows on both sides (a batch's ids at consecutive offsets), which the
+    # encoders write as runs: leading rows and explicit rows; one-row jobs and one-row sources next
+    # to each other stay records of their own.
+    first = int(rng.integers(0, rows))
+    jobs += [("ints", "run_ids", np.arange(first, first + rows), "ids1d", None),
+             ("ints", "run_codes", np.arange(rows - k, rows), "codes32", np.arange(k)),
+             ("ints", "run_codes", rows + 1, "codes64", 2), ("ints", "run_codes", rows + 2, "codes64", 3),
+             ("ints_each", "run_codes", np.array([rows + 3, rows + 4]), [("codes64", 4, 1), ("codes64", 5, 1)], None)]
     # Many small sources at once (a mixed batch's hook outputs): (name, first row, rows) each, into
     # disjoint destination spans in shuffled order.
     for kind, dst, src in (("rows_each", "each_emb", "a"), ("ints_each", "each_ids", "ids64"),

@@ -6,6 +6,7 @@ builds the torch extension (host and device code). The extension module's eager 
 host-only (on CPU tensors they plan and encode without launching), against their numpy twins.
 """
 
+import os
 import re
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ from gather_cases import check_gather_case, make_gather_case, record_gather_case
 from vllm_omni_kernels.gather import RowGather
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ops import cuda_ext
-from vllm_omni_kernels.ops.gather_jobs import TableLayout
+from vllm_omni_kernels.ops.gather_jobs import GatherJobs, TableLayout
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,13 @@ def test_kernel_header_compiles_to_ptx_and_sass_with_every_entry_point(tmp_path)
     assert set(ENTRY_POINTS) <= entries, set(ENTRY_POINTS) - entries
     subprocess.run(["nvcc", "-std=c++17", "-cubin", "-arch=sm_90a", str(src), "-o", str(tmp_path / "k.cubin")],
                    check=True, capture_output=True, text=True)
+    # Launched with programmatic dependent launch, a kernel may start before the one ahead of it
+    # ends: every entry waits for it before its first access to memory.
+    for name, body in re.findall(r"\.entry\s+(\w+)(.*?)\n}", ptx, re.S):
+        wait = body.find("griddepcontrol.wait")
+        first_access = min((i for i in (body.find(op) for op in ("ld.global", "st.global", "atom.")) if i >= 0),
+                           default=len(body))
+        assert 0 <= wait < first_access, f"{name} touches memory before griddepcontrol.wait"
 
 
 needs_cmake = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None
@@ -77,7 +85,22 @@ def test_cmake_configures_and_builds_the_torch_extension(cmake_build):
             "print(torch.ops.vllm_omni_kernels.ring_write.default._schema)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "['GatherStep', 'RingStep', 'check_each']" in out.stdout and "Tensor(a!) arena" in out.stdout, out.stdout
+    assert ("['GatherStep', 'RingStep', 'check_each', 'programmatic_launch', 'set_programmatic_launch']" in out.stdout
+            and "Tensor(a!) arena" in out.stdout), out.stdout
+
+
+@needs_cmake
+@pytest.mark.parametrize("env", [None, "0", "1"])
+def test_programmatic_launch_is_on_unless_the_environment_or_a_call_turns_it_off(cmake_build, env):
+    code = ("from vllm_omni_kernels.ops.cuda_ext import import_extension; "
+            f"m = import_extension({str(cmake_build[1])!r}); a = m.programmatic_launch(); "
+            "m.set_programmatic_launch(not a); print(a, m.programmatic_launch())")
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_OMNI_KERNELS_PDL"}
+    if env is not None:
+        environ["VLLM_OMNI_KERNELS_PDL"] = env
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=environ)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == (["False", "True"] if env == "0" else ["True", "False"])
 
 
 @pytest.fixture(scope="module")
@@ -308,11 +331,11 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
     step.table.fill_(-7)  # on CPU the step reuses its one buffer: words it does not write stay -7
     assert step.call(*args) == 1  # the per-step entry encodes the same
     compiled = step.table
-    assert compiled.numel() == layout.words
     assert step.int_base == anchor.data_ptr()  # a small table travels in the parameters: ints from the anchor
     numpy_table = np.full(layout.words, -7, np.int64)
-    j.encode(numpy_table, layout, anchor.data_ptr(), step.int_base)
-    assert np.array_equal(compiled.numpy(), numpy_table)
+    words = j.encode(numpy_table, layout, anchor.data_ptr(), step.int_base)
+    assert numpy_table[1] < j.n_int and compiled.numel() == words < layout.words  # int runs merged
+    assert np.array_equal(compiled.numpy(), numpy_table[:words])
     # Many-source blocks carry check_each's notes of their sources; without them the encoder reads
     # the tensors again and writes the same words.
     assert all(type(b[1]) is bytes for b in j.float_blocks + j.int_blocks if type(b[0]) is list)
@@ -320,7 +343,32 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
             for blocks in (j.float_blocks, j.int_blocks)]
     step.table.fill_(-7)
     assert step.call(*bare, *args[2:]) == 1
-    assert np.array_equal(step.table.numpy(), numpy_table)
+    assert np.array_equal(step.table.numpy(), numpy_table[:words])
+
+
+@needs_cmake
+@pytest.mark.parametrize("width, dtype, counts", [(8, torch.float32, [128, 128, 44, 128, 72, 1, 1, 3]),
+                                                  (4096, torch.bfloat16, [256, 44, 200, 1, 1, 3])])
+def test_both_encoders_write_a_run_of_int_rows_as_records_of_one_pass(compiled_module, width, dtype, counts):
+    """300 one-element ids at consecutive offsets, 40 rows of 5 codes and two one-row jobs: the runs
+    as records of ``int_run_cap`` elements (128 or 256 here: what an int job's blocks copy in one
+    pass), the single rows and the value job as records of their own, in both encoders."""
+    j = GatherJobs(dtype, width, "cpu")
+    ids, out = torch.arange(300), torch.zeros(400, dtype=torch.int32)
+    codes, code_out = torch.zeros(40, 5, dtype=torch.int32), torch.zeros(40, 5, dtype=torch.int64)
+    j.ints(out, np.arange(50, 350), ids)
+    j.ints(code_out, np.arange(40), codes)
+    j.ints(out, 360, ids, 0)
+    j.ints(out, 361, ids, 1)
+    j.values(torch.zeros(3, dtype=torch.int32), np.arange(3, dtype=np.int32))
+    layout = TableLayout(j.n_float, j.n_int, j.n_values)
+    anchor = torch.zeros(1, dtype=dtype)
+    step = compiled_module.GatherStep(anchor, width, 0, 400, 8)
+    assert step.call(j.float_blocks, j.int_blocks, j.value_blocks, j.n_float, j.n_int, j.n_values, j.aligned) == 1
+    numpy_table = np.zeros(layout.words, np.int64)
+    words = j.encode(numpy_table, layout, anchor.data_ptr(), step.int_base)
+    assert np.array_equal(step.table.numpy(), numpy_table[:words])
+    assert numpy_table[layout.int_off + 2:words:4][:numpy_table[1]].tolist() == counts
 
 
 @needs_cmake
@@ -343,8 +391,8 @@ def test_compiled_gather_tables_past_the_parameter_size_are_staged_with_ints_fro
     table = step.table
     assert step.int_base == table.data_ptr() != anchor.data_ptr()
     numpy_table = np.zeros(layout.words, np.int64)
-    j.encode(numpy_table, layout, anchor.data_ptr(), step.int_base)
-    assert np.array_equal(table.numpy(), numpy_table)
+    words = j.encode(numpy_table, layout, anchor.data_ptr(), step.int_base)
+    assert words == layout.words and np.array_equal(table.numpy(), numpy_table)
     assert numpy_table[layout.int_off + 4 + 3] == 4  # the value job (int job 1) reads the table's payload
 
 

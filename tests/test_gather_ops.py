@@ -109,3 +109,49 @@ def test_static_launch_replays_the_prepared_table(use_backend):
         want = torch.zeros(4, 4)
         want[rows] = src[:len(rows)]
         assert torch.equal(dst, want)
+
+
+def test_a_block_of_consecutive_int_rows_is_encoded_as_a_run_of_records_of_one_pass_each():
+    """Ids at consecutive offsets (rows end to end on both sides) become records of ``int_run_cap``
+    elements (what an int job's blocks copy in one pass); rows out of order, a gap, rows apart in
+    memory or one-row jobs stay a record per row."""
+    from vllm_omni_kernels.ops.gather_jobs import GatherJobs, TableLayout, int_run_cap
+
+    assert int_run_cap(4096, 2) == 256 and int_run_cap(2048, 2) == 128 and int_run_cap(8, 4) == 128
+    j = GatherJobs(torch.float32, 8, "cpu")
+    ids, out = torch.arange(300), torch.zeros(700, dtype=torch.int32)
+    codes, code_out = torch.arange(200, dtype=torch.int32).view(40, 5), torch.zeros(90, 5, dtype=torch.int64)
+    j.ints(out, np.arange(50, 350), ids)                      # 300 elements: records of 128, 128, 44
+    j.ints(code_out, np.arange(40), codes)                    # 200 elements: 128, 72
+    j.ints(out, np.array([400, 402]), ids[:2])                # a gap: a record per row
+    j.ints(out, np.array([501, 500]), ids[:2])                # reversed: a record per row
+    j.ints(code_out, np.arange(40, 43), codes, np.array([0, 1, 3]))   # source rows not consecutive
+    j.ints(out, 600, ids, 7)                                  # one-row jobs: a record each
+    j.ints(out, 601, ids, 8)
+    table = np.zeros(TableLayout(0, j.n_int, 0).words, np.int64)
+    words = j.encode(table, TableLayout(0, j.n_int, 0), 0, 0)
+    rec = table[2:words].reshape(-1, 4)
+    assert table[1] == len(rec) == 3 + 2 + 2 + 2 + 3 + 2
+    base = out.data_ptr() // 4
+    assert rec[0, :2].tolist() == [ids.data_ptr() // 4, base + 50]
+    assert rec[1, :2].tolist() == [ids.data_ptr() // 4 + 256, base + 178]  # int64 source: 2 words each
+    assert rec[4, :2].tolist() == [codes.data_ptr() // 4 + 128, code_out.data_ptr() // 4 + 256]
+    assert rec[:, 2].tolist() == [128, 128, 44, 128, 72, 1, 1, 1, 1, 5, 5, 5, 1, 1]
+
+
+def test_runs_of_int_rows_copy_as_their_rows(use_backend):
+    """A gather whose ids and codes are runs (records of many rows, cut at ``int_run_cap``) copies
+    what the reference copies, on the Triton interpreter and the reference."""
+    use_backend("triton")
+    ids, codes = torch.arange(300) * 7 - 1000, torch.arange(1000, dtype=torch.int32).view(200, 5)
+    got = {}
+    for backend in ("torch", "triton"):
+        use_backend(backend)
+        out, code_out = torch.zeros(400, dtype=torch.int32), torch.zeros(210, 5, dtype=torch.int64)
+        g = RowGather(torch.float32, 8, "cpu", max_float_rows=1, max_int_rows=600)
+        g.jobs.ints(out, np.arange(50, 350), ids)
+        g.jobs.ints(code_out, np.arange(5, 205), codes)
+        assert g.launch() == 1
+        got[backend] = (out, code_out)
+    assert torch.equal(got["torch"][0], got["triton"][0]) and torch.equal(got["torch"][1], got["triton"][1])
+    assert torch.equal(got["triton"][0][50:350], ids.int()) and torch.equal(got["triton"][1][5:205], codes.long())

@@ -195,6 +195,57 @@ def test_graph_of_appends_replayed(kernel_backend):
     check_graph_of_appends(50)
 
 
+@pytest.mark.parametrize("programmatic", [True, False], ids=["pdl", "no_pdl"])
+def test_kernels_in_a_graph_read_what_the_kernel_just_before_them_wrote(kernel_backend, programmatic):
+    """A graph of 30 steps, each a torch kernel rewriting the source, then an append of it, a gather
+    of its rows, and a torch kernel summing the gather's output: every kernel sees the one before it
+    complete, also when the compiled kernels launch with programmatic dependent launch (they may
+    start early and must wait before touching memory)."""
+    from vllm_omni_kernels.cuda_graphs import capture
+    from vllm_omni_kernels.ops import cuda_ext
+
+    if not programmatic and kernel_backend != "cuda":
+        pytest.skip("the launch setting is the compiled backend's")
+    if kernel_backend == "cuda":
+        cuda_ext.set_programmatic_launch(programmatic)
+    try:
+        steps, rows, T, h = 30, 8, 48000, 2048
+        pool = RingPool("k", torch.float32, (), "cuda", S.CONCAT_LAST, budget_bytes=1 << 28,
+                        initial_frames=steps * T + T)
+        ids = [f"r{i}" for i in range(rows)]
+        for r in ids:
+            pool.alloc(r)
+        src = torch.zeros(rows, T, device="cuda")
+        base = torch.arange(rows * T, device="cuda", dtype=torch.float32).view(rows, T) % 1000
+        lens = np.full(rows, T)
+        sa = pool.static_append(ids, src, lens)
+        emb = torch.zeros(rows, h, dtype=torch.bfloat16, device="cuda")
+        dst = torch.zeros(rows, h, dtype=torch.bfloat16, device="cuda")
+        acc = torch.zeros(rows, h, dtype=torch.float32, device="cuda")
+        gather = RowGather(torch.bfloat16, h, "cuda", max_float_rows=rows, max_int_rows=1)
+        gather.jobs.rows(dst, np.arange(rows)[::-1].copy(), emb)
+        gather.prepare_static()
+
+        def step():
+            src.add_(base).add_(1)  # step k's source: k * (base + 1)
+            sa.launch()
+            emb.add_(1)  # step k's rows: k
+            gather.run_static(rows)
+            acc.add_(dst.float())
+
+        graph = capture(step, steps, warmup=lambda: (sa.prepare(1), step()))
+        sa.prepare(steps)
+        graph.replay()
+        torch.cuda.synchronize()
+        k = torch.arange(1, steps + 2, device="cuda", dtype=torch.float32).view(-1, 1)
+        for b, out in enumerate(pool.consolidate(ids)):
+            assert torch.equal(out, (k * (base[b] + 1)).reshape(-1)), b
+        assert torch.equal(acc, torch.full_like(acc, (steps + 1) * (steps + 2) / 2))
+    finally:
+        if kernel_backend == "cuda":
+            cuda_ext.set_programmatic_launch(True)
+
+
 @pytest.mark.parametrize("mtp", [True, False])
 def test_runner_step_matches_contract(kernel_backend, mtp):
     runner = FakeRunner(FakeTalker(64, torch.bfloat16, mtp=mtp), device="cuda")
@@ -209,3 +260,5 @@ def test_backend_report_names_every_op():
     for dev in ("cpu", "cuda"):
         assert set(report[dev]) == set(_backend.OPS)
     assert set(report["availability"]) == {"cuda", "cupy", "triton", "torch"}
+    if report["availability"]["cuda"] == "available":  # Hopper (the GPU CI's H200): on unless turned off
+        assert report["cuda_programmatic_launch"] is (os.environ.get("VLLM_OMNI_KERNELS_PDL") != "0")

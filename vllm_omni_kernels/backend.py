@@ -129,9 +129,15 @@ def kernel_backends() -> list[str]:
 
 def describe() -> dict[str, dict]:
     """One call that says which backend each op uses on each device class, and why, plus every
-    backend's availability. Every backend implements every op, so the choice is per device."""
+    backend's availability (and, with the compiled extension, ``cuda_programmatic_launch``: whether it
+    launches with programmatic dependent launch). Every backend implements every op, so the choice
+    is per device."""
     out: dict[str, dict] = {"requested": {"value": requested()}, "availability": {
         k: ("available" if v is None else v) for k, v in _availability().items()}}
+    if out["availability"]["cuda"] == "available":  # and whether its launches overlap (Hopper+)
+        from .ops import cuda_ext
+
+        out["cuda_programmatic_launch"] = cuda_ext.programmatic_launch()
     for dev in ("cpu", "cuda"):
         try:
             name, why = select(torch.device(dev))

@@ -53,24 +53,25 @@ class RowGather:
                              f"this gather's capacity {self.capacity}")
         jobs.check_disjoint()
 
-    def _encode(self, layout: TableLayout, resident: bool) -> torch.Tensor | None:
+    def _encode(self, layout: TableLayout, resident: bool) -> tuple[torch.Tensor | None, int]:
         """Validate and encode the jobs into the next pinned table; with ``resident`` also upload it
-        into the device table. Returns the table the kernel reads (None: the reference backend)."""
+        into the device table. Returns the table the kernel reads (None: the reference backend) and
+        its job count (int jobs merged: ``gather_jobs``)."""
         jobs = self.jobs
         self._validate()
         if not ops.uses_kernel(jobs.is_cuda):
-            return None
+            return None, jobs.n_float + jobs.n_int
         i, host = self._staging.host()
         upload = resident and self._staging.pinned
         # The kernel reads the device table after an upload, else the host buffer in place (pinned on
         # CUDA; on CPU, under the Triton interpreter, that buffer is the table).
         target = self.table if upload else self._staging.read_in_place(i, row0=True)
-        jobs.encode(host[0], layout, self._anchor.data_ptr(), target.data_ptr())
+        words = jobs.encode(host[0], layout, self._anchor.data_ptr(), target.data_ptr())
         if upload:
-            self._staging.upload(i, 1, self._table_rows, cols=layout.words)
+            self._staging.upload(i, 1, self._table_rows, cols=words)
         if resident:
             self._resident = target
-        return target
+        return target, int(host[0][0] + host[0][1])
 
     def launch(self) -> int:
         """Run and clear the recorded jobs: one kernel reading its table in place (0 launches when
@@ -93,8 +94,8 @@ class RowGather:
                 if len(self._layouts) > 1024:
                     self._layouts.clear()
                 layout = self._layouts[key] = TableLayout(*key)
-            table = self._encode(layout, resident=False)
-            ops.row_gather(jobs, table, self._anchor, layout=layout)
+            table, count = self._encode(layout, resident=False)
+            ops.row_gather(jobs, table, self._anchor, layout=layout, grid_rows=count)
         jobs.clear()
         self.launches += 1
         return 1

@@ -19,9 +19,12 @@ Table (int64, flat; capacities fixed per ``TableLayout``)::
                                           4: src is in this table, offset from its start)
     [p_off ..]                            payload: int32 values that value jobs copy from
 
-The int base is the table's own device address, except for the compiled eager launch, which passes
-its table in the kernel's parameters (``kernels/vok_launch.h``): the host cannot know where those
-live, so its int words are offsets from the float base, and payload sources (flag 4) from the table.
+An int block whose source and destination rows are both consecutive, over rows that lie end to end
+in memory (a batch's token ids or codes at consecutive offsets), is one run of elements: it is
+encoded as records of at most ``int_run_cap`` elements (what the kernel's blocks of one int job copy
+in one pass) instead of a record per row. Value records follow the int records and the payload
+follows them (``p_off`` is where the encoder put it), so a table uses ``encode``'s returned words,
+at most ``TableLayout.words``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,35 @@ class TableLayout:
     @property
     def words(self) -> int:
         return self.payload_off + (self.payload_cap + 1) // 2
+
+
+# The kernels' gather blocks (kernels/vok_kernels.cuh: kGatherThreads, kGatherBlockBytes): an int
+# job's elements are shared by its blocks along the row axis, THREADS elements each per pass.
+GATHER_THREADS, GATHER_BLOCK_BYTES = 128, 4096
+
+
+def int_run_cap(width: int, elem_size: int) -> int:
+    """Elements the blocks of one int job copy in one pass (one block per ``GATHER_BLOCK_BYTES`` of
+    a float row): the most a record of a run of int rows takes."""
+    return GATHER_THREADS * max(1, -(-width * elem_size // GATHER_BLOCK_BYTES))
+
+
+def _consecutive(rows) -> bool:
+    """Whether int64 ``rows`` (at least one) are r, r + 1, r + 2, ..."""
+    return rows.size == 1 or bool((rows[1:] - rows[:-1] == 1).all())
+
+
+def _run_records(out: np.ndarray, pos: int, src: int, dst: int, elems: int, flags: int, cap: int) -> int:
+    """Write a run of ``elems`` int elements from word ``src`` to word ``dst`` as records of at most
+    ``cap`` elements from ``out[pos]`` on; returns the position after them."""
+    n = -(-elems // cap)
+    first = _arange(n) * cap
+    end = pos + 4 * n
+    out[pos:end:4] = src + first * (1 + (flags & 1))
+    out[pos + 1:end:4] = dst + first * (1 + (flags >> 1))
+    out[pos + 2:end:4] = np.minimum(cap, elems - first)
+    out[pos + 3:end:4] = flags
+    return end
 
 
 def _arange(n: int) -> np.ndarray:
@@ -384,9 +416,11 @@ class GatherJobs:
             raise ValueError(f"{self.n_float} float / {self.n_int} int jobs / {self.n_values} values exceed "
                              f"the table's {layout.float_cap} / {layout.int_cap} / {layout.payload_cap}")
 
-    def encode(self, out: np.ndarray, layout: TableLayout, float_base: int, int_base: int) -> None:
+    def encode(self, out: np.ndarray, layout: TableLayout, float_base: int, int_base: int) -> int:
         """Fill the flat int64 ``out`` (>= ``layout.words``) with this launch's table (the compiled
-        twin is ``encode_gather`` in ``kernels/vok_python.cpp``: same words, same order).
+        twin is ``encode_gather`` in ``kernels/vok_python.cpp``: same words, same order) and return
+        the words it used: the kernel reads no further. ``out[0] + out[1]`` is then the launch's job
+        count (a run of int rows takes fewer records than rows: the module docstring).
 
         ``float_base``/``int_base`` are the data pointers the kernel gets as its two bases (a float
         anchor tensor of the launcher, and the device table itself; see the module docstring).
@@ -418,7 +452,7 @@ class GatherJobs:
         if single[0]:  # jobs are independent: their order in the table does not matter
             end = pos + 2 * len(single[0])
             out[pos:end:2], out[pos + 1:end:2] = single
-        pos, single = layout.int_off, ([], [], [], [])
+        pos, single, cap = layout.int_off, ([], [], [], []), int_run_cap(self.width, es)
         for src, src_rows, dst, dst_rows in self.int_blocks:
             if type(src) is list:  # ints_each
                 dw = dst.element_size() // 4
@@ -441,6 +475,12 @@ class GatherJobs:
                                            dst_off + dst_rows * dst.stride(0) * dw, width, flags)):
                     col.append(v)
                 continue
+            if (src.stride(0) == width == dst.stride(0) and _consecutive(dst_rows)
+                    and (src_rows is None or _consecutive(src_rows))):  # one run of elements
+                s0 = 0 if src_rows is None else int(src_rows[0])
+                pos = _run_records(out, pos, src_off + s0 * width * sw, dst_off + int(dst_rows[0]) * width * dw,
+                                   len(dst_rows) * width, flags, cap)
+                continue
             end = pos + 4 * len(dst_rows)
             np.multiply(source_rows(src_rows, dst_rows), src.stride(0) * sw, out=out[pos:end:4])
             out[pos:end:4] += src_off
@@ -455,16 +495,17 @@ class GatherJobs:
                 out[pos + k:end:4] = single[k]
             pos = end
         pos = (pos - layout.int_off) // 4
-        if not self.value_blocks:
-            return
-        payload = out[layout.payload_off:layout.words].view(np.int32)
+        out[1] = pos + len(self.value_blocks)
+        payload_off = layout.int_off + 4 * out[1]
+        payload = out[payload_off:payload_off + (self.n_values + 1) // 2].view(np.int32)
         p = 0
         for dst, v in self.value_blocks:
             rec = out[layout.int_off + 4 * pos: layout.int_off + 4 * (pos + 1)]
             payload[p:p + v.size] = v
-            rec[0] = 2 * layout.payload_off + p
+            rec[0] = 2 * payload_off + p
             rec[1] = (dst.data_ptr() - int_base) // 4
             rec[2] = v.size
             rec[3] = ((dst.element_size() == 8) << 1) | 4
             pos += 1
             p += v.size
+        return int(payload_off) + (self.n_values + 1) // 2
