@@ -757,7 +757,7 @@ class GatherStep {
                       " float rows / ", n_int, " int jobs / ", n_values, " values exceed this gather's capacity (",
                       float_cap_, " / ", int_cap_, " / ", payload_cap_, ")");
     const i64 int_off = 2 + 2 * n_float;
-    const i64 most = int_off + 4 * n_int + (n_values + 1) / 2;  // before int jobs merge
+    const i64 most = int_off + 4 * n_int + (n_values + 1) / 2;  // runs of int rows may take fewer words
     const DeviceScope scope(anchor_);
     const cudaStream_t stream = scope.stream;
     i64* t = table_.next(most, stream);

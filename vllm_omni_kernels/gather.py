@@ -56,7 +56,7 @@ class RowGather:
     def _encode(self, layout: TableLayout, resident: bool) -> tuple[torch.Tensor | None, int]:
         """Validate and encode the jobs into the next pinned table; with ``resident`` also upload it
         into the device table. Returns the table the kernel reads (None: the reference backend) and
-        its job count (int jobs merged: ``gather_jobs``)."""
+        its job count (a run of int rows takes fewer records than rows: ``gather_jobs``)."""
         jobs = self.jobs
         self._validate()
         if not ops.uses_kernel(jobs.is_cuda):

@@ -25,6 +25,10 @@ encoded as records of at most ``int_run_cap`` elements (what the kernel's blocks
 in one pass) instead of a record per row. Value records follow the int records and the payload
 follows them (``p_off`` is where the encoder put it), so a table uses ``encode``'s returned words,
 at most ``TableLayout.words``.
+
+The int base is the table's own device address, except for the compiled eager launch, which passes
+its table in the kernel's parameters (``kernels/vok_launch.h``): the host cannot know where those
+live, so its int words are offsets from the float base, and payload sources (flag 4) from the table.
 """
 
 from __future__ import annotations
