@@ -20,9 +20,9 @@ Paths (the hooks' and MTP's outputs are prepared tensors: only the data movement
   ours_graph   the same two kernels captured ``graph_steps`` times in one CUDA graph (table prepared
                per step outside the graph); also reported per launch
   ours_eager[b], ours_graph[b]
-               the same per kernel backend b (triton, cuda, cupy, and cuda_no_pdl: the compiled
-               kernels launched without programmatic dependent launch); for each also the host time
-               of one eager launch call alone (``launch_pre``/``launch_post``, recording excluded)
+               the same per kernel backend b (triton, cuda, cupy, and cuda_no_pdl, triton_no_pdl:
+               launched without programmatic dependent launch); for each also the host time of one
+               eager launch call alone (``launch_pre``/``launch_post``, recording excluded)
   copy_graph   one plain copy of the same float bytes per step, captured the same way (the copy
                bandwidth the kernels are compared with)
 

@@ -17,7 +17,7 @@ Paths:
                append is part of the model's captured step
   ours_append[b], ours_kernel_ingraph[b]
                per kernel backend b (triton, cuda = the compiled extension, cupy = NVRTC; and
-               cuda_no_pdl: the compiled kernels launched without programmatic dependent launch):
+               cuda_no_pdl, triton_no_pdl: launched without programmatic dependent launch):
                eager appends only (slot reset before and finish after not timed), and the kernel
                alone in a graph
   copy_ingraph a plain device-to-device copy of the step's bytes, captured the same way (the copy

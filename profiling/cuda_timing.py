@@ -90,28 +90,29 @@ def copy_in_graph_us(src: torch.Tensor, steps: int, repeats: int) -> float:
     return statistics.median(copy_in_graph_ms(src, steps, repeats)) * 1000 / steps
 
 
-NO_PDL = "cuda_no_pdl"  # the compiled backend launching without programmatic dependent launch
+NO_PDL = "_no_pdl"  # label suffix: the backend launching without programmatic dependent launch
 
 
 def backend_variants(kernel_backends: list[str]) -> list[str]:
-    """The benchmarks' backend labels: every kernel backend available here, and with the compiled one
-    also ``cuda_no_pdl`` (its kernels launched without programmatic dependent launch), so the
-    launch setting is compared in the same process."""
-    return list(kernel_backends) + ([NO_PDL] if "cuda" in kernel_backends else [])
+    """The benchmarks' backend labels: every kernel backend available here, and for those that
+    launch with programmatic dependent launch (the compiled one and Triton) also ``<name>_no_pdl``,
+    so the launch setting is compared in the same process."""
+    return list(kernel_backends) + [name + NO_PDL for name in kernel_backends if name in ("cuda", "triton")]
 
 
 @contextlib.contextmanager
 def backend_variant(label: str):
     """Run the block on the backend ``label`` names (``backend_variants``); restores auto and the
-    compiled backend's default launch setting after."""
-    from vllm_omni_kernels.ops import cuda_ext
+    default launch setting after."""
+    from vllm_omni_kernels import ops
 
-    os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "cuda" if label == NO_PDL else label
-    if label == NO_PDL:
-        cuda_ext.set_programmatic_launch(False)
+    no_pdl = label.endswith(NO_PDL)
+    os.environ["VLLM_OMNI_KERNELS_BACKEND"] = label.removesuffix(NO_PDL)
+    if no_pdl:
+        ops.set_programmatic_launch(False)
     try:
         yield
     finally:
         os.environ["VLLM_OMNI_KERNELS_BACKEND"] = "auto"
-        if label == NO_PDL:
-            cuda_ext.set_programmatic_launch(True)
+        if no_pdl:
+            ops.set_programmatic_launch(True)

@@ -199,15 +199,14 @@ def test_graph_of_appends_replayed(kernel_backend):
 def test_kernels_in_a_graph_read_what_the_kernel_just_before_them_wrote(kernel_backend, programmatic):
     """A graph of 30 steps, each a torch kernel rewriting the source, then an append of it, a gather
     of its rows, and a torch kernel summing the gather's output: every kernel sees the one before it
-    complete, also when the compiled kernels launch with programmatic dependent launch (they may
-    start early and must wait before touching memory)."""
+    complete, also when the compiled and Triton kernels launch with programmatic dependent launch
+    (they may start early and must wait before touching memory)."""
+    from vllm_omni_kernels import ops
     from vllm_omni_kernels.cuda_graphs import capture
-    from vllm_omni_kernels.ops import cuda_ext
 
-    if not programmatic and kernel_backend != "cuda":
-        pytest.skip("the launch setting is the compiled backend's")
-    if kernel_backend == "cuda":
-        cuda_ext.set_programmatic_launch(programmatic)
+    if not programmatic and kernel_backend == "cupy":
+        pytest.skip("CuPy launches without programmatic dependent launch")
+    ops.set_programmatic_launch(programmatic)
     try:
         steps, rows, T, h = 30, 8, 48000, 2048
         pool = RingPool("k", torch.float32, (), "cuda", S.CONCAT_LAST, budget_bytes=1 << 28,
@@ -242,8 +241,7 @@ def test_kernels_in_a_graph_read_what_the_kernel_just_before_them_wrote(kernel_b
             assert torch.equal(out, (k * (base[b] + 1)).reshape(-1)), b
         assert torch.equal(acc, torch.full_like(acc, (steps + 1) * (steps + 2) / 2))
     finally:
-        if kernel_backend == "cuda":
-            cuda_ext.set_programmatic_launch(True)
+        ops.set_programmatic_launch(True)
 
 
 @pytest.mark.parametrize("mtp", [True, False])
@@ -260,5 +258,8 @@ def test_backend_report_names_every_op():
     for dev in ("cpu", "cuda"):
         assert set(report[dev]) == set(_backend.OPS)
     assert set(report["availability"]) == {"cuda", "cupy", "triton", "torch"}
-    if report["availability"]["cuda"] == "available":  # Hopper (the GPU CI's H200): on unless turned off
-        assert report["cuda_programmatic_launch"] is (os.environ.get("VLLM_OMNI_KERNELS_PDL") != "0")
+    assert report["programmatic_launch"] is (os.environ.get("VLLM_OMNI_KERNELS_PDL") != "0")
+    if report["availability"]["cuda"] == "available":  # the extension follows the one setting
+        from vllm_omni_kernels.ops import cuda_ext
+
+        assert cuda_ext.programmatic_launch() is report["programmatic_launch"]

@@ -129,15 +129,14 @@ def kernel_backends() -> list[str]:
 
 def describe() -> dict[str, dict]:
     """One call that says which backend each op uses on each device class, and why, plus every
-    backend's availability (and, with the compiled extension, ``cuda_programmatic_launch``: whether it
-    launches with programmatic dependent launch). Every backend implements every op, so the choice
-    is per device."""
+    backend's availability, and ``programmatic_launch``: whether the compiled and Triton kernels
+    launch with programmatic dependent launch on Hopper and newer (``ops/pdl.py``). Every backend
+    implements every op, so the choice is per device."""
     out: dict[str, dict] = {"requested": {"value": requested()}, "availability": {
         k: ("available" if v is None else v) for k, v in _availability().items()}}
-    if out["availability"]["cuda"] == "available":  # and whether its launches overlap (Hopper+)
-        from .ops import cuda_ext
+    from .ops import pdl
 
-        out["cuda_programmatic_launch"] = cuda_ext.programmatic_launch()
+    out["programmatic_launch"] = pdl.enabled()  # compiled and Triton launches, on Hopper and newer
     for dev in ("cpu", "cuda"):
         try:
             name, why = select(torch.device(dev))

@@ -7,6 +7,9 @@ Ring copies (semantics in ``reference.py``, layout in ``layout.py``):
     setting() -> what a caller keeping a resolved step compares (``is``) to know it still holds
 ``max_elems`` is the host-known largest ``N * F`` of the step; it sizes the grid.
 
+Launch setting: set_programmatic_launch(enabled) (``pdl.py``: programmatic dependent launch of the
+compiled and Triton kernels on Hopper and newer; on unless ``VLLM_OMNI_KERNELS_PDL=0``).
+
 Row gather (the fused decode gather; jobs and table in ``gather_jobs.py``):
     row_gather(jobs, table, anchor, layout=, grid_rows=)
     gather_step(is_cuda) -> a factory of one-call gather launches (encode + row_gather), or None (compiled only)
@@ -45,6 +48,14 @@ def _impl(is_cuda: bool, module: str = "ring"):
 # Launch paths that keep what ``ring_step``/``gather_step`` resolved compare it instead of resolving
 # again every call (the setting may change at run time: benchmarks and tests switch it).
 setting = _backend._raw
+
+
+def set_programmatic_launch(enabled: bool) -> None:
+    """Launch the compiled and Triton kernels with (True) or without programmatic dependent launch
+    from now on (``pdl.py``); a captured graph keeps the setting it was captured with."""
+    from . import pdl
+
+    pdl.set_enabled(enabled)
 
 
 def uses_kernel(is_cuda: bool) -> bool:

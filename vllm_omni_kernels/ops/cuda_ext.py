@@ -49,6 +49,9 @@ def load() -> str | None:
     except ImportError as exc:
         return f"cannot load {paths[0]}: {exc}"
     _register_fakes()
+    from . import pdl
+
+    _module.set_programmatic_launch(pdl.enabled())  # the one setting (ops.set_programmatic_launch)
     return None
 
 
@@ -72,25 +75,9 @@ def _register_fakes() -> None:
             pass
 
 
-def set_programmatic_launch(enabled: bool) -> None:
-    """Launch the compiled kernels from now on with (True) or without programmatic dependent launch.
-
-    With it (the default on Hopper and newer, unless ``VLLM_OMNI_KERNELS_PDL=0``) a kernel's blocks
-    may be scheduled while the kernel before it in the stream finishes; they wait for it before
-    touching memory, so results are the same, and a chain of small kernels in a CUDA graph loses a
-    launch's latency per kernel. A graph keeps the setting it was captured with.
-
-    Raises:
-        RuntimeError: the extension is not loaded (``load()`` says why).
-    """
-    if _module is None:
-        raise RuntimeError(f"the compiled extension is not loaded: {load()}")
-    _module.set_programmatic_launch(bool(enabled))
-
-
 def programmatic_launch() -> bool | None:
-    """Whether the compiled kernels launch with programmatic dependent launch (on devices that
-    support it: Hopper and newer); None when the extension is not loaded."""
+    """Whether the extension launches with programmatic dependent launch (on devices that support
+    it: Hopper and newer); None when it is not loaded. ``ops.set_programmatic_launch`` sets it."""
     return None if _module is None else bool(_module.programmatic_launch())
 
 

@@ -7,12 +7,18 @@ Grid ``(jobs, blocks)``: program ``(j, b)`` copies columns ``[b*BLOCK_F, (b+1)*B
 job ``j``, or a strided share of int job ``j``'s elements. The job counts are read from the table on
 the device, so a grid sized for more jobs (a captured graph replayed with fewer) is correct: the
 extra programs exit.
+
+With programmatic dependent launch (``pdl.py``; ``PDL``) a program first waits for the kernel ahead
+of it; the gather lets the next kernel start as its programs exit (as the CUDA kernel does).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from . import pdl
+from .triton_gdc import wait_previous_grid
 
 # Elements of a float row per program and warps per program: 2048 and 4 were the best or within 5%
 # of it for MTP and non-MTP steps at B=1024, H=4096, bf16 on the H200 (sweep_gather.py); 8 or 16
@@ -25,7 +31,9 @@ BLOCK_I = 128
 
 @triton.jit
 def _row_gather_kernel(fbase, ibase, table, W, I_OFF, BLOCK_F: tl.constexpr, BLOCK_I: tl.constexpr,
-                       ALIGN: tl.constexpr):
+                       ALIGN: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        wait_previous_grid()
     job = tl.program_id(0)
     blk = tl.program_id(1)
     n_float = tl.load(table)
@@ -70,5 +78,6 @@ def row_gather(fbase, ibase, table, *, width: int, int_off: int, grid_rows: int,
     bf = block_f(width)
     blocks = triton.cdiv(max(int(width), 1), bf)
     warps = max(1, min(MAX_WARPS, bf // ELEMS_PER_WARP))
+    on = pdl.for_tensor(fbase)
     _row_gather_kernel[(grid_rows, blocks)](fbase, ibase, table, width, int_off, BLOCK_F=bf, BLOCK_I=BLOCK_I,
-                                            ALIGN=align, num_warps=warps)
+                                            ALIGN=align, PDL=on, num_warps=warps, launch_pdl=on)

@@ -11,6 +11,9 @@ the head in one atomic add, and the program that takes the last ticket stores th
 loads are issued before the head is read, so the two round trips overlap. Nothing else reads the
 head in that launch, so a captured graph can be replayed step after step with the head advancing on
 the device.
+
+With programmatic dependent launch (``pdl.py``; ``PDL``) a program first waits for the kernel ahead
+of it, and lets the next kernel be scheduled once it has issued its loads (as the CUDA kernels do).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import pdl
 from .layout import HEAD_SHIFT as _HEAD_SHIFT, META_COLS
+from .triton_gdc import launch_dependents, wait_previous_grid
 
 # Rows of more than SINGLE_MAX elements: BLOCK elements per program, MULTI_WARPS warps, doubled for a
 # launch of at most SMALL_GRID programs (latency-bound: more threads issue the loads sooner).
@@ -76,14 +81,18 @@ def _next_head_word(pos, n, cap):
 
 
 @triton.jit
-def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F,
-                       LAST: tl.constexpr, MONO: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F, LAST: tl.constexpr, MONO: tl.constexpr,
+                       BLOCK: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        wait_previous_grid()
     row = tl.program_id(0)
     blk = tl.program_id(1)
     meta_row = meta_ptr + row * 8
     e = blk * BLOCK + tl.arange(0, BLOCK)
     outer, inner, lin, mask = _lin_offsets(meta_row, e, F, LAST, MONO)
     vals = tl.load(src_ptr + lin, mask=mask)  # issued before the head is read: the round trips overlap
+    if PDL:
+        launch_dependents()
     slot = tl.load(meta_row + 0)
     pos = tl.load(meta_row + 5)
     n = tl.load(meta_row + 2)
@@ -107,7 +116,9 @@ def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F,
 
 @triton.jit
 def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
-                      LAST: tl.constexpr, MONO: tl.constexpr, BLOCK: tl.constexpr):
+                      LAST: tl.constexpr, MONO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        wait_previous_grid()
     row = tl.program_id(0)
     blk = tl.program_id(1)
     meta_row = meta_ptr + row * 8
@@ -115,6 +126,8 @@ def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
     e = blk * BLOCK + tl.arange(0, BLOCK)
     outer, inner, lin, mask = _lin_offsets(meta_row, e, F, LAST, MONO)
     vals = tl.load(arena_ptr + _ring_index(meta_row, outer, inner, pos, F, LAST), mask=mask)
+    if PDL:
+        launch_dependents()
     tl.store(out_ptr + lin, vals, mask=mask)
 
 
@@ -136,9 +149,11 @@ def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -
     if rows == 0:
         return
     blocks, block, warps = _shape(max_elems, rows)
+    on = pdl.for_tensor(arena)
     _ring_write_kernel[(rows, blocks)](
         arena, state, meta, src, frame_elems,
-        LAST=last, MONO=last and frame_elems == 1, BLOCK=block, SINGLE=blocks == 1, num_warps=warps,
+        LAST=last, MONO=last and frame_elems == 1, BLOCK=block, SINGLE=blocks == 1, PDL=on, num_warps=warps,
+        launch_pdl=on,
     )
 
 
@@ -147,7 +162,8 @@ def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
     if rows == 0:
         return
     blocks, block, warps = _shape(max_elems, rows)
+    on = pdl.for_tensor(arena)
     _ring_read_kernel[(rows, blocks)](
         arena, meta, out, frame_elems,
-        LAST=last, MONO=last and frame_elems == 1, BLOCK=block, num_warps=warps,
+        LAST=last, MONO=last and frame_elems == 1, BLOCK=block, PDL=on, num_warps=warps, launch_pdl=on,
     )
