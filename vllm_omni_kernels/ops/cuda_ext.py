@@ -51,7 +51,9 @@ def load() -> str | None:
     _register_fakes()
     from . import pdl
 
-    _module.set_programmatic_launch(pdl.enabled())  # the one setting (ops.set_programmatic_launch)
+    setter = getattr(_module, "set_programmatic_launch", None)  # absent from builds before it existed
+    if setter is not None:
+        setter(pdl.enabled())  # the one setting (ops.set_programmatic_launch)
     return None
 
 

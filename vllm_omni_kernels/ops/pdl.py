@@ -36,8 +36,9 @@ def set_enabled(flag: bool) -> None:
     _enabled = bool(flag)
     from . import cuda_ext
 
-    if cuda_ext._module is not None:
-        cuda_ext._module.set_programmatic_launch(_enabled)
+    setter = getattr(cuda_ext._module, "set_programmatic_launch", None)  # the extension, once loaded
+    if setter is not None:
+        setter(_enabled)
 
 
 @functools.cache
