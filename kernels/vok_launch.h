@@ -17,8 +17,14 @@ constexpr int64_t kMaxRingRows = 65535;
 constexpr int64_t kMaxRowElems = 2147483647;
 constexpr int64_t kGatherRowBlockBytes = 4096;
 constexpr int64_t kGatherIntThreads = 128;  // threads of a gather block: an int job's elements per block and pass
+// Blocks per float row of `width` elements (grid.y of a gather; an int job's blocks share its
+// elements, kGatherIntThreads each per pass: gather_jobs.int_run_cap).
+inline int64_t gather_row_blocks(int64_t width, int64_t elem_size) {
+  const int64_t blocks = (width * elem_size + kGatherRowBlockBytes - 1) / kGatherRowBlockBytes;
+  return blocks > 1 ? blocks : 1;
+}
 inline bool gather_width_fits(int64_t width, int64_t elem_size) {
-  return width > 0 && (width * elem_size + kGatherRowBlockBytes - 1) / kGatherRowBlockBytes <= 65535;
+  return width > 0 && gather_row_blocks(width, elem_size) <= 65535;
 }
 
 // Programmatic dependent launch: on Hopper and newer every launch below may let its blocks be

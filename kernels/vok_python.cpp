@@ -743,7 +743,7 @@ class GatherStep {
     const i64 es = anchor_.element_size();
     TORCH_CHECK((es == 2 || es == 4) && vok::gather_width_fits(width, es),
                 "float rows of 2 or 4 bytes and a width of 1 to 65535 * 4096 bytes");
-    int_run_cap_ = vok::kGatherIntThreads * ((width * es + vok::kGatherRowBlockBytes - 1) / vok::kGatherRowBlockBytes);
+    int_run_cap_ = vok::kGatherIntThreads * vok::gather_row_blocks(width, es);
   }
 
   // Encode and launch the jobs of a GatherJobs (its blocks and counts; `aligned`: every float row

@@ -66,7 +66,7 @@ dim3 ring_grid(int64_t rows, int64_t max_elems) {
 }
 
 dim3 gather_grid(int64_t grid_rows, int64_t width, int es) {
-  return dim3(grid_rows, std::max<int64_t>(1, ceil_div(width * es, kGatherBlockBytes)));
+  return dim3(grid_rows, gather_row_blocks(width, es));
 }
 
 const void* ring_entry(int es, bool last, bool write) {

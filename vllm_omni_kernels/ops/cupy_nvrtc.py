@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .gather_jobs import GATHER_THREADS, gather_row_blocks
+
 RING_THREADS, RING_PER_THREAD = 256, 8
-GATHER_THREADS, GATHER_BLOCK_BYTES = 128, 4096
 _SOURCE = "vok_kernels.cuh"
 
 
@@ -104,6 +105,6 @@ def row_gather(fbase, ibase, table, *, width, int_off, grid_rows, align) -> None
     if grid_rows == 0:
         return
     es = fbase.element_size()
-    grid = (grid_rows, max(1, -(-width * es // GATHER_BLOCK_BYTES)))
+    grid = (grid_rows, gather_row_blocks(width, es))
     name = f"vok_row_gather_e{es}_a{int(align > 1)}"
     _launch(name, grid, GATHER_THREADS, (_ptr(fbase), _ptr(table), _ptr(table), np.int64(width), np.int64(int_off)))

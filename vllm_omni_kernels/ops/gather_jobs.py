@@ -68,15 +68,21 @@ class TableLayout:
         return self.payload_off + (self.payload_cap + 1) // 2
 
 
-# The kernels' gather blocks (kernels/vok_kernels.cuh: kGatherThreads, kGatherBlockBytes): an int
-# job's elements are shared by its blocks along the row axis, THREADS elements each per pass.
+# The CUDA kernels' gather blocks (kernels/vok_kernels.cuh: kGatherThreads, kGatherBlockBytes; the
+# CuPy launcher sizes its grid from these): an int job's elements are shared by its blocks along the
+# row axis, THREADS elements each per pass.
 GATHER_THREADS, GATHER_BLOCK_BYTES = 128, 4096
 
 
+def gather_row_blocks(width: int, elem_size: int) -> int:
+    """Blocks per float row of ``width`` elements (grid.y of a CUDA gather launch)."""
+    return max(1, -(-width * elem_size // GATHER_BLOCK_BYTES))
+
+
 def int_run_cap(width: int, elem_size: int) -> int:
-    """Elements the blocks of one int job copy in one pass (one block per ``GATHER_BLOCK_BYTES`` of
-    a float row): the most a record of a run of int rows takes."""
-    return GATHER_THREADS * max(1, -(-width * elem_size // GATHER_BLOCK_BYTES))
+    """Elements the blocks of one int job copy in one pass: the most a record of a run of int rows
+    takes."""
+    return GATHER_THREADS * gather_row_blocks(width, elem_size)
 
 
 def _consecutive(rows) -> bool:
