@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gather_cases import check_gather_case, make_gather_case, record_gather_case
+from ptx_checks import waits_before_memory
 from vllm_omni_kernels.gather import RowGather
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ops import cuda_ext
@@ -51,10 +52,7 @@ def test_kernel_header_compiles_to_ptx_and_sass_with_every_entry_point(tmp_path)
     # Launched with programmatic dependent launch, a kernel may start before the one ahead of it
     # ends: every entry waits for it before its first access to memory.
     for name, body in re.findall(r"\.entry\s+(\w+)(.*?)\n}", ptx, re.S):
-        wait = body.find("griddepcontrol.wait")
-        first_access = min((i for i in (body.find(op) for op in ("ld.global", "st.global", "atom.")) if i >= 0),
-                           default=len(body))
-        assert 0 <= wait < first_access, f"{name} touches memory before griddepcontrol.wait"
+        assert waits_before_memory(body), f"{name} touches memory before griddepcontrol.wait"
 
 
 needs_cmake = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None
