@@ -43,7 +43,6 @@ constexpr int kRingPerThread = VOK_RING_PER_THREAD;  // elements in flight per t
 #endif
 constexpr int kGatherThreads = VOK_GATHER_THREADS;
 constexpr int kGatherBlockBytes = VOK_GATHER_BLOCK_BYTES;  // bytes of a float row per block (2 x 16 B per thread)
-constexpr int kIntBlock = 128;
 // Metadata carried in the parameters, in one of VOK_PARAM_WORDS' sizes (int64 words). A launch takes
 // at most 32764 bytes of parameters; 4088 words leave room for every entry's other arguments.
 template <int N> struct Words {
@@ -224,8 +223,11 @@ __device__ __forceinline__ void row_gather(char* __restrict__ fbase, int* __rest
       for (i64 c = c0 + threadIdx.x; c < c1; c += kGatherThreads) d[c] = s[c];
     }
   } else if (job < n_float + n_int) {
-    const i64* rec = table + i_off + 4 * (job - n_float);
-    const i64 src = rec[0], dst = rec[1], n = rec[2], flags = rec[3];
+    // Two words: the offsets in their low 48 bits (signed), the flags and the count in the top 16.
+    const i64* rec = table + i_off + 2 * (job - n_float);
+    const i64 src = (i64)((u64)rec[0] << 16) >> 16, dst = (i64)((u64)rec[1] << 16) >> 16;
+    const int flags = (int)((u64)rec[0] >> 48);
+    const i64 n = (i64)((u64)rec[1] >> 48);
     const bool s_wide = flags & 1, d_wide = flags & 2;
     const int* sbase = (flags & 4) ? reinterpret_cast<const int*>(table) : ibase;  // 4: a payload in the table
     for (i64 e = (i64)blockIdx.y * kGatherThreads + threadIdx.x; e < n; e += (i64)gridDim.y * kGatherThreads) {
@@ -264,8 +266,8 @@ VOK_RING(8, last, true)
 // the sizes are close: a 256-row ring step (2048 words) or an MTP step of 64 rows (934) pay for
 // little more than they use.
 #define VOK_PARAM_WORDS(X, ...) \
-  X(128, __VA_ARGS__) X(256, __VA_ARGS__) X(512, __VA_ARGS__) X(1024, __VA_ARGS__) X(2048, __VA_ARGS__) \
-  X(3072, __VA_ARGS__) X(4088, __VA_ARGS__)
+  X(128, __VA_ARGS__) X(256, __VA_ARGS__) X(512, __VA_ARGS__) X(1024, __VA_ARGS__) X(1536, __VA_ARGS__) \
+  X(2048, __VA_ARGS__) X(3072, __VA_ARGS__) X(4088, __VA_ARGS__)
 
 #define VOK_RING_P(N, S, NAME, LAST)                                                                   \
   extern "C" __global__ void __launch_bounds__(vok::kRingThreads) vok_ring_write_e##S##_##NAME##_p##N( \

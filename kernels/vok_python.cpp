@@ -435,6 +435,9 @@ struct Block {
         dst(tensor_of(PyTuple_GET_ITEM(b, 2), "block destination")), dst_rows(PyTuple_GET_ITEM(b, 3)) {}
 };
 
+// The most elements of one int record of the gather table (put_int; gather_jobs.INT_COUNT_MAX).
+constexpr i64 kIntCountMax = 32767;
+
 // What check_each noted of one source of a many-source block, so the encoder reads plain memory
 // instead of the tensor a second time (each tensor read is a chain of out-of-line calls; a mixed
 // B=256 step's 1024 one-row sources cost 18 -> 7 us per launch call on the CPU machine).
@@ -469,23 +472,25 @@ struct EachBlock {
     }
   }
   i64 count() const { return PyList_GET_SIZE(sources); }
-  // f(note, start row) for every source in order, until f returns false (then false). The loop is
-  // compiled once for recorded notes and once for notes read from the tensors, so the usual one
-  // keeps its positions in registers.
+  // pos = f(note, start row, pos) for every source in order, from `pos`, until it returns -1 (then
+  // -1); returns the last pos. The position travels by value, not as a captured reference, so the
+  // loop keeps it in a register (a reference is reloaded after every store to the table, which
+  // might alias it); and the loop is compiled once for recorded notes and once for notes read from
+  // the tensors, so the usual one does not branch per source.
   template <class F>
-  bool each(F&& f) const {
+  i64 fold(i64 pos, F&& f) const {
     const char* sp = static_cast<const char*>(starts.view.buf);
     const i64 sstride = starts.view.strides[0], n = count();
     if (notes) {
-      for (i64 k = 0; k < n; ++k)
-        if (!f(notes[k], RowIndex::load(sp + k * sstride))) return false;
-      return true;
+      for (i64 k = 0; k < n && pos >= 0; ++k) pos = f(notes[k], RowIndex::load(sp + k * sstride), pos);
+      return pos;
     }
-    for (i64 k = 0; k < n; ++k) {
+    for (i64 k = 0; k < n && pos >= 0; ++k) {
       const SourceNote note = SourceNote::of(tensor_of(PyList_GET_ITEM(sources, k), "block source"));
-      if (!f(note, RowIndex::load(sp + k * sstride))) return false;
+      TORCH_CHECK((static_cast<uint64_t>(note.address) >> 48) == 0, "a source address at or above 2**48");
+      pos = f(note, RowIndex::load(sp + k * sstride), pos);
     }
-    return true;
+    return pos;
   }
 };
 
@@ -503,6 +508,7 @@ py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::T
   const at::Device device = dst.device();
   const at::ScalarType dtype = dst.scalar_type();
   const i64 dst_rows = dst.size(0), width = dst.dim() == 2 ? dst.size(1) : 1;
+  if (!floating && width > kIntCountMax) return py::make_tuple(-1, false, py::none());  // ints() raises
   bool aligned = reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0 && (dst.stride(0) * dst.element_size()) % 16 == 0;
   py::bytes notes_obj(nullptr, count * sizeof(SourceNote));  // fresh, so still writable here
   auto* notes = reinterpret_cast<SourceNote*>(PyBytes_AS_STRING(notes_obj.ptr()));
@@ -521,6 +527,7 @@ py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::T
       const at::ScalarType t = s.scalar_type();
       if (t != at::kInt && t != at::kLong) return decline();
       if (dst.dim() == 1 ? s.dim() != 1 : (s.dim() != 2 || s.size(1) != width || s.stride(1) != 1)) return decline();
+      if (static_cast<uint64_t>(note.address) >> 48) return decline();  // its record cannot hold the offset
     }
     const i64 start = st.at(k);
     if (start < 0 || start + note.rows > dst_rows) return decline();
@@ -536,17 +543,22 @@ PyObject* block_at(const py::list& blocks, size_t i) {
   return b;
 }
 
+// An int record (gather_jobs.py): two words, the source and destination offsets in their low 48
+// bits (signed: differences of addresses below 2**48, which encode_gather checks), the flags in the
+// top 16 bits of the first and the element count (at most kIntCountMax) in those of the second.
+constexpr uint64_t kLow48 = (uint64_t{1} << 48) - 1;
+inline void put_int(i64* __restrict__ rec, i64 src, i64 dst, i64 count, i64 flags) {
+  rec[0] = static_cast<i64>((static_cast<uint64_t>(src) & kLow48) | static_cast<uint64_t>(flags) << 48);
+  rec[1] = static_cast<i64>((static_cast<uint64_t>(dst) & kLow48) | static_cast<uint64_t>(count) << 48);
+}
+
 // gather_jobs._run_records: a run of `elems` int elements from word `src` to word `dst` (both sides
 // contiguous) as records of at most `cap` elements from `rec` on; returns the records written.
 i64 run_records(i64* __restrict__ rec, i64 src, i64 dst, i64 elems, i64 flags, i64 cap) {
   const i64 sw = 1 + (flags & 1), dw = 1 + (flags >> 1);
   i64 n = 0;
-  for (i64 first = 0; first < elems; first += cap, ++n, rec += 4) {
-    rec[0] = src + first * sw;
-    rec[1] = dst + first * dw;
-    rec[2] = std::min(cap, elems - first);
-    rec[3] = flags;
-  }
+  for (i64 first = 0; first < elems; first += cap, ++n, rec += 2)
+    put_int(rec, src + first * sw, dst + first * dw, std::min(cap, elems - first), flags);
   return n;
 }
 
@@ -561,12 +573,49 @@ bool consecutive(const RowIndex& rows, i64 k) {
   return yes;
 }
 
+// A rows_each block's float records from job `pos` on (of at most `n_float`); returns the next job,
+// or -1 if they do not fit. A one-row source (the usual hook output) takes no inner loop.
+__attribute__((noinline)) i64 float_each_records(const EachBlock& b, i64* __restrict__ t, i64 pos, i64 n_float, intptr_t fbase, int fshift) {
+  const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - fbase) >> fshift, ds = b.dst.stride(0);
+  return b.fold(pos, [=](const SourceNote& src, i64 d0, i64 at) -> i64 {
+    const i64 so = (src.address - fbase) >> fshift, rows = src.rows;
+    if (at + rows > n_float) return -1;
+    i64* __restrict__ out = t + 2 + 2 * at;
+    out[0] = so;
+    out[1] = dO + d0 * ds;
+    for (i64 j = 1; j < rows; ++j) {
+      out[2 * j] = so + j * src.stride;
+      out[2 * j + 1] = dO + (d0 + j) * ds;
+    }
+    return at + rows;
+  });
+}
+
+// An ints_each block's int records from record `pos` on (of at most `n_int`; `rec` is the first
+// record's word); returns the next record, or -1 if they do not fit. Its sources' addresses are
+// below 2**48 (check_each declines others; EachBlock::fold checks tensors it reads itself).
+__attribute__((noinline)) i64 int_each_records(const EachBlock& b, i64* __restrict__ rec, i64 pos, i64 n_int, intptr_t ibase) {
+  const i64 dw = b.dst.element_size() / 4, ds = b.dst.stride(0) * dw;
+  const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - ibase) >> 2;
+  const i64 width = b.dst.dim() == 2 ? b.dst.size(1) : 1;
+  TORCH_CHECK_VALUE(width <= kIntCountMax, "int rows of at most ", kIntCountMax, " elements, got ", width);
+  return b.fold(pos, [=](const SourceNote& src, i64 d0, i64 at) -> i64 {
+    const i64 sw = src.elem_size >> 2, rows = src.rows;
+    const i64 so = (src.address - ibase) >> 2, flags = (sw == 2) | ((dw == 2) << 1);
+    if (at + rows > n_int) return -1;
+    i64* __restrict__ r = rec + 2 * at;
+    put_int(r, so, dO + d0 * ds, width, flags);
+    for (i64 j = 1; j < rows; ++j) put_int(r + 2 * j, so + j * src.stride * sw, dO + (d0 + j) * ds, width, flags);
+    return at + rows;
+  });
+}
+
 // Encode the recorded jobs into `table` (host int64, flat, `words` long): float jobs from word 2, int
 // jobs from `int_off` (a block of consecutive rows as a run: run_records with `int_cap`), value jobs
 // after them and their payload after those; array blocks in order, then single-row jobs, then value
-// jobs, exactly as GatherJobs.encode orders them. Int words are offsets from `ibase` (the
-// table's device address, or the anchor's for a table in the launch's parameters). Returns the
-// words used; t[0] + t[1] is the launch's job count.
+// jobs, exactly as GatherJobs.encode orders them. Int words are offsets from `ibase` (the table's
+// device address, or the anchor's for a table in the launch's parameters). Returns the words used;
+// t[0] + t[1] is the launch's job count.
 i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, const py::list& float_blocks,
                   const py::list& int_blocks, const py::list& value_blocks, i64 n_float, i64 n_int, i64 int_off,
                   i64 int_cap) {
@@ -583,22 +632,8 @@ i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, c
   for (size_t i = 0; i < float_blocks.size(); ++i) {
     PyObject* tup = block_at(float_blocks, i);
     if (PyList_Check(PyTuple_GET_ITEM(tup, 0))) {  // rows_each: every row of each source from its start row
-      const EachBlock b(tup);
-      const i64 dO = fword(b.dst.data_ptr()), ds = b.dst.stride(0);
-      i64 pos = f;  // a local the loop keeps in a register
-      const bool fits = b.each([&](const SourceNote& src, i64 d0) {
-        const i64 so = (src.address - fbase) >> fshift, ss = src.stride, rows = src.rows;
-        if (pos + rows > n_float) return false;
-        i64* __restrict__ out = t + 2 + 2 * pos;
-        for (i64 j = 0; j < rows; ++j) {
-          out[2 * j] = so + j * ss;
-          out[2 * j + 1] = dO + (d0 + j) * ds;
-        }
-        pos += rows;
-        return true;
-      });
-      TORCH_CHECK(fits, "float jobs do not match their count");
-      f = pos;
+      f = float_each_records(EachBlock(tup), t, f, n_float, fbase, fshift);
+      TORCH_CHECK(f >= 0, "float jobs do not match their count");
       continue;
     }
     const Block b(tup);
@@ -630,43 +665,23 @@ i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, c
   }
   TORCH_CHECK(f == n_float, "float jobs do not match their count");
 
-  // Int jobs: records of (src word, dst word, width, flags) from word int_off; a block of consecutive
-  // rows lying end to end on both sides as a run of elements (run_records).
+  // Int jobs: two-word records (put_int) from word int_off; a block of consecutive rows lying end to
+  // end on both sides as a run of elements (run_records). Their offsets must fit in 48 bits: every
+  // address they are made from is or-ed into `addresses` and checked once.
+  uint64_t addresses = static_cast<uint64_t>(ibase);
   i64 n = 0;
   auto put = [&](i64 s, i64 d, i64 width, i64 flags) {
     TORCH_CHECK(n < n_int, "int jobs do not match their count");
-    i64* rec = t + int_off + 4 * n++;
-    rec[0] = s;
-    rec[1] = d;
-    rec[2] = width;
-    rec[3] = flags;
+    put_int(t + int_off + 2 * n++, s, d, width, flags);
   };
   std::vector<std::array<i64, 4>> int_singles;
   for (size_t i = 0; i < int_blocks.size(); ++i) {
     PyObject* tup = block_at(int_blocks, i);
     if (PyList_Check(PyTuple_GET_ITEM(tup, 0))) {  // ints_each
       const EachBlock b(tup);
-      const i64 dw = b.dst.element_size() / 4, ds = b.dst.stride(0) * dw;
-      const i64 dO = iword(b.dst.data_ptr());
-      const i64 width = b.dst.dim() == 2 ? b.dst.size(1) : 1;
-      i64 pos = n;  // a local the loop keeps in a register (`put` holds n by reference)
-      const bool fits = b.each([&](const SourceNote& src, i64 d0) {
-        const i64 sw = src.elem_size >> 2, rows = src.rows;
-        const i64 so = (src.address - ibase) >> 2, ss = src.stride * sw;
-        const i64 flags = (sw == 2) | ((dw == 2) << 1);
-        if (pos + rows > n_int) return false;
-        i64* __restrict__ rec = t + int_off + 4 * pos;
-        for (i64 j = 0; j < rows; ++j, rec += 4) {
-          rec[0] = so + j * ss;
-          rec[1] = dO + (d0 + j) * ds;
-          rec[2] = width;
-          rec[3] = flags;
-        }
-        pos += rows;
-        return true;
-      });
-      TORCH_CHECK(fits, "int jobs do not match their count");
-      n = pos;
+      addresses |= reinterpret_cast<uintptr_t>(b.dst.data_ptr());
+      n = int_each_records(b, t + int_off, n, n_int, ibase);
+      TORCH_CHECK(n >= 0, "int jobs do not match their count");
       continue;
     }
     const Block b(tup);
@@ -674,7 +689,9 @@ i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, c
     const i64 so = iword(b.src.const_data_ptr()), dO = iword(b.dst.data_ptr());
     const i64 ss = b.src.stride(0) * sw, ds = b.dst.stride(0) * dw, k = b.dst_rows.count();
     const i64 width = b.dst.dim() == 2 ? b.dst.size(1) : 1, flags = (sw == 2) | ((dw == 2) << 1);
+    TORCH_CHECK_VALUE(width <= kIntCountMax, "int rows of at most ", kIntCountMax, " elements, got ", width);
     TORCH_CHECK(b.src_rows.leading || b.src_rows.count() == k, "int jobs do not match their count");
+    addresses |= reinterpret_cast<uintptr_t>(b.src.const_data_ptr()) | reinterpret_cast<uintptr_t>(b.dst.data_ptr());
     const RowIndex sr = b.src_rows.index(), dr = b.dst_rows.index();
     if (b.dst_rows.single) {
       int_singles.push_back({so + sr.at(0) * ss, dO + dr.at(0) * ds, width, flags});
@@ -682,18 +699,13 @@ i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, c
     }
     TORCH_CHECK(n + k <= n_int, "int jobs do not match their count");
     if (ss == width * sw && ds == width * dw && consecutive(dr, k) && consecutive(sr, k)) {  // one run
-      n += run_records(t + int_off + 4 * n, so + sr.at(0) * ss, dO + dr.at(0) * ds, k * width, flags, int_cap);
+      n += run_records(t + int_off + 2 * n, so + sr.at(0) * ss, dO + dr.at(0) * ds, k * width, flags, int_cap);
       continue;
     }
-    i64* __restrict__ rec = t + int_off + 4 * n;
+    i64* __restrict__ rec = t + int_off + 2 * n;
     sr.with([&](auto src_at) {
       dr.with([&](auto dst_at) {
-        for (i64 j = 0; j < k; ++j) {
-          rec[4 * j] = so + src_at(j) * ss;
-          rec[4 * j + 1] = dO + dst_at(j) * ds;
-          rec[4 * j + 2] = width;
-          rec[4 * j + 3] = flags;
-        }
+        for (i64 j = 0; j < k; ++j) put_int(rec + 2 * j, so + src_at(j) * ss, dO + dst_at(j) * ds, width, flags);
       });
     });
     n += k;
@@ -702,7 +714,7 @@ i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, c
   // Value jobs follow the int records, their payload follows them.
   const i64 value_jobs = static_cast<i64>(value_blocks.size());
   TORCH_CHECK(n + value_jobs <= n_int, "int jobs do not match their count");
-  const i64 payload_off = int_off + 4 * (n + value_jobs);
+  const i64 payload_off = int_off + 2 * (n + value_jobs);
   t[1] = n + value_jobs;
   int32_t* payload = reinterpret_cast<int32_t*>(t + payload_off);
   const i64 payload_cap = 2 * (words - payload_off);
@@ -711,17 +723,20 @@ i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, c
     PyObject* vb = PyList_GET_ITEM(value_blocks.ptr(), i);
     TORCH_CHECK(PyTuple_Check(vb) && PyTuple_GET_SIZE(vb) == 2, "a value block is (dst, values)");
     const at::Tensor& dst = tensor_of(PyTuple_GET_ITEM(vb, 0), "value destination");
+    addresses |= reinterpret_cast<uintptr_t>(dst.data_ptr());
     Py_buffer view;
     if (PyObject_GetBuffer(PyTuple_GET_ITEM(vb, 1), &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
       throw py::error_already_set();
     const i64 count = view.len / 4;
-    const bool ok = view.itemsize == 4 && p + count <= payload_cap;
+    const bool ok = view.itemsize == 4 && p + count <= payload_cap && count <= kIntCountMax;
     if (ok) std::memcpy(payload + p, view.buf, count * 4);
     PyBuffer_Release(&view);
-    TORCH_CHECK(ok, "values must be int32 and fit in the payload");
+    TORCH_CHECK(ok, "values must be int32, at most ", kIntCountMax, " per block, and fit in the payload");
     put(2 * payload_off + p, iword(dst.data_ptr()), count, ((dst.element_size() == 8) << 1) | 4);
     p += count;
   }
+  TORCH_CHECK((addresses >> 48) == 0, "an int address at or above 2**48: its offsets do not fit the job table");
+  if (p & 1) payload[p] = 0;  // the rest of the last word, as the numpy twin
   return payload_off + (p + 1) / 2;
 }
 
@@ -743,7 +758,8 @@ class GatherStep {
     const i64 es = anchor_.element_size();
     TORCH_CHECK((es == 2 || es == 4) && vok::gather_width_fits(width, es),
                 "float rows of 2 or 4 bytes and a width of 1 to 65535 * 4096 bytes");
-    int_run_cap_ = vok::kGatherIntThreads * vok::gather_row_blocks(width, es);
+    int_run_cap_ = std::min(vok::kGatherIntThreads * vok::gather_row_blocks(width, es),
+                            kIntCountMax / vok::kGatherIntThreads * vok::kGatherIntThreads);
   }
 
   // Encode and launch the jobs of a GatherJobs (its blocks and counts; `aligned`: every float row
@@ -757,7 +773,7 @@ class GatherStep {
                       " float rows / ", n_int, " int jobs / ", n_values, " values exceed this gather's capacity (",
                       float_cap_, " / ", int_cap_, " / ", payload_cap_, ")");
     const i64 int_off = 2 + 2 * n_float;
-    const i64 most = int_off + 4 * n_int + (n_values + 1) / 2;  // runs of int rows may take fewer words
+    const i64 most = int_off + 2 * n_int + (n_values + 1) / 2;  // runs of int rows may take fewer words
     const DeviceScope scope(anchor_);
     const cudaStream_t stream = scope.stream;
     i64* t = table_.next(most, stream);

@@ -103,4 +103,42 @@ def check_gather_case(seed, dtype, width, device, backend, monkeypatch):
     return got
 
 
-__all__ = ["make_gather_case", "record_gather_case", "run_gather_case", "check_gather_case", "pytest"]
+def check_far_apart_rows(device, backend, monkeypatch, graph: bool = False):
+    """Rows 2**32 elements and more apart (the two ends of 10 GB of address space, touched only
+    there) gathered both ways, as float rows, int rows and each-blocks: every offset the table
+    carries keeps its high bits and sign (48-bit records, gather_jobs.py). ``graph``: also through the
+    resident table a captured step reads (``prepare_static``/``run_static``)."""
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", backend)
+    width, n = 64, 4
+    big = torch.empty(5 * 2**30, dtype=torch.bfloat16, device=device)
+    low, high = big[:n * width].view(n, width), big[-n * width:].view(n, width)
+    ints, past = big.view(torch.int32), n * width // 2  # int rows next to the float rows
+    ilow, ihigh = ints[past:past + 2 * n].view(n, 2), ints[-past - 2 * n:-past].view(n, 2)
+    gather = RowGather(torch.bfloat16, width, device, max_float_rows=3 * n, max_int_rows=3 * n)
+    anchor = gather._anchor.data_ptr()
+    assert max(abs(t.data_ptr() - anchor) for t in (low, high)) >= 2**33  # offsets past 32 bits
+    want = {}
+    for step in range(2):
+        low.copy_(torch.randn(n, width).to(torch.bfloat16))
+        ihigh.copy_(torch.randint(-(2**31), 2**31 - 1, (n, 2), dtype=torch.int32))
+        high.zero_()
+        ilow.zero_()
+        want["high"], want["ilow"] = low.clone(), ihigh.clone()
+        j = gather.jobs
+        j.rows(high, np.arange(n)[::-1].copy(), low, np.arange(n)[::-1].copy())
+        j.ints(ilow, np.arange(n - 1), ihigh, np.arange(n - 1))
+        j.ints_each(ilow, np.array([n - 1]), [ihigh[n - 1:]])
+        if graph and step:
+            gather.prepare_static()
+            gather.run_static(2 * n)
+            j.clear()
+        else:
+            assert gather.launch() == 1
+        if device != "cpu":
+            torch.cuda.synchronize()
+        assert torch.equal(high, want["high"]) and torch.equal(ilow, want["ilow"])
+    del big
+
+
+__all__ = ["make_gather_case", "record_gather_case", "run_gather_case", "check_gather_case", "check_far_apart_rows",
+           "pytest"]

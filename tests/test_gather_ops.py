@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gather_cases import check_gather_case
+from gather_cases import check_far_apart_rows, check_gather_case
 from vllm_omni_kernels.gather import RowGather
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
@@ -24,6 +24,30 @@ def test_triton_gather_matches_reference(dtype, width, monkeypatch):
 
 def test_triton_gather_wide_rows_16384(monkeypatch):
     check_gather_case(0, torch.bfloat16, 16384, "cpu", "triton", monkeypatch)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_far_apart_keep_every_bit_of_their_offsets(backend, monkeypatch):
+    check_far_apart_rows("cpu", backend, monkeypatch, graph=backend == "triton")
+
+
+def test_int_records_keep_48_signed_bits_of_offset_and_their_count_and_flags():
+    """An int record's two words (offsets in the low 48 bits, flags and count in the top 16) give
+    back offsets of either sign up to 48 bits, counts up to INT_COUNT_MAX and every flag, as the
+    kernels decode them."""
+    from vllm_omni_kernels.ops.gather_jobs import INT_COUNT_MAX, _put_ints, decode_table
+
+    rng = np.random.default_rng(3)
+    src = np.concatenate([rng.integers(-(2**47), 2**47, 200), [-(2**47), 2**47 - 1, -1, 0, 2**32, -(2**32) - 1]])
+    dst = rng.permutation(src)
+    count = rng.integers(0, INT_COUNT_MAX + 1, len(src))
+    count[:2] = INT_COUNT_MAX, 0
+    flags = rng.integers(0, 8, len(src))
+    table = np.zeros(2 + 2 * len(src), np.int64)
+    table[1] = len(src)
+    _put_ints(table, 2, len(table), src, dst, count, flags)
+    floats, ints = decode_table(table, 2)
+    assert len(floats) == 0 and np.array_equal(ints, np.stack([src, dst, count, flags], axis=1))
 
 
 @settings(max_examples=20, deadline=None)
@@ -115,7 +139,7 @@ def test_a_block_of_consecutive_int_rows_is_encoded_as_a_run_of_records_of_one_p
     """Ids at consecutive offsets (rows end to end on both sides) become records of ``int_run_cap``
     elements (what an int job's blocks copy in one pass); rows out of order, a gap, rows apart in
     memory or one-row jobs stay a record per row."""
-    from vllm_omni_kernels.ops.gather_jobs import GatherJobs, TableLayout, int_run_cap
+    from vllm_omni_kernels.ops.gather_jobs import GatherJobs, TableLayout, decode_table, int_run_cap
 
     assert int_run_cap(4096, 2) == 256 and int_run_cap(2048, 2) == 128 and int_run_cap(8, 4) == 128
     j = GatherJobs(torch.float32, 8, "cpu")
@@ -128,10 +152,11 @@ def test_a_block_of_consecutive_int_rows_is_encoded_as_a_run_of_records_of_one_p
     j.ints(code_out, np.arange(40, 43), codes, np.array([0, 1, 3]))   # source rows not consecutive
     j.ints(out, 600, ids, 7)                                  # one-row jobs: a record each
     j.ints(out, 601, ids, 8)
-    table = np.zeros(TableLayout(0, j.n_int, 0).words, np.int64)
-    words = j.encode(table, TableLayout(0, j.n_int, 0), 0, 0)
-    rec = table[2:words].reshape(-1, 4)
-    assert table[1] == len(rec) == 3 + 2 + 2 + 2 + 3 + 2
+    layout = TableLayout(0, j.n_int, 0)
+    table = np.zeros(layout.words, np.int64)
+    words = j.encode(table, layout, 0, 0)
+    _, rec = decode_table(table[:words], layout.int_off)
+    assert len(rec) == 3 + 2 + 2 + 2 + 3 + 2 and words == layout.int_off + 2 * len(rec)
     base = out.data_ptr() // 4
     assert rec[0, :2].tolist() == [ids.data_ptr() // 4, base + 50]
     assert rec[1, :2].tolist() == [ids.data_ptr() // 4 + 256, base + 178]  # int64 source: 2 words each

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ALL_DTYPES
-from gather_cases import check_gather_case
+from gather_cases import check_far_apart_rows, check_gather_case
 from phase_fakes import FakeRunner, FakeTalker
 from ring_cases import check_case, check_graph_of_appends
 from test_phase_routing import MIXED, PROMPTS, check_step
@@ -81,6 +81,11 @@ def test_gather_matches_reference(kernel_backend, dtype, width, monkeypatch):
 def test_gather_property(kernel_backend, seed, dtype, width):
     with pytest.MonkeyPatch.context() as mp:
         check_gather_case(seed, dtype, width, "cuda", kernel_backend, mp)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "resident_table"])
+def test_gather_rows_far_apart_keep_every_bit_of_their_offsets(kernel_backend, graph, monkeypatch):
+    check_far_apart_rows("cuda", kernel_backend, monkeypatch, graph=graph)
 
 
 @pytest.mark.parametrize("lengths", [[0], [0, 3]], ids=["nothing_copied", "one_row_empty"])
@@ -151,8 +156,8 @@ def test_steps_on_either_side_of_the_launch_parameter_size_match_the_reference(k
     """The compiled eager steps carry their metadata in the launch's parameters up to 4088 words
     (kernels/vok_launch.h; entries of 128 to 4088 words) and stage larger steps in pinned memory:
     ring steps of 20 to 511 rows (8 words each: every parameter size from 256 words) and of 512 or
-    600 rows (staged), gather tables of 1200, 2000 and 2100 float rows plus an int job and values
-    (parameters of 3072 and 4088 words, staged). Every backend matches the reference."""
+    600 rows (staged), gather tables of 700 to 2100 float rows plus an int job and values
+    (parameters of 1536, 3072 and 4088 words, staged). Every backend matches the reference."""
     rng = np.random.default_rng(11)
     for rows in (20, 100, 200, 300, 511, 512, 600):
         pools = {}
@@ -175,7 +180,7 @@ def test_steps_on_either_side_of_the_launch_parameter_size_match_the_reference(k
         for a, b in zip(pools["cpu"].consolidate(ids), got):
             assert torch.equal(a, b.cpu())
     _backend_for("cuda", kernel_backend, monkeypatch)
-    for rows in (1200, 2000, 2100):
+    for rows in (700, 1200, 2000, 2100):
         gather = RowGather(torch.bfloat16, 8, "cuda", max_float_rows=rows, max_int_rows=2, max_values=8)
         src = torch.randn(rows, 8, device="cuda").bfloat16()
         dst = torch.zeros(rows, 8, dtype=torch.bfloat16, device="cuda")

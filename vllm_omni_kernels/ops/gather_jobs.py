@@ -14,10 +14,15 @@ Table (int64, flat; capacities fixed per ``TableLayout``)::
 
     [0] n_float  [1] n_int
     [2 + 2j, 3 + 2j]                      float job j: src, dst element offsets from the float base
-    [i_off + 4j .. i_off + 4j + 3]        int job j: src, dst int32-word offsets from the int base,
-                                          element count, flags (1: src is int64, 2: dst is int64,
-                                          4: src is in this table, offset from its start)
+    [i_off + 2j, i_off + 2j + 1]          int job j: src | flags << 48, dst | count << 48
     [p_off ..]                            payload: int32 values that value jobs copy from
+
+An int record's src and dst are int32-word offsets from the int base in the low 48 bits (signed:
+they are differences of addresses below 2**48, which the encoders check); the top 16 bits of the
+first word hold its flags (1: src is int64, 2: dst is int64, 4: src is in this table, offset from
+its start), those of the second its element count (at most ``INT_COUNT_MAX``). Two words instead of
+four: a mixed step's per-row ids halve, and a launch whose table travels in its parameters copies
+less.
 
 An int block whose source and destination rows are both consecutive, over rows that lie end to end
 in memory (a batch's token ids or codes at consecutive offsets), is one run of elements: it is
@@ -61,11 +66,16 @@ class TableLayout:
 
     @property
     def payload_off(self) -> int:
-        return self.int_off + 4 * self.int_cap
+        return self.int_off + 2 * self.int_cap
 
     @property
     def words(self) -> int:
         return self.payload_off + (self.payload_cap + 1) // 2
+
+
+INT_COUNT_MAX = 32767  # elements of one int record (the top 16 bits of a word; an int row's width)
+_LOW48 = (1 << 48) - 1
+_ADDRESS_LIMIT = 1 << 48  # every address an int record is made from lies below this
 
 
 # The CUDA kernels' gather blocks (kernels/vok_kernels.cuh: kGatherThreads, kGatherBlockBytes; the
@@ -81,8 +91,8 @@ def gather_row_blocks(width: int, elem_size: int) -> int:
 
 def int_run_cap(width: int, elem_size: int) -> int:
     """Elements the blocks of one int job copy in one pass: the most a record of a run of int rows
-    takes."""
-    return GATHER_THREADS * gather_row_blocks(width, elem_size)
+    takes (within ``INT_COUNT_MAX``)."""
+    return min(GATHER_THREADS * gather_row_blocks(width, elem_size), INT_COUNT_MAX // GATHER_THREADS * GATHER_THREADS)
 
 
 def _consecutive(rows) -> bool:
@@ -90,17 +100,33 @@ def _consecutive(rows) -> bool:
     return rows.size == 1 or bool((rows[1:] - rows[:-1] == 1).all())
 
 
+def _put_ints(out: np.ndarray, pos: int, end: int, src, dst, count, flags) -> None:
+    """Write int records (two words each: the module docstring) from ``out[pos]`` up to ``end``;
+    arguments are int64 arrays or ints, one per record."""
+    out[pos:end:2] = (np.asarray(src) & _LOW48) | (np.asarray(flags) << 48)
+    out[pos + 1:end:2] = (np.asarray(dst) & _LOW48) | (np.asarray(count) << 48)
+
+
 def _run_records(out: np.ndarray, pos: int, src: int, dst: int, elems: int, flags: int, cap: int) -> int:
     """Write a run of ``elems`` int elements from word ``src`` to word ``dst`` as records of at most
     ``cap`` elements from ``out[pos]`` on; returns the position after them."""
     n = -(-elems // cap)
     first = _arange(n) * cap
-    end = pos + 4 * n
-    out[pos:end:4] = src + first * (1 + (flags & 1))
-    out[pos + 1:end:4] = dst + first * (1 + (flags >> 1))
-    out[pos + 2:end:4] = np.minimum(cap, elems - first)
-    out[pos + 3:end:4] = flags
+    end = pos + 2 * n
+    _put_ints(out, pos, end, src + first * (1 + (flags & 1)), dst + first * (1 + (flags >> 1)),
+              np.minimum(cap, elems - first), flags)
     return end
+
+
+def decode_table(table: np.ndarray, int_off: int) -> tuple[np.ndarray, np.ndarray]:
+    """The records of an encoded table (``int_off`` as encoded), the encoders' inverse for tests and
+    debugging: float jobs as int64 rows (src, dst), int jobs as (src, dst, count, flags)."""
+    t = np.asarray(table, dtype=np.int64)
+    floats = t[2:2 + 2 * int(t[0])].reshape(-1, 2)
+    ints = t[int_off:int_off + 2 * int(t[1])].reshape(-1, 2)
+    offsets = (ints << 16) >> 16
+    top = (ints >> 48) & 0xFFFF
+    return floats.copy(), np.stack([offsets[:, 0], offsets[:, 1], top[:, 1], top[:, 0]], axis=1)
 
 
 def _arange(n: int) -> np.ndarray:
@@ -246,7 +272,8 @@ class GatherJobs:
         self.aligned = self.aligned and aligned  # after the job is recorded: a failed one changes nothing
 
     def ints(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
-        """Copy int rows ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (same width; int32/int64).
+        """Copy int rows ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (same width, at most
+        ``INT_COUNT_MAX`` elements; int32/int64).
 
         1-D tensors are rows of one element (token ids). Rows as in ``rows``."""
         if not self._plain_int(dst, src):
@@ -256,6 +283,8 @@ class GatherJobs:
             if dw != (src.shape[1] if src.dim() == 2 else 1):
                 raise ValueError(f"int rows of different widths: source {tuple(src.shape)}, "
                                  f"destination {tuple(dst.shape)}")
+            if dw > INT_COUNT_MAX:
+                raise ValueError(f"int rows of at most {INT_COUNT_MAX} elements, got {dw}")
             if dst.dim() == 2 and dst.stride(1) != 1:
                 raise ValueError("destination rows must be contiguous")
             src = src.contiguous()
@@ -334,6 +363,8 @@ class GatherJobs:
             v = np.ascontiguousarray(values, dtype=np.int32).reshape(-1)
         if v.size != dst.numel():
             raise ValueError(f"{v.size} values for a destination of {dst.numel()}")
+        if v.size > INT_COUNT_MAX:
+            raise ValueError(f"at most {INT_COUNT_MAX} values per call, got {v.size}")
         if v.size:
             self.value_blocks.append((dst, v))
             self.n_int += 1
@@ -378,7 +409,7 @@ class GatherJobs:
         if len(ds) == 1:
             return len(ss) == 1
         return (len(ds) == 2 and len(ss) == 2 and ds[1] == 1 and ss[1] == 1
-                and dst.shape[1] == src.shape[1])
+                and dst.shape[1] == src.shape[1] <= INT_COUNT_MAX)
 
     @staticmethod
     def _single(blocks, dst, d: int, src, s: int) -> None:
@@ -434,6 +465,8 @@ class GatherJobs:
 
         ``float_base``/``int_base`` are the data pointers the kernel gets as its two bases (a float
         anchor tensor of the launcher, and the device table itself; see the module docstring).
+        Raises ``ValueError`` for an int address at or above 2**48 (no such address on the 48-bit
+        address spaces CUDA runs on).
         """
         self._check_capacity(layout)
         out[0], out[1] = self.n_float, self.n_int
@@ -463,20 +496,22 @@ class GatherJobs:
             end = pos + 2 * len(single[0])
             out[pos:end:2], out[pos + 1:end:2] = single
         pos, single, cap = layout.int_off, ([], [], [], []), int_run_cap(self.width, es)
+        addresses = int_base  # or-ed with every address an int record is made from
         for src, src_rows, dst, dst_rows in self.int_blocks:
+            addresses |= dst.data_ptr()
             if type(src) is list:  # ints_each
                 dw = dst.element_size() // 4
                 dst_off, ds = (dst.data_ptr() - int_base) // 4, dst.stride(0) * dw
                 width = dst.shape[1] if dst.dim() == 2 else 1
                 for s, d, n in each_jobs(src, dst_rows):
+                    addresses |= s.data_ptr()
                     sw = s.element_size() // 4
-                    end = pos + 4 * n
-                    out[pos:end:4] = (s.data_ptr() - int_base) // 4 + _arange(n) * (s.stride(0) * sw)
-                    out[pos + 1:end:4] = dst_off + (d + _arange(n)) * ds
-                    out[pos + 2:end:4] = width
-                    out[pos + 3:end:4] = (sw == 2) | ((dw == 2) << 1)
+                    end = pos + 2 * n
+                    _put_ints(out, pos, end, (s.data_ptr() - int_base) // 4 + _arange(n) * (s.stride(0) * sw),
+                              dst_off + (d + _arange(n)) * ds, width, (sw == 2) | ((dw == 2) << 1))
                     pos = end
                 continue
+            addresses |= src.data_ptr()
             sw, dw = src.element_size() // 4, dst.element_size() // 4
             src_off, dst_off = (src.data_ptr() - int_base) // 4, (dst.data_ptr() - int_base) // 4
             width, flags = (dst.shape[1] if dst.dim() == 2 else 1), (sw == 2) | ((dw == 2) << 1)
@@ -491,31 +526,29 @@ class GatherJobs:
                 pos = _run_records(out, pos, src_off + s0 * width * sw, dst_off + int(dst_rows[0]) * width * dw,
                                    len(dst_rows) * width, flags, cap)
                 continue
-            end = pos + 4 * len(dst_rows)
-            np.multiply(source_rows(src_rows, dst_rows), src.stride(0) * sw, out=out[pos:end:4])
-            out[pos:end:4] += src_off
-            np.multiply(dst_rows, dst.stride(0) * dw, out=out[pos + 1:end:4])
-            out[pos + 1:end:4] += dst_off
-            out[pos + 2:end:4] = width
-            out[pos + 3:end:4] = flags
+            end = pos + 2 * len(dst_rows)
+            _put_ints(out, pos, end, src_off + source_rows(src_rows, dst_rows) * (src.stride(0) * sw),
+                      dst_off + dst_rows * (dst.stride(0) * dw), width, flags)
             pos = end
         if single[0]:
-            end = pos + 4 * len(single[0])
-            for k in range(4):
-                out[pos + k:end:4] = single[k]
+            end = pos + 2 * len(single[0])
+            _put_ints(out, pos, end, *(np.array(col) for col in single))
             pos = end
-        pos = (pos - layout.int_off) // 4
+        pos = (pos - layout.int_off) // 2
         out[1] = pos + len(self.value_blocks)
-        payload_off = layout.int_off + 4 * out[1]
+        payload_off = layout.int_off + 2 * out[1]
         payload = out[payload_off:payload_off + (self.n_values + 1) // 2].view(np.int32)
         p = 0
         for dst, v in self.value_blocks:
-            rec = out[layout.int_off + 4 * pos: layout.int_off + 4 * (pos + 1)]
+            addresses |= dst.data_ptr()
+            rec = layout.int_off + 2 * pos
             payload[p:p + v.size] = v
-            rec[0] = 2 * payload_off + p
-            rec[1] = (dst.data_ptr() - int_base) // 4
-            rec[2] = v.size
-            rec[3] = ((dst.element_size() == 8) << 1) | 4
+            _put_ints(out, rec, rec + 2, 2 * payload_off + p, (dst.data_ptr() - int_base) // 4, v.size,
+                      ((dst.element_size() == 8) << 1) | 4)
             pos += 1
             p += v.size
-        return int(payload_off) + (self.n_values + 1) // 2
+        if addresses >= _ADDRESS_LIMIT:
+            raise ValueError("an int address at or above 2**48: its offsets do not fit the job table")
+        if p & 1:
+            payload[p] = 0  # the rest of the last word, as the compiled twin
+        return int(payload_off) + (p + 1) // 2

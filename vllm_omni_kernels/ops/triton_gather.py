@@ -48,11 +48,14 @@ def _row_gather_kernel(fbase, ibase, table, W, I_OFF, BLOCK_F: tl.constexpr, BLO
         m = cols < W
         tl.store(fbase + dst + cols, tl.load(fbase + src + cols, mask=m), mask=m)
     elif job < n_float + n_int:
-        rec = table + I_OFF + 4 * (job - n_float)
-        src = tl.load(rec)
-        dst = tl.load(rec + 1)
-        n = tl.load(rec + 2)
-        flags = tl.load(rec + 3)
+        # two words: offsets in the low 48 bits (signed), flags and count in the top 16
+        rec = table + I_OFF + 2 * (job - n_float)
+        w0 = tl.load(rec)
+        w1 = tl.load(rec + 1)
+        src = (w0 << 16) >> 16
+        dst = (w1 << 16) >> 16
+        flags = (w0 >> 48) & 7
+        n = (w1 >> 48) & 0xFFFF
         # flag 4 (a payload in the table) needs nothing here: this kernel's int base is the table
         s_wide = (flags & 1) != 0
         d_wide = (flags & 2) != 0
