@@ -262,9 +262,10 @@ VOK_RING(8, dim0, false)
 VOK_RING(8, last, true)
 
 // The parameter sizes of the `_p<N>` entries (int64 words; vok_torch.cu picks the smallest that fits).
-// The launch copies all N words whatever the step uses (about 0.08 us per KB on an H200 host), so
-// the sizes are close: a 256-row ring step (2048 words) or an MTP step of 64 rows (934) pay for
-// little more than they use.
+// The launch copies all N words whatever the step uses (profiling/launch_floor.cu: 2.7 us for a
+// launch of 1 KB, 3.6 us for 16 KB and 4.6 us for 32 KB on an H200's host), so the sizes are close:
+// a 256-row ring step (2048 words) or an MTP step of 64 rows (about 900) pay for little more than
+// they use.
 #define VOK_PARAM_WORDS(X, ...) \
   X(128, __VA_ARGS__) X(256, __VA_ARGS__) X(512, __VA_ARGS__) X(1024, __VA_ARGS__) X(1536, __VA_ARGS__) \
   X(2048, __VA_ARGS__) X(3072, __VA_ARGS__) X(4088, __VA_ARGS__)

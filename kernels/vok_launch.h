@@ -42,15 +42,17 @@ void launch_ring_write(void* arena, int elem_size, int64_t* state, const int64_t
                        int64_t rows, int64_t frame_elems, bool last, int64_t max_elems, cudaStream_t stream);
 void launch_ring_read(const void* arena, int elem_size, const int64_t* meta, void* out, int64_t rows,
                       int64_t frame_elems, bool last, int64_t max_elems, cudaStream_t stream);
-// `grid_rows` jobs (>= the table's count) of float rows of `width` elements of `elem_size` (2 or 4).
-void launch_row_gather(void* anchor, int elem_size, int64_t* table, int64_t width, int64_t int_off,
+// `grid_rows` jobs (>= the table's count) of float rows of `width` elements of `elem_size` (2 or 4);
+// int words are offsets from `int_base` (the table itself for the torch op, the anchor for the
+// compiled eager step: gather_jobs.py).
+void launch_row_gather(void* anchor, int elem_size, void* int_base, int64_t* table, int64_t width, int64_t int_off,
                        int64_t grid_rows, bool aligned, cudaStream_t stream);
 
 // The same launches with the metadata rows / table in the kernel's parameters (the `_p<N>` entries of
 // vok_kernels.cuh): `words` (rows * 8 for the ring) at most kParamWords, read from host memory that
 // holds at least kParamWords words (the launch copies the smallest entry size that fits; the memory
-// is free again when it returns). The gather's int words are then addressed from `anchor`, not the
-// table (gather_jobs.py: the int base), and its payload sources are flagged.
+// is free again when it returns). The gather's int words are then addressed from `anchor` (the int
+// base, gather_jobs.py), and its payload sources are flagged.
 constexpr int64_t kParamWords = 4088;
 void launch_ring_write_params(void* arena, int elem_size, int64_t* state, const int64_t* meta, const void* src,
                               int64_t rows, int64_t frame_elems, bool last, int64_t max_elems, cudaStream_t stream);

@@ -438,57 +438,104 @@ struct Block {
 // The most elements of one int record of the gather table (put_int; gather_jobs.INT_COUNT_MAX).
 constexpr i64 kIntCountMax = 32767;
 
-// What check_each noted of one source of a many-source block, so the encoder reads plain memory
-// instead of the tensor a second time (each tensor read is a chain of out-of-line calls; a mixed
-// B=256 step's 1024 one-row sources cost 18 -> 7 us per launch call on the CPU machine).
+// An int record (gather_jobs.py): two words, the source and destination offsets in their low 48
+// bits (signed: differences of addresses below 2**48, which encode_gather checks), the flags in the
+// top 16 bits of the first and the element count (at most kIntCountMax) in those of the second.
+constexpr uint64_t kLow48 = (uint64_t{1} << 48) - 1;
+inline void put_int(i64* __restrict__ rec, i64 src, i64 dst, i64 count, i64 flags) {
+  rec[0] = static_cast<i64>((static_cast<uint64_t>(src) & kLow48) | static_cast<uint64_t>(flags) << 48);
+  rec[1] = static_cast<i64>((static_cast<uint64_t>(dst) & kLow48) | static_cast<uint64_t>(count) << 48);
+}
+
+// What check_each and EachBlock read of one source of a many-source block.
 struct SourceNote {
-  i64 address;  // of its first element
-  i64 stride;   // elements between rows
+  intptr_t address;  // of its first element
+  i64 stride;        // elements between rows
   i64 rows;
   i64 elem_size;
   static SourceNote of(const at::Tensor& s) {
-    return {static_cast<i64>(reinterpret_cast<intptr_t>(s.const_data_ptr())), s.stride(0), s.size(0),
-            static_cast<i64>(s.element_size())};
+    return {reinterpret_cast<intptr_t>(s.const_data_ptr()), s.stride(0), s.size(0), static_cast<i64>(s.element_size())};
+  }
+};
+
+// A many-source block's records (gather_jobs.py's rows_each/ints_each) for a table whose float and
+// int offsets count from `base` (the launching RowGather's anchor, which the compiled launch uses as
+// both bases). Float: (src, dst) element offsets per row; int: put_int's two words per row.
+struct EachRecords {
+  intptr_t base;
+  int fshift;  // log2 of the float element size (floats), 2 (ints)
+  i64 width;   // ints: elements per row
+  i64 dO, ds;  // the destination's offset and its row stride, in those units
+  int dw;      // ints: int32 words per destination element
+  EachRecords(const at::Tensor& dst, intptr_t base_, bool floating) : base(base_) {
+    dw = floating ? 1 : static_cast<int>(dst.element_size() / 4);
+    fshift = floating ? (dst.element_size() == 2 ? 1 : 2) : 2;
+    width = dst.dim() == 2 ? dst.size(1) : 1;
+    dO = (reinterpret_cast<intptr_t>(dst.data_ptr()) - base) >> fshift;
+    ds = dst.stride(0) * dw;
+  }
+  // The records of `rows` rows of a source at `address` (row stride `stride` elements of `es`
+  // bytes) to destination rows from `d0` on, from `out` on (two words each).
+  void float_rows(i64* __restrict__ out, intptr_t address, i64 stride, i64 rows, i64 d0) const {
+    const i64 so = (address - base) >> fshift;
+    for (i64 j = 0; j < rows; ++j) {
+      out[2 * j] = so + j * stride;
+      out[2 * j + 1] = dO + (d0 + j) * ds;
+    }
+  }
+  void int_rows(i64* __restrict__ out, intptr_t address, i64 stride, i64 es, i64 rows, i64 d0) const {
+    const i64 sw = es >> 2, so = (address - base) >> 2, flags = (sw == 2) | ((dw == 2) << 1);
+    for (i64 j = 0; j < rows; ++j) put_int(out + 2 * j, so + j * stride * sw, dO + (d0 + j) * ds, width, flags);
   }
 };
 
 // A block of many sources (gather_jobs.py's rows_each/ints_each): (sources, notes, dst, starts), every
-// row of source k going to dst rows starts[k], starts[k] + 1, ...; `notes` is check_each's bytes (one
-// SourceNote per source), or None: the sources are read as tensors.
+// row of source k going to dst rows starts[k], starts[k] + 1, ...; `notes` is check_each's bytes:
+// the base its records count from, then the records (EachRecords), or None.
 struct EachBlock {
   PyObject* sources;
-  const SourceNote* notes = nullptr;
   const at::Tensor& dst;
   Rows starts;
+  intptr_t base = 0;
+  const i64* records = nullptr;  // check_each's, two words a row
+  i64 rows = 0;                  // rows of those records
   explicit EachBlock(PyObject* b)
       : sources(PyTuple_GET_ITEM(b, 0)), dst(tensor_of(PyTuple_GET_ITEM(b, 2), "block destination")),
         starts(PyTuple_GET_ITEM(b, 3)) {
     TORCH_CHECK(!starts.single && starts.count() == PyList_GET_SIZE(sources), "one start row per source");
     PyObject* n = PyTuple_GET_ITEM(b, 1);
     if (n != Py_None) {
-      TORCH_CHECK(PyBytes_Check(n) && PyBytes_GET_SIZE(n) == count() * static_cast<i64>(sizeof(SourceNote)),
-                  "a many-source block's notes are check_each's bytes");
-      notes = reinterpret_cast<const SourceNote*>(PyBytes_AS_STRING(n));
+      const i64 bytes = PyBytes_Check(n) ? PyBytes_GET_SIZE(n) : 0;
+      TORCH_CHECK(bytes >= 8 && bytes % 16 == 8, "a many-source block's notes are check_each's bytes");
+      const i64* words = reinterpret_cast<const i64*>(PyBytes_AS_STRING(n));
+      base = static_cast<intptr_t>(words[0]);
+      records = words + 1;
+      rows = (bytes - 8) / 16;
     }
   }
   i64 count() const { return PyList_GET_SIZE(sources); }
-  // pos = f(note, start row, pos) for every source in order, from `pos`, until it returns -1 (then
-  // -1); returns the last pos. The position travels by value, not as a captured reference, so the
-  // loop keeps it in a register (a reference is reloaded after every store to the table, which
-  // might alias it); and the loop is compiled once for recorded notes and once for notes read from
-  // the tensors, so the usual one does not branch per source.
-  template <class F>
-  i64 fold(i64 pos, F&& f) const {
+
+  // Write the block's records from `out` on (room for at most `room` rows) for a table whose offsets
+  // count from `base_`: check_each's, copied, when they were made for that base, else made here
+  // from the sources. Returns the rows written, or -1 if they do not fit.
+  i64 write(i64* __restrict__ out, i64 room, intptr_t base_, bool floating) const {
+    if (records && base == base_) {
+      if (rows > room) return -1;
+      std::memcpy(out, records, rows * 16);
+      return rows;
+    }
+    const EachRecords rec(dst, base_, floating);
     const char* sp = static_cast<const char*>(starts.view.buf);
     const i64 sstride = starts.view.strides[0], n = count();
-    if (notes) {
-      for (i64 k = 0; k < n && pos >= 0; ++k) pos = f(notes[k], RowIndex::load(sp + k * sstride), pos);
-      return pos;
-    }
-    for (i64 k = 0; k < n && pos >= 0; ++k) {
-      const SourceNote note = SourceNote::of(tensor_of(PyList_GET_ITEM(sources, k), "block source"));
-      TORCH_CHECK((static_cast<uint64_t>(note.address) >> 48) == 0, "a source address at or above 2**48");
-      pos = f(note, RowIndex::load(sp + k * sstride), pos);
+    i64 pos = 0;
+    for (i64 k = 0; k < n; ++k) {
+      const SourceNote src = SourceNote::of(tensor_of(PyList_GET_ITEM(sources, k), "block source"));
+      TORCH_CHECK((static_cast<uint64_t>(src.address) >> 48) == 0, "a source address at or above 2**48");
+      if (pos + src.rows > room) return -1;
+      const i64 d0 = RowIndex::load(sp + k * sstride);
+      if (floating) rec.float_rows(out + 2 * pos, src.address, src.stride, src.rows, d0);
+      else rec.int_rows(out + 2 * pos, src.address, src.stride, src.elem_size, src.rows, d0);
+      pos += src.rows;
     }
     return pos;
   }
@@ -496,11 +543,13 @@ struct EachBlock {
 
 // rows_each/ints_each's check of their sources against `dst` in one call: each a tensor on dst's
 // device; float: dst's dtype, 2-D of dst's width, contiguous rows; int: int32/int64, 1-D for a 1-D
-// dst, else 2-D of its width with contiguous rows; its rows within dst from its start row. Returns
-// (rows in all, every float row 16-byte aligned, notes: bytes of one SourceNote per source, for the
-// encoder), or (-(k + 1), False, None) for the first source k that is not plain (the caller then
-// checks source by source and reports it).
-py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::Tensor& dst, bool floating) {
+// dst, else 2-D of its width with contiguous rows, at an address below 2**48; its rows within dst
+// from its start row. Returns (rows in all, every float row 16-byte aligned, notes: the block's
+// records for a table whose offsets count from `base`, after that base (EachBlock), which the
+// compiled encoder copies), or (-(k + 1), False, None) for the first source k that is not plain (the
+// caller then checks source by source and reports it).
+py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::Tensor& dst, bool floating,
+                     intptr_t base) {
   const Rows starts(starts_obj.ptr());
   const i64 count = static_cast<i64>(sources.size());
   TORCH_CHECK(!starts.single && !starts.leading && starts.count() == count, "one start row per source");
@@ -510,8 +559,13 @@ py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::T
   const i64 dst_rows = dst.size(0), width = dst.dim() == 2 ? dst.size(1) : 1;
   if (!floating && width > kIntCountMax) return py::make_tuple(-1, false, py::none());  // ints() raises
   bool aligned = reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0 && (dst.stride(0) * dst.element_size()) % 16 == 0;
-  py::bytes notes_obj(nullptr, count * sizeof(SourceNote));  // fresh, so still writable here
-  auto* notes = reinterpret_cast<SourceNote*>(PyBytes_AS_STRING(notes_obj.ptr()));
+  const EachRecords rec(dst, base, floating);
+  // One record per source (a one-row hook output) unless a source has more rows: then the bytes grow.
+  i64 room = count;
+  PyObject* notes = PyBytes_FromStringAndSize(nullptr, 8 + 16 * room);  // fresh, so still writable
+  if (!notes) throw py::error_already_set();
+  py::object own = py::reinterpret_steal<py::object>(notes);
+  reinterpret_cast<i64*>(PyBytes_AS_STRING(notes))[0] = static_cast<i64>(base);
   i64 rows = 0;
   for (i64 k = 0; k < count; ++k) {
     const auto decline = [k] { return py::make_tuple(-(k + 1), false, py::none()); };
@@ -529,27 +583,31 @@ py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::T
       if (dst.dim() == 1 ? s.dim() != 1 : (s.dim() != 2 || s.size(1) != width || s.stride(1) != 1)) return decline();
       if (static_cast<uint64_t>(note.address) >> 48) return decline();  // its record cannot hold the offset
     }
-    const i64 start = st.at(k);
-    if (start < 0 || start + note.rows > dst_rows) return decline();
-    notes[k] = note;
-    rows += note.rows;
+    const i64 start = st.at(k), r = note.rows;
+    if (start < 0 || start + r > dst_rows) return decline();
+    if (rows + r > room) {
+      room = std::max(2 * room, rows + r);
+      own.release();
+      if (_PyBytes_Resize(&notes, 8 + 16 * room) != 0) throw py::error_already_set();
+      own = py::reinterpret_steal<py::object>(notes);
+    }
+    i64* out = reinterpret_cast<i64*>(PyBytes_AS_STRING(notes)) + 1 + 2 * rows;
+    if (floating) rec.float_rows(out, note.address, note.stride, r, start);
+    else rec.int_rows(out, note.address, note.stride, note.elem_size, r, start);
+    rows += r;
   }
-  return py::make_tuple(rows, aligned, notes_obj);
+  if (rows < room) {
+    own.release();
+    if (_PyBytes_Resize(&notes, 8 + 16 * rows) != 0) throw py::error_already_set();
+    own = py::reinterpret_steal<py::object>(notes);
+  }
+  return py::make_tuple(rows, aligned, own);
 }
 
 PyObject* block_at(const py::list& blocks, size_t i) {
   PyObject* b = PyList_GET_ITEM(blocks.ptr(), i);
   TORCH_CHECK(PyTuple_Check(b) && PyTuple_GET_SIZE(b) == 4, "a job block is (src, src_rows, dst, dst_rows)");
   return b;
-}
-
-// An int record (gather_jobs.py): two words, the source and destination offsets in their low 48
-// bits (signed: differences of addresses below 2**48, which encode_gather checks), the flags in the
-// top 16 bits of the first and the element count (at most kIntCountMax) in those of the second.
-constexpr uint64_t kLow48 = (uint64_t{1} << 48) - 1;
-inline void put_int(i64* __restrict__ rec, i64 src, i64 dst, i64 count, i64 flags) {
-  rec[0] = static_cast<i64>((static_cast<uint64_t>(src) & kLow48) | static_cast<uint64_t>(flags) << 48);
-  rec[1] = static_cast<i64>((static_cast<uint64_t>(dst) & kLow48) | static_cast<uint64_t>(count) << 48);
 }
 
 // gather_jobs._run_records: a run of `elems` int elements from word `src` to word `dst` (both sides
@@ -571,43 +629,6 @@ bool consecutive(const RowIndex& rows, i64 k) {
     for (i64 j = 1; j < k && yes; ++j) yes = at(j) == first + j;
   });
   return yes;
-}
-
-// A rows_each block's float records from job `pos` on (of at most `n_float`); returns the next job,
-// or -1 if they do not fit. A one-row source (the usual hook output) takes no inner loop.
-__attribute__((noinline)) i64 float_each_records(const EachBlock& b, i64* __restrict__ t, i64 pos, i64 n_float, intptr_t fbase, int fshift) {
-  const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - fbase) >> fshift, ds = b.dst.stride(0);
-  return b.fold(pos, [=](const SourceNote& src, i64 d0, i64 at) -> i64 {
-    const i64 so = (src.address - fbase) >> fshift, rows = src.rows;
-    if (at + rows > n_float) return -1;
-    i64* __restrict__ out = t + 2 + 2 * at;
-    out[0] = so;
-    out[1] = dO + d0 * ds;
-    for (i64 j = 1; j < rows; ++j) {
-      out[2 * j] = so + j * src.stride;
-      out[2 * j + 1] = dO + (d0 + j) * ds;
-    }
-    return at + rows;
-  });
-}
-
-// An ints_each block's int records from record `pos` on (of at most `n_int`; `rec` is the first
-// record's word); returns the next record, or -1 if they do not fit. Its sources' addresses are
-// below 2**48 (check_each declines others; EachBlock::fold checks tensors it reads itself).
-__attribute__((noinline)) i64 int_each_records(const EachBlock& b, i64* __restrict__ rec, i64 pos, i64 n_int, intptr_t ibase) {
-  const i64 dw = b.dst.element_size() / 4, ds = b.dst.stride(0) * dw;
-  const i64 dO = (reinterpret_cast<intptr_t>(b.dst.data_ptr()) - ibase) >> 2;
-  const i64 width = b.dst.dim() == 2 ? b.dst.size(1) : 1;
-  TORCH_CHECK_VALUE(width <= kIntCountMax, "int rows of at most ", kIntCountMax, " elements, got ", width);
-  return b.fold(pos, [=](const SourceNote& src, i64 d0, i64 at) -> i64 {
-    const i64 sw = src.elem_size >> 2, rows = src.rows;
-    const i64 so = (src.address - ibase) >> 2, flags = (sw == 2) | ((dw == 2) << 1);
-    if (at + rows > n_int) return -1;
-    i64* __restrict__ r = rec + 2 * at;
-    put_int(r, so, dO + d0 * ds, width, flags);
-    for (i64 j = 1; j < rows; ++j) put_int(r + 2 * j, so + j * src.stride * sw, dO + (d0 + j) * ds, width, flags);
-    return at + rows;
-  });
 }
 
 // Encode the recorded jobs into `table` (host int64, flat, `words` long): float jobs from word 2, int
@@ -632,8 +653,9 @@ i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, c
   for (size_t i = 0; i < float_blocks.size(); ++i) {
     PyObject* tup = block_at(float_blocks, i);
     if (PyList_Check(PyTuple_GET_ITEM(tup, 0))) {  // rows_each: every row of each source from its start row
-      f = float_each_records(EachBlock(tup), t, f, n_float, fbase, fshift);
-      TORCH_CHECK(f >= 0, "float jobs do not match their count");
+      const i64 rows = EachBlock(tup).write(t + 2 + 2 * f, n_float - f, fbase, /*floating=*/true);
+      TORCH_CHECK(rows >= 0, "float jobs do not match their count");
+      f += rows;
       continue;
     }
     const Block b(tup);
@@ -679,9 +701,12 @@ i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, c
     PyObject* tup = block_at(int_blocks, i);
     if (PyList_Check(PyTuple_GET_ITEM(tup, 0))) {  // ints_each
       const EachBlock b(tup);
+      TORCH_CHECK_VALUE(b.dst.dim() == 1 || b.dst.size(1) <= kIntCountMax, "int rows of at most ", kIntCountMax,
+                        " elements");
       addresses |= reinterpret_cast<uintptr_t>(b.dst.data_ptr());
-      n = int_each_records(b, t + int_off, n, n_int, ibase);
-      TORCH_CHECK(n >= 0, "int jobs do not match their count");
+      const i64 rows = b.write(t + int_off + 2 * n, n_int - n, ibase, /*floating=*/false);
+      TORCH_CHECK(rows >= 0, "int jobs do not match their count");
+      n += rows;
       continue;
     }
     const Block b(tup);
@@ -777,35 +802,33 @@ class GatherStep {
     const DeviceScope scope(anchor_);
     const cudaStream_t stream = scope.stream;
     i64* t = table_.next(most, stream);
-    words_ = encode_gather(anchor_, t, int_base_for(t), most, float_blocks, int_blocks, value_blocks, n_float, n_int,
-                           int_off, int_run_cap_);
+    const auto anchor = reinterpret_cast<intptr_t>(anchor_.data_ptr());
+    words_ = encode_gather(anchor_, t, anchor, most, float_blocks, int_blocks, value_blocks, n_float, n_int, int_off,
+                           int_run_cap_);
     const i64 jobs = n_float + t[1];
     if (anchor_.is_cuda() && table_.in_params()) {
       vok::launch_row_gather_params(anchor_.data_ptr(), anchor_.element_size(), t, words_, width_, int_off, jobs,
                                     aligned, stream);
     } else if (anchor_.is_cuda()) {
-      vok::launch_row_gather(anchor_.data_ptr(), anchor_.element_size(), t, width_, int_off, jobs, aligned, stream);
+      vok::launch_row_gather(anchor_.data_ptr(), anchor_.element_size(), anchor_.data_ptr(), t, width_, int_off, jobs,
+                             aligned, stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     table_.queued(stream);
     return 1;
   }
 
-  // The table the last call encoded (flat int64) and the address its int words are offsets from,
-  // for tests.
+  // The table the last call encoded (flat int64), for tests; whether it traveled in the launch's
+  // parameters. Its int words count from the anchor either way: the host cannot know where the
+  // parameters live, and so one base serves both (the records check_each made for this anchor
+  // then fit either table).
   at::Tensor table() {
     const at::Tensor cur = table_.current();
     return cur.defined() ? cur.view(-1).narrow(0, 0, words_) : cur;
   }
-  i64 int_base() { return int_base_for(table_.current().data_ptr<i64>()); }
+  bool in_params() const { return table_.in_params(); }
 
  private:
-  // Int words count from the table `t` itself, or from the anchor when the table travels in the
-  // launch's parameters (whose address the host cannot know).
-  intptr_t int_base_for(const i64* t) const {
-    return reinterpret_cast<intptr_t>(table_.in_params() ? anchor_.data_ptr() : static_cast<const void*>(t));
-  }
-
   at::Tensor anchor_;
   i64 width_, float_cap_, int_cap_, payload_cap_;
   MetaRing table_;
@@ -922,6 +945,7 @@ PyObject* gather_step_entry(void* step, PyObject* const* args, Py_ssize_t nargs)
 PYBIND11_MODULE(_vok_ops, m) {
   m.doc() = "vllm-omni-kernels compiled eager steps (kernels/vok_python.cpp); the kernels are torch ops too";
   m.def("check_each", &check_each, py::arg("sources"), py::arg("starts"), py::arg("dst"), py::arg("floating"),
+        py::arg("base"),
         "GatherJobs.rows_each/ints_each: check every source against dst in one call");
   m.def("set_programmatic_launch", &vok::set_programmatic_launch, py::arg("enabled"),
         "Programmatic dependent launch of every kernel launched from now on (Hopper and newer; default "
@@ -945,7 +969,7 @@ PYBIND11_MODULE(_vok_ops, m) {
       .def("__call__", &GatherStep::operator(), py::arg("float_blocks"), py::arg("int_blocks"),
            py::arg("value_blocks"), py::arg("n_float"), py::arg("n_int"), py::arg("n_values"), py::arg("aligned"))
       .def_property_readonly("table", &GatherStep::table)
-      .def_property_readonly("int_base", &GatherStep::int_base)
+      .def_property_readonly("in_params", &GatherStep::in_params)
       .def_property_readonly(
           "call",
           [](py::object self) {

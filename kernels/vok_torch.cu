@@ -113,10 +113,10 @@ void launch_ring_read(const void* arena, int es, const int64_t* meta, void* o, i
   launch(ring_entry(es, last, /*write=*/false), ring_grid(rows, max_elems), kRingThreads, args, s);
 }
 
-void launch_row_gather(void* f, int es, int64_t* table, int64_t width, int64_t int_off, int64_t grid_rows,
-                       bool aligned, cudaStream_t s) {
+void launch_row_gather(void* f, int es, void* ibase, int64_t* table, int64_t width, int64_t int_off,
+                       int64_t grid_rows, bool aligned, cudaStream_t s) {
   long long W = width, off = int_off;
-  void* args[] = {&f, &table, &table, &W, &off};  // the int base is the table itself
+  void* args[] = {&f, &ibase, &table, &W, &off};
   const void* kernel = es == 2 ? (aligned ? (const void*)&vok_row_gather_e2_a1 : (const void*)&vok_row_gather_e2_a0)
                                : (aligned ? (const void*)&vok_row_gather_e4_a1 : (const void*)&vok_row_gather_e4_a0);
   launch(kernel, gather_grid(grid_rows, width, es), kGatherThreads, args, s);
@@ -211,8 +211,8 @@ void row_gather(at::Tensor& anchor, at::Tensor& table, int64_t width, int64_t in
   TORCH_CHECK(vok::gather_width_fits(width, es), "row too wide");
   if (grid_rows == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(anchor.device());
-  vok::launch_row_gather(anchor.data_ptr(), es, table.data_ptr<int64_t>(), width, int_off, grid_rows, aligned,
-                         c10::cuda::getCurrentCUDAStream());
+  vok::launch_row_gather(anchor.data_ptr(), es, table.data_ptr(), table.data_ptr<int64_t>(), width, int_off, grid_rows,
+                         aligned, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -312,7 +312,9 @@ def test_compiled_ring_step_declines_more_rows_than_one_launch_takes(compiled_mo
 def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module, seed, dtype, width):
     """The compiled gather launch's encoder (its host half: it encodes only, given a CPU anchor)
     writes the table GatherJobs.encode writes, word for word: float rows, every int pairing,
-    single-row jobs and value payloads."""
+    single-row jobs and value payloads; with the many-source blocks' records copied from what
+    check_each made of them while they were recorded, or made again from the sources (no records,
+    or records for another anchor)."""
     dsts, srcs, jobs = make_gather_case(seed, dtype, width)
     gather = RowGather(dtype, width, "cpu", max_float_rows=64, max_int_rows=64, max_values=64)
     with pytest.MonkeyPatch.context() as mp:  # many-source jobs checked by the extension: one block each
@@ -321,28 +323,24 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
     j = gather.jobs
     many = sum(kind.endswith("_each") and sum(n for _, _, n in src) > 0 for kind, _, _, src, _ in jobs)
     assert sum(type(b[0]) is list for b in j.float_blocks + j.int_blocks) == many  # empty calls add none
-    layout = TableLayout(j.n_float, j.n_int, j.n_values)
-    anchor = torch.zeros(1, dtype=dtype)
-    step = compiled_module.GatherStep(anchor, width, 64, 64, 64)
-    args = (j.float_blocks, j.int_blocks, j.value_blocks, j.n_float, j.n_int, j.n_values, j.aligned)
-    assert step(*args) == 1
-    step.table.fill_(-7)  # on CPU the step reuses its one buffer: words it does not write stay -7
-    assert step.call(*args) == 1  # the per-step entry encodes the same
-    compiled = step.table
-    assert step.int_base == anchor.data_ptr()  # a small table travels in the parameters: ints from the anchor
-    numpy_table = np.full(layout.words, -7, np.int64)
-    words = j.encode(numpy_table, layout, anchor.data_ptr(), step.int_base)
-    assert len(decode_table(numpy_table, layout.int_off)[1]) < j.n_int  # int runs merged
-    assert compiled.numel() == words < layout.words
-    assert np.array_equal(compiled.numpy(), numpy_table[:words])
-    # Many-source blocks carry check_each's notes of their sources; without them the encoder reads
-    # the tensors again and writes the same words.
     assert all(type(b[1]) is bytes for b in j.float_blocks + j.int_blocks if type(b[0]) is list)
+    layout = TableLayout(j.n_float, j.n_int, j.n_values)
+    args = (j.float_blocks, j.int_blocks, j.value_blocks, j.n_float, j.n_int, j.n_values, j.aligned)
     bare = [[(b[0], None, *b[2:]) if type(b[0]) is list else b for b in blocks]
             for blocks in (j.float_blocks, j.int_blocks)]
-    step.table.fill_(-7)
-    assert step.call(*bare, *args[2:]) == 1
-    assert np.array_equal(step.table.numpy(), numpy_table[:words])
+    for anchor in (gather._anchor, torch.zeros(1, dtype=dtype)):  # the records' anchor, another one
+        step = compiled_module.GatherStep(anchor, width, 64, 64, 64)
+        assert step(*args) == 1
+        assert step.in_params  # a small table travels in the parameters
+        numpy_table = np.full(layout.words, -7, np.int64)
+        words = j.encode(numpy_table, layout, anchor.data_ptr(), anchor.data_ptr())
+        assert len(decode_table(numpy_table, layout.int_off)[1]) < j.n_int  # int runs merged
+        assert step.table.numel() == words < layout.words
+        assert np.array_equal(step.table.numpy(), numpy_table[:words])
+        for blocks in (args[:2], bare):  # the per-step entry; without records
+            step.table.fill_(-7)  # on CPU the step reuses its one buffer: words it does not write stay -7
+            assert step.call(*blocks, *args[2:]) == 1
+            assert np.array_equal(step.table.numpy(), numpy_table[:words])
 
 
 @needs_cmake
@@ -365,15 +363,16 @@ def test_both_encoders_write_a_run_of_int_rows_as_records_of_one_pass(compiled_m
     step = compiled_module.GatherStep(anchor, width, 0, 400, 8)
     assert step.call(j.float_blocks, j.int_blocks, j.value_blocks, j.n_float, j.n_int, j.n_values, j.aligned) == 1
     numpy_table = np.zeros(layout.words, np.int64)
-    words = j.encode(numpy_table, layout, anchor.data_ptr(), step.int_base)
+    words = j.encode(numpy_table, layout, anchor.data_ptr(), anchor.data_ptr())
     assert np.array_equal(step.table.numpy(), numpy_table[:words])
     assert decode_table(numpy_table, layout.int_off)[1][:, 2].tolist() == counts
 
 
 @needs_cmake
-def test_compiled_gather_tables_past_the_parameter_size_are_staged_with_ints_from_the_table(compiled_module):
+def test_compiled_gather_tables_past_the_parameter_size_are_staged_with_ints_from_the_anchor(compiled_module):
     """A table of more words than a launch's parameters take (kernels/vok_launch.h: 4088) goes to
-    the pinned ring, its int words offsets from the table itself; the encoders agree there too."""
+    the pinned ring, its int words offsets from the anchor as in the parameters; the encoders agree
+    there too."""
     rows = 2100  # 2 + 2 * 2100 float words alone
     gather = RowGather(torch.float32, 4, "cpu", max_float_rows=rows, max_int_rows=2, max_values=8)
     src, dst = torch.randn(rows, 4), torch.zeros(rows, 4)
@@ -388,9 +387,9 @@ def test_compiled_gather_tables_past_the_parameter_size_are_staged_with_ints_fro
     step = compiled_module.GatherStep(anchor, 4, rows, 2, 8)
     assert step.call(j.float_blocks, j.int_blocks, j.value_blocks, j.n_float, j.n_int, j.n_values, j.aligned) == 1
     table = step.table
-    assert step.int_base == table.data_ptr() != anchor.data_ptr()
+    assert not step.in_params
     numpy_table = np.zeros(layout.words, np.int64)
-    words = j.encode(numpy_table, layout, anchor.data_ptr(), step.int_base)
+    words = j.encode(numpy_table, layout, anchor.data_ptr(), anchor.data_ptr())
     assert words == layout.words and np.array_equal(table.numpy(), numpy_table)
     assert decode_table(numpy_table, layout.int_off)[1][1, 3] == 4  # the value job (int job 1) reads the payload
 

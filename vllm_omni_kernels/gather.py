@@ -36,6 +36,7 @@ class RowGather:
         self.capacity = TableLayout(int(max_float_rows), int(max_int_rows), int(max_values))
         self.table = torch.zeros(self.capacity.words, dtype=torch.int64, device=self.device)
         self._anchor = torch.zeros(1, dtype=dtype, device=self.device)
+        self.jobs.record_base = self._anchor.data_ptr()  # the compiled launch's base: see GatherJobs
         self._staging = PinnedStaging(1, self.capacity.words, self.device)
         self._resident = self.table
         self._static_aligned: bool | None = None  # the alignment promise baked into a captured kernel

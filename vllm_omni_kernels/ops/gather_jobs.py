@@ -33,7 +33,10 @@ at most ``TableLayout.words``.
 
 The int base is the table's own device address, except for the compiled eager launch, which passes
 its table in the kernel's parameters (``kernels/vok_launch.h``): the host cannot know where those
-live, so its int words are offsets from the float base, and payload sources (flag 4) from the table.
+live, so its int words are offsets from the float base (the launcher's anchor), and payload sources
+(flag 4) from the table. It does so for a larger table staged in pinned memory too, so that the
+records the extension's ``check_each`` makes of a many-source block while it is recorded (for that
+anchor: ``GatherJobs.record_base``) fit either table and are copied, not made again.
 """
 
 from __future__ import annotations
@@ -134,13 +137,14 @@ def _arange(n: int) -> np.ndarray:
     return _ARANGE[:n] if n <= _ARANGE.size else np.arange(n, dtype=np.int64)
 
 
-def _check_each(srcs, starts, dst, floating: bool):
+def _check_each(srcs, starts, dst, floating: bool, base: int):
     """The compiled extension's check of a ``rows_each``/``ints_each`` call: (rows, aligned, notes),
     or a negative first value when a source is not plain; None without the extension (it is
-    optional: loaded by the compiled backend, or by tests). ``notes`` (bytes: address, row stride,
-    rows and element size of each source) go into the block for the compiled encoder."""
+    optional: loaded by the compiled backend, or by tests). ``notes`` (bytes: ``base``, then the
+    block's table records for offsets counted from it) go into the block: the compiled encoder copies
+    them when its anchor is ``base``, and so a mixed step's per-row sources are read once."""
     module = cuda_ext._module
-    return None if module is None else module.check_each(srcs, starts, dst, floating)
+    return None if module is None else module.check_each(srcs, starts, dst, floating, base)
 
 
 def _as_rows(rows) -> np.ndarray:
@@ -162,10 +166,10 @@ def _rows(rows, count: int, what: str) -> np.ndarray:
 # Rows are int64 ndarrays, or ints for a single row (the common one-row-per-hook case skips numpy
 # entirely); ``src_rows`` None with a ``dst_rows`` array means the source's leading rows
 # 0..len(dst_rows)-1 (a hook's batched output). A block of ``rows_each``/``ints_each`` is
-# (list of sources, notes, dst, start rows): ``notes`` is what the extension's ``check_each`` noted
-# of the sources (bytes; None: read them again), so the sources must keep their storage and shape
-# until the launch, as every recorded source must keep its data. The compiled encoder
-# (``kernels/vok_python.cpp``) reads the same positions.
+# (list of sources, notes, dst, start rows): ``notes`` is what the extension's ``check_each`` made of
+# the sources (bytes: the block's records; None: read them again), so the sources must keep their
+# storage and shape until the launch, as every recorded source must keep its data. The compiled
+# encoder (``kernels/vok_python.cpp``) reads the same positions.
 Block = tuple["torch.Tensor | list[torch.Tensor]", "np.ndarray | int | bytes | None", torch.Tensor,
               "np.ndarray | int"]
 
@@ -196,6 +200,8 @@ class GatherJobs:
         dtype: the float dtype of every float row (fp32, bf16, fp16).
         width: the element count of every float row (hidden size, up to 16384 and beyond).
         device: where every tensor lives.
+        record_base: the address the compiled launch's offsets count from (the launching
+            ``RowGather`` sets its anchor's): many-source blocks carry their records for it.
 
     Every method validates on the host (device, dtype, width, last-dim contiguity and, with
     ``check_rows``, row ranges) and raises ``TypeError``/``ValueError``/``IndexError`` before anything
@@ -211,6 +217,7 @@ class GatherJobs:
     width: int
     device: torch.device
     check_rows: bool = True
+    record_base: int = 0  # the address the compiled launch's offsets count from (RowGather's anchor)
     float_blocks: list[Block] = field(default_factory=list)
     int_blocks: list[Block] = field(default_factory=list)
     value_blocks: list[tuple[torch.Tensor, np.ndarray]] = field(default_factory=list)
@@ -316,7 +323,8 @@ class GatherJobs:
             raise ValueError(f"{len(starts)} destination starts for {len(srcs)} sources")
         if not srcs:
             return
-        checked = _check_each(srcs, starts, dst, floating) if self._plain_dst(dst, floating) else None
+        checked = (_check_each(srcs, starts, dst, floating, self.record_base) if self._plain_dst(dst, floating)
+                   else None)
         if checked is not None and checked[0] >= 0:  # every source plain: one block
             rows, aligned, notes = checked
             if rows:
