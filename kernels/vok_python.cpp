@@ -474,8 +474,8 @@ struct EachRecords {
     dO = (reinterpret_cast<intptr_t>(dst.data_ptr()) - base) >> fshift;
     ds = dst.stride(0) * dw;
   }
-  // The records of `rows` rows of a source at `address` (row stride `stride` elements of `es`
-  // bytes) to destination rows from `d0` on, from `out` on (two words each).
+  // The records of `rows` rows of a source at `address` (rows `stride` elements apart; ints: of `es`
+  // bytes each) to destination rows from `d0` on, written from `out` on (two words each).
   void float_rows(i64* __restrict__ out, intptr_t address, i64 stride, i64 rows, i64 d0) const {
     const i64 so = (address - base) >> fshift;
     for (i64 j = 0; j < rows; ++j) {

@@ -9,9 +9,13 @@ alone (``launch_pre``/``launch_post``, recording excluded), and the host's floor
 (``tiny.zero_()``). The scenarios and the floor are timed in interleaved rounds and each figure is
 the median round, so they are compared under the same drift of a shared host's speed.
 
+``--sync-every 1`` waits for the device after every step, as a serving loop does when it reads the
+step's sampled tokens back: each launch call then starts with the device idle and the host fresh
+from a wait (by default only each round ends with a wait).
+
 Usage: python profiling/host_cost_gather.py [--batches 64] [--H 2048] [--kinds mtp,non_mtp,mixed]
        [--device cpu|cuda] [--steps 500] [--rounds 7] [--profile] [--extension build/_vok_ops.so]
-       [--per-row]
+       [--per-row] [--sync-every N]
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ def main() -> None:
     ap.add_argument("--extension", help="on CPU: a built _vok_ops.so whose steps run host-only (they encode "
                                         "without launching): the compiled backend's host work")
     ap.add_argument("--per-row", action="store_true", help="mixed: one record call per row (no rows_each)")
+    ap.add_argument("--sync-every", type=int, default=0, help="wait for the device after every N steps (cuda; "
+                                                              "0: at the end of each round only)")
     args = ap.parse_args()
     dev = args.device
     if dev == "cpu":
@@ -127,7 +133,14 @@ def main() -> None:
             if dev == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            in_launch = sum(sc.step() for _ in range(steps))
+            if args.sync_every and dev == "cuda":
+                in_launch = 0.0
+                for k in range(steps):
+                    in_launch += sc.step()
+                    if (k + 1) % args.sync_every == 0:
+                        torch.cuda.synchronize()
+            else:
+                in_launch = sum(sc.step() for _ in range(steps))
             if dev == "cuda":
                 torch.cuda.synchronize()
             if r:
