@@ -634,8 +634,9 @@ bool consecutive(const RowIndex& rows, i64 k) {
 // Encode the recorded jobs into `table` (host int64, flat, `words` long): float jobs from word 2, int
 // jobs from `int_off` (a block of consecutive rows as a run: run_records with `int_cap`), value jobs
 // after them and their payload after those; array blocks in order, then single-row jobs, then value
-// jobs, exactly as GatherJobs.encode orders them. Int words are offsets from `ibase` (the table's
-// device address, or the anchor's for a table in the launch's parameters). Returns the words used;
+// jobs, exactly as GatherJobs.encode orders them. Int words are offsets from `ibase` (GatherStep
+// passes its anchor's address for both of its tables: the host cannot know where the parameters
+// live, and one base lets check_each's records serve either table). Returns the words used;
 // t[0] + t[1] is the launch's job count.
 i64 encode_gather(const at::Tensor& anchor, i64* t, intptr_t ibase, i64 words, const py::list& float_blocks,
                   const py::list& int_blocks, const py::list& value_blocks, i64 n_float, i64 n_int, i64 int_off,

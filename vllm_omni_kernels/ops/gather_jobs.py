@@ -305,9 +305,9 @@ class GatherJobs:
         The checks of ``rows``, and the destination rows are always range-checked; an error names the
         element (``srcs[k]: ...``; its ``index`` attribute is k) and records nothing. With the compiled
         extension loaded the sources are checked in one call into it and recorded as one block, with
-        its notes of their addresses and shapes (so each source keeps its storage and shape until the
-        launch, as every recorded source keeps its data); otherwise, or when a source needs a
-        conversion, element by element through ``rows``.
+        the table records it made of them for ``record_base`` (so each source keeps its storage and
+        shape until the launch, as every recorded source keeps its data); otherwise, or when a source
+        needs a conversion, element by element through ``rows``.
         """
         self._record_each(dst, dst_starts, srcs, floating=True)
 
