@@ -463,29 +463,32 @@ struct SourceNote {
 // both bases). Float: (src, dst) element offsets per row; int: put_int's two words per row.
 struct EachRecords {
   intptr_t base;
+  bool floating;
   int fshift;  // log2 of the float element size (floats), 2 (ints)
   i64 width;   // ints: elements per row
   i64 dO, ds;  // the destination's offset and its row stride, in those units
   int dw;      // ints: int32 words per destination element
-  EachRecords(const at::Tensor& dst, intptr_t base_, bool floating) : base(base_) {
+  EachRecords(const at::Tensor& dst, intptr_t base_, bool floating_) : base(base_), floating(floating_) {
     dw = floating ? 1 : static_cast<int>(dst.element_size() / 4);
     fshift = floating ? (dst.element_size() == 2 ? 1 : 2) : 2;
     width = dst.dim() == 2 ? dst.size(1) : 1;
     dO = (reinterpret_cast<intptr_t>(dst.data_ptr()) - base) >> fshift;
     ds = dst.stride(0) * dw;
   }
-  // The records of `rows` rows of a source at `address` (rows `stride` elements apart; ints: of `es`
-  // bytes each) to destination rows from `d0` on, written from `out` on (two words each).
-  void float_rows(i64* __restrict__ out, intptr_t address, i64 stride, i64 rows, i64 d0) const {
-    const i64 so = (address - base) >> fshift;
-    for (i64 j = 0; j < rows; ++j) {
-      out[2 * j] = so + j * stride;
-      out[2 * j + 1] = dO + (d0 + j) * ds;
+  // The records of the rows of source `src` to destination rows from `d0` on, written from `out` on
+  // (two words a row).
+  void put(i64* __restrict__ out, const SourceNote& src, i64 d0) const {
+    if (floating) {
+      const i64 so = (src.address - base) >> fshift;
+      for (i64 j = 0; j < src.rows; ++j) {
+        out[2 * j] = so + j * src.stride;
+        out[2 * j + 1] = dO + (d0 + j) * ds;
+      }
+      return;
     }
-  }
-  void int_rows(i64* __restrict__ out, intptr_t address, i64 stride, i64 es, i64 rows, i64 d0) const {
-    const i64 sw = es >> 2, so = (address - base) >> 2, flags = (sw == 2) | ((dw == 2) << 1);
-    for (i64 j = 0; j < rows; ++j) put_int(out + 2 * j, so + j * stride * sw, dO + (d0 + j) * ds, width, flags);
+    const i64 sw = src.elem_size >> 2, so = (src.address - base) >> 2, flags = (sw == 2) | ((dw == 2) << 1);
+    for (i64 j = 0; j < src.rows; ++j)
+      put_int(out + 2 * j, so + j * src.stride * sw, dO + (d0 + j) * ds, width, flags);
   }
 };
 
@@ -532,9 +535,7 @@ struct EachBlock {
       const SourceNote src = SourceNote::of(tensor_of(PyList_GET_ITEM(sources, k), "block source"));
       TORCH_CHECK((static_cast<uint64_t>(src.address) >> 48) == 0, "a source address at or above 2**48");
       if (pos + src.rows > room) return -1;
-      const i64 d0 = RowIndex::load(sp + k * sstride);
-      if (floating) rec.float_rows(out + 2 * pos, src.address, src.stride, src.rows, d0);
-      else rec.int_rows(out + 2 * pos, src.address, src.stride, src.elem_size, src.rows, d0);
+      rec.put(out + 2 * pos, src, RowIndex::load(sp + k * sstride));
       pos += src.rows;
     }
     return pos;
@@ -591,9 +592,7 @@ py::tuple check_each(const py::list& sources, py::handle starts_obj, const at::T
       if (_PyBytes_Resize(&notes, 8 + 16 * room) != 0) throw py::error_already_set();
       own = py::reinterpret_steal<py::object>(notes);
     }
-    i64* out = reinterpret_cast<i64*>(PyBytes_AS_STRING(notes)) + 1 + 2 * rows;
-    if (floating) rec.float_rows(out, note.address, note.stride, r, start);
-    else rec.int_rows(out, note.address, note.stride, note.elem_size, r, start);
+    rec.put(reinterpret_cast<i64*>(PyBytes_AS_STRING(notes)) + 1 + 2 * rows, note, start);
     rows += r;
   }
   if (rows < room) {
