@@ -106,6 +106,7 @@ def main() -> None:
                                                               "0: at the end of each round only)")
     args = ap.parse_args()
     dev = args.device
+    sync_every = args.sync_every if dev == "cuda" else 0
     if dev == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("VLLM_OMNI_KERNELS_BACKEND", "triton")
@@ -133,14 +134,11 @@ def main() -> None:
             if dev == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            if args.sync_every and dev == "cuda":
-                in_launch = 0.0
-                for k in range(steps):
-                    in_launch += sc.step()
-                    if (k + 1) % args.sync_every == 0:
-                        torch.cuda.synchronize()
-            else:
-                in_launch = sum(sc.step() for _ in range(steps))
+            in_launch = 0.0
+            for k in range(steps):
+                in_launch += sc.step()
+                if sync_every and (k + 1) % sync_every == 0:
+                    torch.cuda.synchronize()
             if dev == "cuda":
                 torch.cuda.synchronize()
             if r:

@@ -117,13 +117,12 @@ def check_far_apart_rows(device, backend, monkeypatch, graph: bool = False):
     gather = RowGather(torch.bfloat16, width, device, max_float_rows=3 * n, max_int_rows=3 * n)
     anchor = gather._anchor.data_ptr()
     assert max(abs(t.data_ptr() - anchor) for t in (low, high)) >= 2**33  # offsets past 32 bits
-    want = {}
     for step in range(2):
         low.copy_(torch.randn(n, width).to(torch.bfloat16))
         ihigh.copy_(torch.randint(-(2**31), 2**31 - 1, (n, 2), dtype=torch.int32))
         high.zero_()
         ilow.zero_()
-        want["high"], want["ilow"] = low.clone(), ihigh.clone()
+        want_high, want_ilow = low.clone(), ihigh.clone()
         j = gather.jobs
         j.rows(high, np.arange(n)[::-1].copy(), low, np.arange(n)[::-1].copy())
         j.ints(ilow, np.arange(n - 1), ihigh, np.arange(n - 1))
@@ -136,7 +135,7 @@ def check_far_apart_rows(device, backend, monkeypatch, graph: bool = False):
             assert gather.launch() == 1
         if device != "cpu":
             torch.cuda.synchronize()
-        assert torch.equal(high, want["high"]) and torch.equal(ilow, want["ilow"])
+        assert torch.equal(high, want_high) and torch.equal(ilow, want_ilow)
     del big
 
 
