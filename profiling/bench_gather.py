@@ -26,9 +26,10 @@ Paths (the hooks' and MTP's outputs are prepared tensors: only the data movement
   copy_graph   one plain copy of the same float bytes per step, captured the same way (the copy
                bandwidth the kernels are compared with)
 
-Launches per step are counted with the CUDA profiler (kernels and memcpys) for every path. Medians
-of ``repeats`` timings of ``steps`` steps, CUDA events, after a warm-up. JSON out; PNG with
-``plot_gather.py``.
+Launches per step are counted with the CUDA profiler (kernels and memcpys) for every path, in a
+last pass after all timings: a profiler session leaves CUPTI attached to the process, and every
+later launch pays for its callbacks. Medians of ``repeats`` timings of ``steps`` steps, CUDA
+events, after a warm-up. JSON out; PNG with ``plot_gather.py``.
 
 Usage: python profiling/bench_gather.py [--steps 50] [--repeats 5] [--out out/bench_gather.json]
 """
@@ -48,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_timing import backend_variant, backend_variants, graph_us_per_step, us_per_call  # noqa: E402
+from cuda_timing import backend_variant, backend_variants, graph_us_per_step, host_floor_us, us_per_call  # noqa: E402
 from vllm_omni_kernels import backend  # noqa: E402
 from vllm_omni_kernels.decode_gather import DecodeGather  # noqa: E402
 from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
@@ -59,7 +60,8 @@ DTYPE = torch.bfloat16
 
 
 def count_device_ops(fn, steps: int = 5) -> dict | None:
-    """Kernels and memcpys per step, from the CUDA profiler (None if the profiler is unavailable)."""
+    """Kernels and memcpys per step, from the CUDA profiler (None if the profiler is unavailable).
+    Call it only after the process's timings (see the module docstring)."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -172,10 +174,12 @@ class Scenario:
             self.record_post()
             self.g.launch_post()
 
-    def launch_host_us(self, steps: int, repeats: int) -> list[float]:
+    def launch_host_us(self, steps: int, repeats: int) -> tuple[list[float], list[float]]:
         """Host microseconds per eager launch call alone (recording excluded): ``launch_pre`` and
-        ``launch_post`` timed with the host clock around the calls; the kernels run asynchronously."""
-        runs = []
+        ``launch_post`` timed with the host clock around the calls; the kernels run asynchronously.
+        Each run is followed by ``steps`` calls of one small torch op, this host's floor at that
+        moment (a shared host's speed drifts); returns the runs and the floors."""
+        runs, floors = [], []
         clock = time.perf_counter
         for _ in range(repeats + 1):  # the first run warms up
             spent = 0.0
@@ -191,7 +195,11 @@ class Scenario:
                     spent += clock() - t0
             torch.cuda.synchronize()
             runs.append(spent * 1e6 / (steps * (2 if self.mtp else 1)))
-        return runs[1:]
+            floors.append(host_floor_us(steps))
+        return runs[1:], floors[1:]
+
+    def eager_paths(self) -> dict:
+        return {"ours_eager": self.ours_eager, "index_copy": self.index_copy, "row_loop": self.row_loop}
 
     # ------------------------------------------------------------ baselines
     def row_loop(self):
@@ -263,11 +271,11 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
         print(f"  {kind:8s} B={B:5d} H={H} {name:12s} {statistics.median(runs):10.2f} us/step  ops {ops}  {note}",
               flush=True)
 
-    for name, fn in (("ours_eager", sc.ours_eager), ("index_copy", sc.index_copy), ("row_loop", sc.row_loop)):
+    for name, fn in sc.eager_paths().items():
         sc.check(fn)
         n = steps if name != "row_loop" or B <= 256 else max(3, steps // 10)
         with nvtx_range(f"{kind}.{name}"):
-            record(name, us_per_call(fn, n, repeats), count_device_ops(fn))
+            record(name, us_per_call(fn, n, repeats))
 
     # In a CUDA graph: the two kernels captured graph_steps times, tables prepared outside the graph.
     g = sc.g
@@ -283,10 +291,11 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
             g.post.jobs.clear()
             sc.check(sc.ours_eager)
             record(f"ours_eager[{name}]", us_per_call(sc.ours_eager, steps, repeats))
-            runs = sc.launch_host_us(steps, repeats)
+            runs, floors = sc.launch_host_us(steps, repeats)
             res.setdefault("eager_launch_host_us", {})[name] = statistics.median(runs)
-            print(f"  {kind:8s} B={B:5d} H={H} eager launch call [{name}] {statistics.median(runs):7.2f} us (host)",
-                  flush=True)
+            res.setdefault("host_floor_us", {})[name] = statistics.median(floors)
+            print(f"  {kind:8s} B={B:5d} H={H} eager launch call [{name}] {statistics.median(runs):7.2f} us (host; "
+                  f"floor: tiny.zero_() {statistics.median(floors):.2f} us)", flush=True)
             runs = graph_us_per_step(sc.static_step()[0], graph_steps, repeats, check=sc.check)
             record(f"ours_graph[{name}]", runs, {"kernels": launches, "memcpys": 0})
 
@@ -308,6 +317,16 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     del src, dst, sc
     torch.cuda.empty_cache()
     return res
+
+
+def count_ops(res: dict) -> None:
+    """Device ops per step of each eager path of one result (``count_device_ops``), filled in."""
+    sc = Scenario(res["kind"], res["B"], res["H"])
+    for name, fn in sc.eager_paths().items():
+        ops = res["paths"][name]["device_ops_per_step"] = count_device_ops(fn)
+        print(f"  {res['kind']:8s} B={res['B']:5d} H={res['H']} {name:12s} ops {ops}", flush=True)
+    del sc
+    torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -333,6 +352,9 @@ def main() -> None:
         for B in (int(b) for b in args.batches.split(",")):
             for kind in args.kinds.split(","):
                 results.append(bench(kind, B, H, args.steps, args.repeats, args.graph_steps))
+    print("device ops per step (CUDA profiler, after all timings):", flush=True)
+    for res in results:
+        count_ops(res)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
@@ -346,7 +368,7 @@ def main() -> None:
               f"{r['ours_GBps']:6.0f} GB/s = {100 * r['ours_vs_copy']:5.1f}% of copy ({r['copy_GBps']:.0f})")
         for name, gbps in r["GBps_by_backend"].items():
             print(f"          {name:6s}: eager {p[f'ours_eager[{name}]']['us_per_step_median']:7.1f} us/step "
-                  f"({r['eager_launch_host_us'][name]:5.2f} us per launch call), graph "
+                  f"({r['eager_launch_host_us'][name]:5.2f} us per launch call, floor {r['host_floor_us'][name]:5.2f}), graph "
                   f"{p[f'ours_graph[{name}]']['us_per_step_median']:6.2f} us/step "
                   f"({p[f'ours_graph[{name}]']['us_per_step_median'] / (2 if r['kind'] != 'non_mtp' else 1):5.2f}"
                   f"/launch) = {100 * gbps / r['copy_GBps']:5.1f}% of copy")

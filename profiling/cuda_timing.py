@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import time
 
 import torch
 
@@ -54,9 +55,26 @@ def graph_us_per_step(fn, steps: int, repeats: int, check=None) -> list[float]:
     return runs
 
 
+def host_floor_us(calls: int) -> float:
+    """Host microseconds per call of one small torch op (``tiny.zero_()``: the dispatcher and a
+    launch), synchronized at the end: this host's floor for any eager launch from Python at this
+    moment, to quote next to host timings taken on a shared machine whose speed drifts."""
+    tiny = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        tiny.zero_()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
 def kernel_device_us(fn, name_part: str) -> list[float]:
     """Device microseconds of every kernel whose name contains ``name_part`` launched by one run of
-    ``fn()``, from the CUDA profiler (sorted; empty if the profiler is unavailable)."""
+    ``fn()``, from the CUDA profiler (sorted; empty if the profiler is unavailable).
+
+    The session leaves CUPTI attached to the process when it ends (Kineto finalizes it only under
+    ``TEARDOWN_CUPTI=1``), and every later kernel launch pays for its callbacks: call this after
+    the process's host-time measurements, never between them."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()

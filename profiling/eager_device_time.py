@@ -53,23 +53,25 @@ def main() -> None:
         tiny.zero_()
     torch.cuda.synchronize()
     print(f"floor: tiny.zero_() {(time.perf_counter() - t0) / 2000 * 1e6:.2f} us", flush=True)
-    for B in (int(b) for b in args.batches.split(",")):
-        for kind in args.kinds.split(","):
-            sc = Scenario(kind, B, 4096, "cuda")
-            for _ in range(50):
-                sc.step()
-            busy = launch_call_us(sc, args.steps, drain=False)
-            idle = launch_call_us(sc, args.steps // 3, drain=True)
-            kernels = kernel_device_us(lambda sc=sc: [sc.step() for _ in range(20)], "gather")
-            t0 = time.perf_counter()
-            for _ in range(args.steps // 2):
-                sc.step()
-            torch.cuda.synchronize()
-            step_us = (time.perf_counter() - t0) / (args.steps // 2) * 1e6
-            device = f"{statistics.median(kernels):6.2f} us (n={len(kernels)})" if kernels else "(no profiler)"
-            print(f"gather {kind:8s} B={B:4d}: launch call back to back {busy:6.2f} us, device drained {idle:6.2f} us; "
-                  f"eager kernel on the device {device}; whole step {step_us:6.1f} us", flush=True)
-
+    scenarios = [Scenario(kind, int(B), 4096, "cuda") for B in args.batches.split(",")
+                 for kind in args.kinds.split(",")]
+    host = []
+    for sc in scenarios:
+        for _ in range(50):
+            sc.step()
+        busy = launch_call_us(sc, args.steps, drain=False)
+        idle = launch_call_us(sc, args.steps // 3, drain=True)
+        t0 = time.perf_counter()
+        for _ in range(args.steps // 2):
+            sc.step()
+        torch.cuda.synchronize()
+        host.append((busy, idle, (time.perf_counter() - t0) / (args.steps // 2) * 1e6))
+    # The profiler last: it leaves CUPTI attached when its session ends, which slows every later launch.
+    for sc, (busy, idle, step_us) in zip(scenarios, host):
+        kernels = kernel_device_us(lambda sc=sc: [sc.step() for _ in range(20)], "gather")
+        device = f"{statistics.median(kernels):6.2f} us (n={len(kernels)})" if kernels else "(no profiler)"
+        print(f"gather {sc.kind:8s} B={sc.B:4d}: launch call back to back {busy:6.2f} us, device drained "
+              f"{idle:6.2f} us; eager kernel on the device {device}; whole step {step_us:6.1f} us", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -13,9 +13,14 @@ the median round, so they are compared under the same drift of a shared host's s
 step's sampled tokens back: each launch call then starts with the device idle and the host fresh
 from a wait (by default only each round ends with a wait).
 
+``--after-profiler`` runs one short ``torch.profiler`` session (CUDA activities) before the timing,
+as a benchmark that counts its kernels with the profiler does. The profiler leaves CUPTI attached
+to the process when the session ends (Kineto finalizes it only with ``TEARDOWN_CUPTI=1``), and every
+later launch pays for its callbacks: this flag shows how much, against a run without it.
+
 Usage: python profiling/host_cost_gather.py [--batches 64] [--H 2048] [--kinds mtp,non_mtp,mixed]
        [--device cpu|cuda] [--steps 500] [--rounds 7] [--profile] [--extension build/_vok_ops.so]
-       [--per-row] [--sync-every N]
+       [--per-row] [--sync-every N] [--after-profiler]
 """
 
 from __future__ import annotations
@@ -104,6 +109,8 @@ def main() -> None:
     ap.add_argument("--per-row", action="store_true", help="mixed: one record call per row (no rows_each)")
     ap.add_argument("--sync-every", type=int, default=0, help="wait for the device after every N steps (cuda; "
                                                               "0: at the end of each round only)")
+    ap.add_argument("--after-profiler", action="store_true",
+                    help="cuda: run one torch.profiler session before timing (it leaves CUPTI attached)")
     args = ap.parse_args()
     dev = args.device
     sync_every = args.sync_every if dev == "cuda" else 0
@@ -121,6 +128,13 @@ def main() -> None:
     step_us = {id(sc): [] for sc in scenarios}
     launch_us = {id(sc): [] for sc in scenarios}
     tiny, floor_us = torch.zeros(1, device=dev), []  # one torch op per round: this host's floor
+    if args.after_profiler and dev == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]):
+            tiny.zero_()
+            torch.cuda.synchronize()
+        print("after one torch.profiler session (CUPTI left attached)")
     for r in range(args.rounds + 1):  # round 0 warms up
         t0 = time.perf_counter()
         for _ in range(args.steps):
