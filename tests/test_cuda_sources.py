@@ -344,6 +344,36 @@ def test_compiled_gather_encoder_writes_the_numpy_encoders_table(compiled_module
 
 
 @needs_cmake
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       width=st.sampled_from([1, 8, 33]), shift=st.sampled_from([0, 1, 4, 8, 4096]))
+def test_numpy_encoder_uses_the_records_check_each_made_for_any_bases(compiled_module, seed, dtype, width, shift):
+    """The numpy encoder (Triton and CuPy launches, and every ``prepare_static``) writes a
+    many-source block from the records check_each made while it was recorded: as they are for the
+    anchor they were made for, shifted for another float or int base (an int table's own address),
+    and made again from the sources when the bases are not a whole unit apart. Every table equals the
+    one encoded from the sources alone."""
+    dsts, srcs, jobs = make_gather_case(seed, dtype, width)
+    gather = RowGather(dtype, width, "cpu", max_float_rows=64, max_int_rows=64, max_values=64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda_ext, "_module", compiled_module)
+        record_gather_case(gather.jobs, dsts, srcs, jobs)
+    j = gather.jobs
+    layout = TableLayout(j.n_float, j.n_int, j.n_values)
+    noted = (j.float_blocks, j.int_blocks)
+    bare = [[(b[0], None, *b[2:]) if type(b[0]) is list else b for b in blocks] for blocks in noted]
+    made_for = gather._anchor.data_ptr()
+    other = torch.zeros(16, dtype=torch.int64).data_ptr()
+    for float_base, int_base in ((made_for, made_for), (made_for, other), (made_for + shift, other + shift),
+                                 (made_for - 3 * shift, made_for + shift)):
+        tables = []
+        for j.float_blocks, j.int_blocks in (noted, bare):
+            table = np.full(layout.words, -7, np.int64)
+            tables.append(table[:j.encode(table, layout, float_base, int_base)])
+        assert np.array_equal(tables[0], tables[1]), (float_base - made_for, int_base - made_for)
+
+
+@needs_cmake
 @pytest.mark.parametrize("width, dtype, counts", [(8, torch.float32, [128, 128, 44, 128, 72, 1, 1, 3]),
                                                   (4096, torch.bfloat16, [256, 44, 200, 1, 1, 3])])
 def test_both_encoders_write_a_run_of_int_rows_as_records_of_one_pass(compiled_module, width, dtype, counts):

@@ -147,6 +147,24 @@ def _check_each(srcs, starts, dst, floating: bool, base: int):
     return None if module is None else module.check_each(srcs, starts, dst, floating, base)
 
 
+def _noted_records(notes, base: int, unit: int, ints: bool) -> np.ndarray | None:
+    """A many-source block's records from its ``check_each`` notes, for a table whose offsets count
+    from ``base`` in units of ``unit`` bytes: the notes' own records when they were made for it, else
+    shifted to it; None without notes or when the two bases are not a whole number of units apart
+    (the caller then makes the records from the sources)."""
+    if notes is None:
+        return None
+    words = np.frombuffer(notes, dtype=np.int64)
+    delta, rest = divmod(int(words[0]) - base, unit)
+    records = words[1:]
+    if delta == 0 or rest:
+        return None if rest else records
+    if not ints:  # float records are plain element offsets
+        return records + delta
+    # int records: a signed 48-bit offset under 16 bits of flags or count (the module docstring)
+    return ((((records << 16) >> 16) + delta) & _LOW48) | (records & ~_LOW48)
+
+
 def _as_rows(rows) -> np.ndarray:
     """``rows`` as a 1-D int64 array: the caller's own array when it already is one (no new view)."""
     if type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1:
@@ -482,6 +500,11 @@ class GatherJobs:
         pos, single = 2, ([], [])
         for src, src_rows, dst, dst_rows in self.float_blocks:
             if type(src) is list:  # rows_each: every row of each source from its start row on
+                records = _noted_records(src_rows, float_base, es, ints=False)
+                if records is not None:  # check_each made them while the block was recorded
+                    out[pos:pos + records.size] = records
+                    pos += records.size
+                    continue
                 dst_off, ds = (dst.data_ptr() - float_base) // es, dst.stride(0)
                 for s, d, n in each_jobs(src, dst_rows):
                     end = pos + 2 * n
@@ -508,6 +531,11 @@ class GatherJobs:
         for src, src_rows, dst, dst_rows in self.int_blocks:
             addresses |= dst.data_ptr()
             if type(src) is list:  # ints_each
+                records = _noted_records(src_rows, int_base, 4, ints=True)
+                if records is not None:  # made while recorded, from sources below 2**48 (check_each)
+                    out[pos:pos + records.size] = records
+                    pos += records.size
+                    continue
                 dw = dst.element_size() // 4
                 dst_off, ds = (dst.data_ptr() - int_base) // 4, dst.stride(0) * dw
                 width = dst.shape[1] if dst.dim() == 2 else 1
