@@ -139,5 +139,45 @@ def check_far_apart_rows(device, backend, monkeypatch, graph: bool = False):
     del big
 
 
+def random_each_call(seed: int, floating: bool, device="cpu"):
+    """One random ``rows_each``/``ints_each`` call, ``(srcs, starts, dst)``, for the many-source
+    checkers: mostly plain sources (views at any row of a larger tensor, so aligned or not, 0 to 3
+    rows), now and then one that is not (another dtype, a strided row, another width or rank, not a
+    tensor), and start rows that may fall outside ``dst``."""
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    if floating:
+        dtype = [torch.float32, torch.bfloat16, torch.float16][int(rng.integers(3))]
+        width = int(rng.choice([1, 8, 33]))
+        dst = random_tensor((12, width), dtype, device, g)
+        big = random_tensor((16, width), dtype, device, g)
+        wrong = [big.to(torch.float64 if dtype is torch.float32 else torch.float32)[:1],
+                 random_tensor((2, 2 * width), dtype, device, g)[:, ::2], big[:1, :max(width - 1, 0)],
+                 big[0], "not a tensor"]
+    else:
+        one_d = rng.random() < 0.5
+        width = 1 if one_d else 5
+        dtypes = [torch.int32, torch.int64]
+        dst = random_tensor((12,) if one_d else (12, 5), dtypes[int(rng.integers(2))], device, g)
+        big = random_tensor((16,) if one_d else (16, 5), dtypes[int(rng.integers(2))], device, g)
+        other = random_tensor((16,) if one_d else (16, 5), dtypes[int(rng.integers(2))], device, g)
+        wrong = [big.float()[:1], big[:1].unsqueeze(0) if one_d else big[:1, :4], "not a tensor"]
+        if not one_d:
+            wrong.append(random_tensor((2, 10), torch.int32, device, g)[:, ::2])
+    srcs = []
+    for _ in range(int(rng.integers(1, 9))):
+        if rng.random() < 0.08:
+            srcs.append(wrong[int(rng.integers(len(wrong)))])
+        else:
+            pick = big if floating or rng.random() < 0.5 else other
+            first = int(rng.integers(0, 13))
+            srcs.append(pick[first:first + int(rng.integers(0, 4))])
+    starts = rng.integers(-1, 12, len(srcs)).astype(np.int64)
+    if rng.random() < 0.7:  # mostly in range
+        starts = np.clip(starts, 0, 12 - np.array([s.shape[0] if isinstance(s, torch.Tensor) and s.dim() else 1
+                                                    for s in srcs]))
+    return srcs, starts, dst
+
+
 __all__ = ["make_gather_case", "record_gather_case", "run_gather_case", "check_gather_case", "check_far_apart_rows",
-           "pytest"]
+           "random_each_call", "pytest"]

@@ -19,11 +19,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gather_cases import check_gather_case, make_gather_case, record_gather_case
+from gather_cases import check_gather_case, make_gather_case, random_each_call, record_gather_case
 from ptx_checks import waits_before_memory
 from vllm_omni_kernels.gather import RowGather
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
-from vllm_omni_kernels.ops import cuda_ext
+from vllm_omni_kernels.ops import cuda_ext, gather_jobs
+from vllm_omni_kernels.ops.each_records import check_each_numpy
 from vllm_omni_kernels.ops.gather_jobs import GatherJobs, TableLayout, decode_table
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
@@ -433,13 +434,26 @@ def test_many_source_blocks_copy_as_their_sources_one_by_one(compiled_module, se
     what the same calls recorded source by source copy, on the reference and on the Triton kernels
     (under the interpreter), against the reference of the source-by-source recording."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cuda_ext, "_module", None)  # recorded source by source
+        mp.setattr(gather_jobs, "_check_each", lambda *args: None)  # recorded source by source
         want = check_gather_case(seed, dtype, width, "cpu", "torch", mp)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cuda_ext, "_module", compiled_module)
         for backend in ("torch", "triton"):
             got = check_gather_case(seed, dtype, width, "cpu", backend, mp)
             assert all(torch.equal(got[k], want[k]) for k in want), backend
+
+
+@needs_cmake
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**31), floating=st.booleans(), base=st.sampled_from(["anchor", "zero", "odd"]))
+def test_numpy_check_each_returns_what_the_compiled_one_returns(compiled_module, seed, floating, base):
+    """The numpy twin of the extension's ``check_each`` (installs without the build) gives the
+    same result on the same call: the rows, the alignment, the notes' bytes (records for offsets
+    from ``base``), or the same declined source."""
+    srcs, starts, dst = random_each_call(seed, floating)
+    base = {"anchor": torch.zeros(1).data_ptr(), "zero": 0, "odd": dst.data_ptr() + 4}[base]
+    assert check_each_numpy(srcs, starts, dst, floating, base) == \
+        tuple(compiled_module.check_each(srcs, starts, dst, floating, base))
 
 
 @needs_cmake

@@ -9,8 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gather_cases import check_far_apart_rows, check_gather_case
+from gather_cases import check_far_apart_rows, check_gather_case, make_gather_case, random_each_call
 from vllm_omni_kernels.gather import RowGather
+from vllm_omni_kernels.ops import gather_jobs
+from vllm_omni_kernels.ops.each_records import check_each_numpy
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -48,6 +50,50 @@ def test_int_records_keep_48_signed_bits_of_offset_and_their_count_and_flags():
     _put_ints(table, 2, len(table), src, dst, count, flags)
     floats, ints = decode_table(table, 2)
     assert len(floats) == 0 and np.array_equal(ints, np.stack([src, dst, count, flags], axis=1))
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31), dtype=st.sampled_from(FLOATS), width=st.sampled_from([1, 8, 33]))
+def test_many_source_blocks_checked_in_numpy_copy_as_their_sources_one_by_one(seed, dtype, width):
+    """Without the compiled extension, ``rows_each``/``ints_each`` are checked by its numpy twin
+    and recorded as one block of many sources with their records; they copy what the same calls
+    recorded source by source copy, on the reference and on the Triton kernels (interpreter)."""
+    case = make_gather_case(seed, dtype, width)
+    blocks = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gather_jobs, "_check_each", lambda *args: None)  # recorded source by source
+        want = check_gather_case(seed, dtype, width, "cpu", "torch", mp)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gather_jobs.cuda_ext, "_module", None)
+        mp.setattr(gather_jobs, "_check_each", lambda *args: blocks.append(check_each_numpy(*args)) or blocks[-1])
+        for backend in ("torch", "triton"):
+            got = check_gather_case(seed, dtype, width, "cpu", backend, mp)
+            assert all(torch.equal(got[k], want[k]) for k in want), backend
+    each_calls = sum(kind.endswith("_each") for kind, *_ in case[2])
+    assert len(blocks) == 4 * each_calls and all(rows >= 0 for rows, _, _ in blocks)  # twice per backend
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), floating=st.booleans())
+def test_numpy_check_each_accepts_only_calls_the_element_path_records(seed, floating):
+    """What the numpy ``check_each`` accepts, recording source by source accepts too (the same
+    rows); where that raises for source k, the checker has declined at k or before, so the element
+    path runs and its typed error names the source. It may decline sources the element path takes
+    (a conversion, a 2-D int row into a 1-D destination): those are recorded one by one."""
+    srcs, starts, dst = random_each_call(seed, floating)
+    rows, _, notes = check_each_numpy(srcs, starts, dst, floating, 0)
+    jobs = gather_jobs.GatherJobs(dst.dtype if floating else torch.float32, dst.shape[1] if floating else 1, "cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gather_jobs, "_check_each", lambda *args: None)  # source by source
+        try:
+            (jobs.rows_each if floating else jobs.ints_each)(dst, starts, srcs)
+            failed = None
+        except (TypeError, ValueError, IndexError) as exc:
+            failed = exc.index
+    if rows >= 0:
+        assert failed is None and rows == jobs.n_float + jobs.n_int and len(notes) == 8 + 16 * rows
+    else:
+        assert notes is None and (failed is None or -rows - 1 <= failed)
 
 
 @settings(max_examples=20, deadline=None)

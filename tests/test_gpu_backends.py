@@ -20,6 +20,8 @@ from test_phase_routing import MIXED, PROMPTS, check_step
 from vllm_omni_kernels import backend as _backend
 from vllm_omni_kernels.gather import RowGather
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
+from vllm_omni_kernels.ops import gather_jobs
+from vllm_omni_kernels.ops.each_records import check_each_numpy
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
 pytestmark = pytest.mark.gpu
@@ -86,6 +88,18 @@ def test_gather_property(kernel_backend, seed, dtype, width):
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "resident_table"])
 def test_gather_rows_far_apart_keep_every_bit_of_their_offsets(kernel_backend, graph, monkeypatch):
     check_far_apart_rows("cuda", kernel_backend, monkeypatch, graph=graph)
+
+
+@pytest.mark.parametrize("width", [8, 300, 4096])
+def test_gather_many_source_blocks_checked_by_the_numpy_twin(kernel_backend, width, monkeypatch):
+    """Many-source blocks checked by the numpy ``check_each`` (what an install without the build
+    uses) and encoded from its records by each backend's encoder: as the reference, near and far
+    apart (offsets past 32 bits, int records shifted to another base)."""
+    monkeypatch.setattr(gather_jobs, "_check_each", check_each_numpy)
+    for seed in range(3):
+        check_gather_case(seed, torch.bfloat16, width, "cuda", kernel_backend, monkeypatch)
+    if width == 8:
+        check_far_apart_rows("cuda", kernel_backend, monkeypatch, graph=True)
 
 
 @pytest.mark.parametrize("lengths", [[0], [0, 3]], ids=["nothing_copied", "one_row_empty"])

@@ -35,8 +35,9 @@ The int base is the table's own device address, except for the compiled eager la
 its table in the kernel's parameters (``kernels/vok_launch.h``): the host cannot know where those
 live, so its int words are offsets from the float base (the launcher's anchor), and payload sources
 (flag 4) from the table. It does so for a larger table staged in pinned memory too, so that the
-records the extension's ``check_each`` makes of a many-source block while it is recorded (for that
-anchor: ``GatherJobs.record_base``) fit either table and are copied, not made again.
+records ``check_each`` makes of a many-source block while it is recorded (for that anchor:
+``GatherJobs.record_base``; ``each_records``) fit either table and are copied, not made again.
+The numpy encoder copies them too, shifted to its int base.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 
 from . import cuda_ext
+from .each_records import ADDRESS_LIMIT, INT_COUNT_MAX, LOW48, check_each_numpy, noted_records
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -76,9 +78,8 @@ class TableLayout:
         return self.payload_off + (self.payload_cap + 1) // 2
 
 
-INT_COUNT_MAX = 32767  # elements of one int record (the top 16 bits of a word; an int row's width)
-_LOW48 = (1 << 48) - 1
-_ADDRESS_LIMIT = 1 << 48  # every address an int record is made from lies below this
+# INT_COUNT_MAX (elements of one int record), LOW48 and ADDRESS_LIMIT (every address an int record
+# is made from lies below it) come from each_records, which makes a many-source block's records.
 
 
 # The CUDA kernels' gather blocks (kernels/vok_kernels.cuh: kGatherThreads, kGatherBlockBytes; the
@@ -106,8 +107,8 @@ def _consecutive(rows) -> bool:
 def _put_ints(out: np.ndarray, pos: int, end: int, src, dst, count, flags) -> None:
     """Write int records (two words each: the module docstring) from ``out[pos]`` up to ``end``;
     arguments are int64 arrays or ints, one per record."""
-    out[pos:end:2] = (np.asarray(src) & _LOW48) | (np.asarray(flags) << 48)
-    out[pos + 1:end:2] = (np.asarray(dst) & _LOW48) | (np.asarray(count) << 48)
+    out[pos:end:2] = (np.asarray(src) & LOW48) | (np.asarray(flags) << 48)
+    out[pos + 1:end:2] = (np.asarray(dst) & LOW48) | (np.asarray(count) << 48)
 
 
 def _run_records(out: np.ndarray, pos: int, src: int, dst: int, elems: int, flags: int, cap: int) -> int:
@@ -138,31 +139,15 @@ def _arange(n: int) -> np.ndarray:
 
 
 def _check_each(srcs, starts, dst, floating: bool, base: int):
-    """The compiled extension's check of a ``rows_each``/``ints_each`` call: (rows, aligned, notes),
-    or a negative first value when a source is not plain; None without the extension (it is
-    optional: loaded by the compiled backend, or by tests). ``notes`` (bytes: ``base``, then the
-    block's table records for offsets counted from it) go into the block: the compiled encoder copies
-    them when its anchor is ``base``, and so a mixed step's per-row sources are read once."""
+    """A ``rows_each``/``ints_each`` call's sources checked and their records made in one pass:
+    (rows, aligned, notes), or a negative first value when a source is not plain
+    (``each_records``). The compiled extension's ``check_each`` when it is loaded (by the compiled
+    backend, or by tests), else its numpy twin. ``notes`` (bytes: ``base``, then the block's table
+    records for offsets counted from it) go into the block, and both encoders copy them (shifted
+    for other bases), so a mixed step's per-row sources are read once."""
     module = cuda_ext._module
-    return None if module is None else module.check_each(srcs, starts, dst, floating, base)
-
-
-def _noted_records(notes, base: int, unit: int, ints: bool) -> np.ndarray | None:
-    """A many-source block's records from its ``check_each`` notes, for a table whose offsets count
-    from ``base`` in units of ``unit`` bytes: the notes' own records when they were made for it, else
-    shifted to it; None without notes or when the two bases are not a whole number of units apart
-    (the caller then makes the records from the sources)."""
-    if notes is None:
-        return None
-    words = np.frombuffer(notes, dtype=np.int64)
-    delta, rest = divmod(int(words[0]) - base, unit)
-    records = words[1:]
-    if delta == 0 or rest:
-        return None if rest else records
-    if not ints:  # float records are plain element offsets
-        return records + delta
-    # int records: a signed 48-bit offset under 16 bits of flags or count (the module docstring)
-    return ((((records << 16) >> 16) + delta) & _LOW48) | (records & ~_LOW48)
+    check = check_each_numpy if module is None else module.check_each
+    return check(srcs, starts, dst, floating, base)
 
 
 def _as_rows(rows) -> np.ndarray:
@@ -184,8 +169,8 @@ def _rows(rows, count: int, what: str) -> np.ndarray:
 # Rows are int64 ndarrays, or ints for a single row (the common one-row-per-hook case skips numpy
 # entirely); ``src_rows`` None with a ``dst_rows`` array means the source's leading rows
 # 0..len(dst_rows)-1 (a hook's batched output). A block of ``rows_each``/``ints_each`` is
-# (list of sources, notes, dst, start rows): ``notes`` is what the extension's ``check_each`` made of
-# the sources (bytes: the block's records; None: read them again), so the sources must keep their
+# (list of sources, notes, dst, start rows): ``notes`` is what ``check_each`` made of the sources
+# (bytes: the block's records, ``each_records``; None: read them again), so the sources must keep their
 # storage and shape until the launch, as every recorded source must keep its data. The compiled
 # encoder (``kernels/vok_python.cpp``) reads the same positions.
 Block = tuple["torch.Tensor | list[torch.Tensor]", "np.ndarray | int | bytes | None", torch.Tensor,
@@ -321,11 +306,12 @@ class GatherJobs:
         with one call (a mixed batch's single-row runs and prefill chunks).
 
         The checks of ``rows``, and the destination rows are always range-checked; an error names the
-        element (``srcs[k]: ...``; its ``index`` attribute is k) and records nothing. With the compiled
-        extension loaded the sources are checked in one call into it and recorded as one block, with
-        the table records it made of them for ``record_base`` (so each source keeps its storage and
-        shape until the launch, as every recorded source keeps its data); otherwise, or when a source
-        needs a conversion, element by element through ``rows``.
+        element (``srcs[k]: ...``; its ``index`` attribute is k) and records nothing. The sources are
+        checked in one pass (the compiled extension's ``check_each`` when it is loaded, else its numpy
+        twin) and recorded as one block, with the table records made of them for ``record_base`` (so
+        each source keeps its storage and shape until the launch, as every recorded source keeps its
+        data); when a source is not plain (it needs a conversion, or a check fails), element by element
+        through ``rows``, which raises for the bad one.
         """
         self._record_each(dst, dst_starts, srcs, floating=True)
 
@@ -500,7 +486,7 @@ class GatherJobs:
         pos, single = 2, ([], [])
         for src, src_rows, dst, dst_rows in self.float_blocks:
             if type(src) is list:  # rows_each: every row of each source from its start row on
-                records = _noted_records(src_rows, float_base, es, ints=False)
+                records = noted_records(src_rows, float_base, es, ints=False)
                 if records is not None:  # check_each made them while the block was recorded
                     out[pos:pos + records.size] = records
                     pos += records.size
@@ -531,7 +517,7 @@ class GatherJobs:
         for src, src_rows, dst, dst_rows in self.int_blocks:
             addresses |= dst.data_ptr()
             if type(src) is list:  # ints_each
-                records = _noted_records(src_rows, int_base, 4, ints=True)
+                records = noted_records(src_rows, int_base, 4, ints=True)
                 if records is not None:  # made while recorded, from sources below 2**48 (check_each)
                     out[pos:pos + records.size] = records
                     pos += records.size
@@ -583,7 +569,7 @@ class GatherJobs:
                       ((dst.element_size() == 8) << 1) | 4)
             pos += 1
             p += v.size
-        if addresses >= _ADDRESS_LIMIT:
+        if addresses >= ADDRESS_LIMIT:
             raise ValueError("an int address at or above 2**48: its offsets do not fit the job table")
         if p & 1:
             payload[p] = 0  # the rest of the last word, as the compiled twin
