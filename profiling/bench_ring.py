@@ -225,8 +225,8 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
 def trace_kernels(result: dict, steps: int) -> None:
     """The append kernel's device time per backend, from the CUDA profiler, into
     ``result["eager_trace"]``. Run after every timing of the process: a profiler session leaves CUPTI
-    attached when it ends, and each later launch pays for its callbacks (about a microsecond and a
-    half of host time per launch on the H200 machines), which would inflate the eager figures."""
+    attached when it ends, and each later launch pays for its callbacks (2 to 6 us of host time per
+    launch on the H200 machines: profiling/NSIGHT.md), which would inflate the eager figures."""
     B, T = result["requests"], result["samples"]
     sources = [torch.randn(B, T, device="cuda") for _ in range(steps)]
     lens = np.full(B, T, dtype=np.int64)
