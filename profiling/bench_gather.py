@@ -368,7 +368,8 @@ def main() -> None:
               f"{r['ours_GBps']:6.0f} GB/s = {100 * r['ours_vs_copy']:5.1f}% of copy ({r['copy_GBps']:.0f})")
         for name, gbps in r["GBps_by_backend"].items():
             print(f"          {name:6s}: eager {p[f'ours_eager[{name}]']['us_per_step_median']:7.1f} us/step "
-                  f"({r['eager_launch_host_us'][name]:5.2f} us per launch call, floor {r['host_floor_us'][name]:5.2f}), graph "
+                  f"({r['eager_launch_host_us'][name]:5.2f} us per launch call, "
+                  f"floor {r['host_floor_us'][name]:5.2f}), graph "
                   f"{p[f'ours_graph[{name}]']['us_per_step_median']:6.2f} us/step "
                   f"({p[f'ours_graph[{name}]']['us_per_step_median'] / (2 if r['kind'] != 'non_mtp' else 1):5.2f}"
                   f"/launch) = {100 * gbps / r['copy_GBps']:5.1f}% of copy")

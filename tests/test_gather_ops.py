@@ -65,7 +65,7 @@ def test_many_source_blocks_checked_in_numpy_copy_as_their_sources_one_by_one(se
         want = check_gather_case(seed, dtype, width, "cpu", "torch", mp)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gather_jobs.cuda_ext, "_module", None)
-        mp.setattr(gather_jobs, "_check_each", lambda *args: blocks.append(check_each_numpy(*args)) or blocks[-1])
+        mp.setattr(gather_jobs, "check_each_numpy", lambda *args: blocks.append(check_each_numpy(*args)) or blocks[-1])
         for backend in ("torch", "triton"):
             got = check_gather_case(seed, dtype, width, "cpu", backend, mp)
             assert all(torch.equal(got[k], want[k]) for k in want), backend

@@ -22,8 +22,6 @@ INT_COUNT_MAX = 32767  # elements of one int record (the top 16 bits of a word; 
 LOW48 = (1 << 48) - 1
 ADDRESS_LIMIT = 1 << 48  # every address an int record is made from lies below this
 
-_INT_TYPES = (torch.int32, torch.int64)
-
 
 def check_each_numpy(srcs: list, starts: np.ndarray, dst: torch.Tensor, floating: bool, base: int):
     """The compiled ``check_each``'s twin: ``(rows, aligned, notes)`` when every source is plain
