@@ -73,5 +73,6 @@ def main() -> None:
         print(f"gather {sc.kind:8s} B={sc.B:4d}: launch call back to back {busy:6.2f} us, device drained "
               f"{idle:6.2f} us; eager kernel on the device {device}; whole step {step_us:6.1f} us", flush=True)
 
+
 if __name__ == "__main__":
     main()
