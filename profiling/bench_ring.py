@@ -54,6 +54,14 @@ from vllm_omni_kernels.ring import PaddedBatch, RingPool  # noqa: E402
 WORKLOADS = [(64, 1920), (256, 1920), (64, 48000), (8, 48000)]
 
 
+def episode_pool(B: int, T: int, steps: int) -> RingPool:
+    """A CUDA pool of B slots of float32 audio, each holding a whole episode of ``steps`` chunks of
+    T samples without growing (size classes are 2**k)."""
+    frames = 1 << (T * steps - 1).bit_length()
+    return RingPool("audio", torch.float32, (), torch.device("cuda"), S.CONCAT_LAST, budget_bytes=B * frames * 4,
+                    initial_frames=frames, max_slots=max(B, 8), growth=False)
+
+
 def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False) -> dict:
     dev = torch.device("cuda")
     sources = [torch.randn(B, T, device=dev) for _ in range(steps)]
@@ -93,9 +101,7 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
                 accs[b] = torch.cat([accs[b], out[b, : T]])
         return accs
 
-    frames = 1 << (T * steps - 1).bit_length()  # one slot holds the whole episode (size classes are 2**k)
-    pool = RingPool("audio", torch.float32, (), dev, S.CONCAT_LAST, budget_bytes=B * frames * 4,
-                    initial_frames=frames, max_slots=max(B, 8), growth=False)
+    pool = episode_pool(B, T, steps)
 
     def reset():
         for r in ids:
@@ -231,9 +237,7 @@ def trace_kernels(result: dict, steps: int) -> None:
     sources = [torch.randn(B, T, device="cuda") for _ in range(steps)]
     lens = np.full(B, T, dtype=np.int64)
     ids = [f"r{i}" for i in range(B)]
-    frames = 1 << (T * steps - 1).bit_length()
-    pool = RingPool("audio", torch.float32, (), torch.device("cuda"), S.CONCAT_LAST, budget_bytes=B * frames * 4,
-                    initial_frames=frames, max_slots=max(B, 8), growth=False)
+    pool = episode_pool(B, T, steps)
     for name in result.get("eager_trace", {}):
         with backend_variant(name):
             for r in ids:

@@ -68,6 +68,20 @@ def host_floor_us(calls: int) -> float:
     return (time.perf_counter() - t0) * 1e6 / calls
 
 
+def profiler_session(teardown: bool | None = None) -> None:
+    """One short CUDA profiler session (one small op): what a benchmark that profiles leaves behind.
+    Kineto finalizes CUPTI at its end only when ``TEARDOWN_CUPTI=1`` is set then; ``teardown`` sets
+    it (None: the environment as it is)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if teardown is not None:
+        os.environ["TEARDOWN_CUPTI"] = "1" if teardown else "0"
+    with profile(activities=[ProfilerActivity.CUDA]):
+        torch.zeros(1, device="cuda").zero_()
+        torch.cuda.synchronize()
+    time.sleep(0.2)  # Kineto may finish a teardown on its own thread
+
+
 def kernel_device_us(fn, name_part: str) -> list[float]:
     """Device microseconds of every kernel whose name contains ``name_part`` launched by one run of
     ``fn()``, from the CUDA profiler (sorted; empty if the profiler is unavailable).

@@ -17,39 +17,21 @@ Usage: python profiling/cupti_residue.py [--batches 256] [--kinds mtp,mixed] [--
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
+from cuda_timing import host_floor_us, profiler_session  # noqa: E402
 from host_cost_gather import Scenario  # noqa: E402
 
 
-def profiler_session(teardown: bool, tiny: torch.Tensor) -> None:
-    """One short CUDA profiler session; CUPTI is finalized at its end only if ``teardown``."""
-    os.environ["TEARDOWN_CUPTI"] = "1" if teardown else "0"
-    with profile(activities=[ProfilerActivity.CUDA]):
-        tiny.zero_()
-        torch.cuda.synchronize()
-    time.sleep(0.2)  # Kineto may finish the teardown on its own thread
-
-
-def measure(scenarios: list[Scenario], tiny: torch.Tensor, steps: int) -> dict[str, float]:
+def measure(scenarios: list[Scenario], steps: int) -> dict[str, float]:
     """Host microseconds per call: the floor, and one launch call of each scenario."""
-    out = {}
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tiny.zero_()
-    torch.cuda.synchronize()
-    out["floor (tiny.zero_())"] = (time.perf_counter() - t0) / steps * 1e6
+    out = {"floor (tiny.zero_())": host_floor_us(steps)}
     for sc in scenarios:
         n = steps if sc.kind != "mixed" else max(1, steps // 4)
         spent = sum(sc.step() for _ in range(n))
@@ -68,18 +50,17 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("cupti_residue needs a CUDA device")
-    tiny = torch.zeros(1, device="cuda")
     scenarios = [Scenario(kind, int(B), args.H, "cuda") for B in args.batches.split(",")
                  for kind in args.kinds.split(",")]
-    measure(scenarios, tiny, args.steps // 4)  # warm-up (binds the compiled steps)
+    measure(scenarios, args.steps // 4)  # warm-up (binds the compiled steps)
     states: dict[str, list[dict]] = {"never profiled": [], "CUPTI left attached": [], "CUPTI torn down": []}
     for _ in range(args.cycles):
-        states["never profiled"].append(measure(scenarios, tiny, args.steps))
+        states["never profiled"].append(measure(scenarios, args.steps))
     for _ in range(args.cycles):
-        profiler_session(False, tiny)
-        states["CUPTI left attached"].append(measure(scenarios, tiny, args.steps))
-        profiler_session(True, tiny)
-        states["CUPTI torn down"].append(measure(scenarios, tiny, args.steps))
+        profiler_session(teardown=False)
+        states["CUPTI left attached"].append(measure(scenarios, args.steps))
+        profiler_session(teardown=True)
+        states["CUPTI torn down"].append(measure(scenarios, args.steps))
     for state, rounds in states.items():
         print(f"{state}:")
         for key in rounds[0]:

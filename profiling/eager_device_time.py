@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from cuda_timing import kernel_device_us  # noqa: E402
+from cuda_timing import host_floor_us, kernel_device_us  # noqa: E402
 from host_cost_gather import Scenario  # noqa: E402
 
 
@@ -47,12 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("eager_device_time needs a CUDA device")
-    tiny = torch.zeros(1, device="cuda")
-    t0 = time.perf_counter()
-    for _ in range(2000):
-        tiny.zero_()
-    torch.cuda.synchronize()
-    print(f"floor: tiny.zero_() {(time.perf_counter() - t0) / 2000 * 1e6:.2f} us", flush=True)
+    print(f"floor: tiny.zero_() {host_floor_us(2000):.2f} us", flush=True)
     scenarios = [Scenario(kind, int(B), 4096, "cuda") for B in args.batches.split(",")
                  for kind in args.kinds.split(",")]
     host = []

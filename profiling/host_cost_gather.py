@@ -129,12 +129,10 @@ def main() -> None:
     launch_us = {id(sc): [] for sc in scenarios}
     tiny, floor_us = torch.zeros(1, device=dev), []  # one torch op per round: this host's floor
     if args.after_profiler and dev == "cuda":
-        from torch.profiler import ProfilerActivity, profile
+        from cuda_timing import profiler_session
 
-        with profile(activities=[ProfilerActivity.CUDA]):
-            tiny.zero_()
-            torch.cuda.synchronize()
-        print("after one torch.profiler session (CUPTI left attached)")
+        profiler_session()
+        print("after one torch.profiler session (CUPTI left attached unless TEARDOWN_CUPTI=1)")
     for r in range(args.rounds + 1):  # round 0 warms up
         t0 = time.perf_counter()
         for _ in range(args.steps):
