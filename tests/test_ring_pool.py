@@ -234,3 +234,44 @@ def test_property_pool_matches_python_lists(backend, seed, dtype, layout, growth
                 assert torch.equal(out, cat(model[rid], last))
             else:
                 assert out.numel() == 0
+
+
+def test_padded_batch_view_with_a_storage_offset_is_read_from_its_own_rows(backend):
+    pool = make_pool(S.CONCAT_LAST, ())
+    pool.alloc("x")
+    pool.alloc("y")
+    big = torch.arange(12.0).reshape(3, 4)
+    assert pool.append(["x", "y"], PaddedBatch(big[1:], [4, 4])).errors == ()
+    got = pool.consolidate(["x", "y"])
+    assert torch.equal(got[0], big[1]) and torch.equal(got[1], big[2])
+
+
+@pytest.mark.parametrize("max_rows", [256, 4])
+@pytest.mark.parametrize("lengths_as", ["tensor", "list"])
+def test_batches_of_more_rows_than_the_pool_was_sized_for(max_rows, lengths_as, use_backend):
+    """300 requests in one PaddedBatch (CPU lengths, a non-contiguous batch): every row its own data."""
+    use_backend("torch")
+    pool = make_pool(S.CONCAT_LAST, (), budget_bytes=1 << 20, initial_frames=8, max_slots=400, max_rows=max_rows)
+    ids = [f"r{i}" for i in range(300)]
+    for r in ids:
+        pool.alloc(r)
+    big = torch.arange(300 * 6.0).reshape(300, 6)
+    data = big[:, 1:5]  # a view: strided rows
+    lengths = torch.full((300,), 4) if lengths_as == "tensor" else [4] * 300
+    res = pool.append(ids, PaddedBatch(data, lengths))
+    assert res.errors == () and res.appended == 300
+    assert all(torch.equal(got, data[i]) for i, got in enumerate(pool.consolidate(ids)))
+
+
+def test_chunks_that_require_grad_are_accepted_as_data(backend):
+    pool = make_pool(S.CONCAT_LAST, ())
+    pool.alloc("a")
+    pool.alloc("b")
+    w = torch.ones(3, requires_grad=True)
+    res = pool.append(["a", "b"], [w * 2, torch.ones(2)])
+    assert res.errors == ()
+    res = pool.append(["a", "b"], PaddedBatch(torch.stack([w, w]) * 3, [3, 1]))
+    assert res.errors == ()
+    a, b = pool.consolidate(["a", "b"])
+    assert not a.requires_grad and torch.equal(a, torch.tensor([2.0] * 3 + [3.0] * 3))
+    assert torch.equal(b, torch.tensor([1.0, 1.0, 3.0]))

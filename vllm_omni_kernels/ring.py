@@ -322,6 +322,11 @@ class RingPool:
         Requests must hold a slot (``alloc``). Invalid requests are skipped with a
         ``TensorAccumulationError`` each in the result; the valid ones are written by one launch.
         """
+        if type(chunks) is PaddedBatch:
+            if chunks.data.requires_grad:  # output data: its autograd history is not ours to keep
+                chunks = PaddedBatch(chunks.data.detach(), chunks.lengths)
+        elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in chunks):
+            chunks = [t.detach() if isinstance(t, torch.Tensor) else t for t in chunks]
         eager = self._eager
         # The common eager step with the compiled backend: one call into the extension, reached
         # in as few Python operations as possible (they cost as much as the step's C++ half).
@@ -538,7 +543,7 @@ class RingPool:
             sel = np.flatnonzero(fit)
             idx = sel if idx is None else idx[sel]
             slots, n = slots[sel], n[sel]
-        rows = self._arange[:B] if idx is None else idx
+        rows = np.arange(B, dtype=np.int64) if idx is None else idx
         lin_off = rows * view.stride(0)
         return view, slots, n, lin_off, np.full(len(slots), view.stride(1), np.int64)
 
@@ -651,13 +656,18 @@ class RingPool:
             TensorConsolidationError: part of a request's data was already drained, so "everything
                 appended" no longer exists (the request mixed DELTA and FINAL_ONLY reads).
         """
-        for r in request_ids:
-            if self._drained[self.slot_of(r)]:
-                raise TensorConsolidationError(
-                    f"{int(self._drained[self._owner[r]])} frames were already drained; cannot consolidate",
-                    request_id=r, key=self.key)
+        self.check_consolidate(request_ids)
         with nvtx_range(f"ring.consolidate[{self.key}]"):
             return self._read(request_ids)
+
+    def check_consolidate(self, request_ids: Sequence[str]) -> None:
+        """Raise what ``consolidate(request_ids)`` would raise, reading nothing (TensorAccumulationError
+        for a request without a slot, TensorConsolidationError for one already drained)."""
+        for r in request_ids:
+            drained = int(self._drained[self.slot_of(r)])
+            if drained:
+                raise TensorConsolidationError(f"{drained} frames were already drained; cannot consolidate",
+                                               request_id=r, key=self.key)
 
     def _read(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
         slots = np.fromiter((self.slot_of(r) for r in request_ids), np.int64, len(request_ids))

@@ -20,12 +20,13 @@ def _ring_index(pos: int, n: int, cap: int, device: torch.device) -> torch.Tenso
 def _views(arena, lin, row, frame_elems, last):
     n, base, cap = row[N], row[BASE], row[CAP]
     region = arena[base : base + cap * frame_elems]
+    offset = lin.storage_offset() + row[LIN_OFF]  # LIN_OFF counts from lin's first element, as in the kernels
     if last:
         ring = region.view(frame_elems, cap)
-        flat = torch.as_strided(lin, (frame_elems, n), (row[LIN_STRIDE], 1), row[LIN_OFF])
+        flat = torch.as_strided(lin, (frame_elems, n), (row[LIN_STRIDE], 1), offset)
     else:
         ring = region.view(cap, frame_elems)
-        flat = torch.as_strided(lin, (n, frame_elems), (row[LIN_STRIDE], 1), row[LIN_OFF])
+        flat = torch.as_strided(lin, (n, frame_elems), (row[LIN_STRIDE], 1), offset)
     return ring, flat
 
 
