@@ -51,20 +51,36 @@ def test_delta_and_cumulative_streams_with_interval(acc):
 
 
 def test_bad_values_are_skipped_for_that_request_only(acc):
-    for r in "abc":
+    for r in "abcd":
         acc.add_request(r)
     good = torch.randn(4)
-    errs = acc.append_step(["a", "b", "c"], {"audio": [good, "oops", torch.tensor(3.0)]})
-    assert sorted(e.request_id for e in errs) == ["b", "c"] and all(e.key == "audio" for e in errs)
-    acc.append_step(["a", "b"], {"audio": [good, good]})
-    errs = acc.append_step(["a", "b"], {"audio": [good, good.double()]})  # dtype changes mid-stream for b
-    assert [e.request_id for e in errs] == ["b"] and "dtype" in str(errs[0])
+    # Each request's first value fixes its strategy for the key: b and c start with metadata.
+    assert acc.append_step(["a", "b", "c"], {"audio": [good, "oops", torch.tensor(3.0)]}) == []
+    errs = acc.append_step(["a", "b", "d"], {"audio": [good, good, good]})  # b now disagrees with itself
+    assert [e.request_id for e in errs] == ["b"] and errs[0].key == "audio" and "replace" in str(errs[0])
+    errs = acc.append_step(["a", "d"], {"audio": [good, good.double()]})  # dtype changes mid-stream for d
+    assert [e.request_id for e in errs] == ["d"] and "dtype" in str(errs[0])
     errs = acc.append_step(["a", "ghost"], {"audio": [good, good]})
     assert [e.request_id for e in errs] == ["ghost"]
-    assert acc.accumulation_errors == 4
-    out = acc.collect(["a", "b", "c"]).payloads
+    assert acc.accumulation_errors == 3
+    out = acc.collect(["a", "b", "c", "d"]).payloads
     assert torch.equal(out["a"].tensors["audio"], torch.cat([good, good, good, good]))
-    assert torch.equal(out["b"].tensors["audio"], good) and "audio" not in out["c"].tensors
+    assert out["b"].metadata["audio"] == "oops" and "audio" not in out["b"].tensors
+    assert float(out["c"].metadata["audio"]) == 3.0 and torch.equal(out["d"].tensors["audio"], good)
+
+
+def test_undeclared_key_strategy_is_per_request(acc):
+    """A request that sends an undeclared key as metadata does not turn another request's chunks of
+    that key into metadata (or the other way round)."""
+    acc.add_request("a")
+    acc.add_request("b")
+    assert acc.append_step(["a"], {"wave": [torch.tensor(0.5)]}) == []
+    chunks = [torch.randn(3), torch.randn(2)]
+    for c in chunks:
+        assert acc.append_step(["a", "b"], {"wave": [torch.tensor(0.25), c]}) == []
+    out = acc.collect(["a", "b"]).payloads
+    assert float(out["a"].metadata["wave"]) == 0.25 and "wave" not in out["a"].tensors
+    assert torch.equal(out["b"].tensors["wave"], torch.cat(chunks)) and "wave" not in out["b"].metadata
 
 
 def test_batch_with_one_unknown_request_still_appends_the_others(acc):
@@ -119,3 +135,40 @@ def test_initial_frames_per_key():
     acc.append_step(["r"], {"audio": [torch.ones(10)], "codes": [torch.ones(2, 16, dtype=torch.int64)]})
     caps = {p.key: p.capacity_frames("r") for p in acc.pools()}
     assert caps == {"audio": 64, "codes": 4}
+
+
+def test_a_consolidation_error_costs_no_other_request_its_unread_data(acc):
+    acc.add_request("d", emit=EmitPolicy.DELTA)
+    acc.add_request("f")
+    acc.append_step(["d", "f"], {"audio": [torch.ones(3), torch.full((2,), 2.0)]})
+    acc.pools()[0].drain(["f"])  # f's data drained behind the accumulator's back: it cannot consolidate
+    with pytest.raises(TensorConsolidationError) as info:
+        acc.collect(["f"], request_ids=["d"])
+    assert info.value.request_id == "f" and "f" not in acc
+    assert torch.equal(acc.collect(["d"]).payloads["d"].tensors["audio"], torch.ones(3))
+
+
+def test_padded_batch_for_a_list_key_is_an_error_for_its_requests_only(acc):
+    acc.add_request("a")
+    acc.add_request("b")
+    errs = acc.append_step(["a", "b"], {"frames": PaddedBatch(torch.ones(2, 3), [3, 3]),
+                                        "audio": [torch.ones(2), torch.ones(1)], "sr": [16000, 24000]})
+    assert sorted((e.request_id, e.key) for e in errs) == [("a", "frames"), ("b", "frames")]
+    assert all(isinstance(e, TensorAccumulationError) for e in errs)
+    out = acc.collect(["a", "b"]).payloads
+    assert torch.equal(out["a"].tensors["audio"], torch.ones(2)) and out["b"].metadata["sr"] == 24000
+
+
+def test_chunk_that_requires_grad_does_not_cost_later_keys(acc):
+    acc.add_request("a")
+    w = torch.ones(2, requires_grad=True)
+    assert acc.append_step(["a"], {"audio": [w * 2], "codes": [torch.ones(1, 4, dtype=torch.int64)]}) == []
+    p = acc.collect(["a"]).payloads["a"]
+    assert torch.equal(p.tensors["audio"], torch.full((2,), 2.0)) and p.tensors["codes"].shape == (1, 4)
+
+
+def test_structural_errors_are_raised_before_anything_is_appended(acc):
+    acc.add_request("a")
+    with pytest.raises(ValueError):
+        acc.append_step(["a"], {"audio": [torch.ones(2)], "codes": [torch.ones(1, 4), torch.ones(1, 4)]})
+    assert "audio" not in acc.collect(["a"]).payloads["a"].tensors

@@ -1,11 +1,13 @@
 """``MultimodalAccumulator``: per-request accumulation of every output key, with emit policies.
 
 A step is ``{key: chunks}`` for a list of request ids, where chunks is a ``PaddedBatch`` (one tensor
-for the batch, host lengths) or a per-request sequence (tensor, scalar or None). Per key the strategy
-is the declared one, else resolved from the first value seen (``modality.resolve_strategy``):
+for the batch, host lengths) or a per-request sequence (tensor, scalar or None). A key's strategy is
+fixed per request by its first value (``modality.resolve_strategy``: the declared strategy, else the
+modality default; 0-d tensors and non-tensors are metadata): a request whose later value resolves to
+another strategy gets a ``TensorAccumulationError``, and no request's choice affects another's.
 CONCAT_DIM0 / CONCAT_LAST keys go to ``RingPool`` slots (one launch per pool per step, GPU kernels on
-CUDA, the torch reference on CPU), APPEND_LIST keys to a host list, REPLACE values (0-d tensors,
-non-tensors such as ``sr``) to the payload's metadata.
+CUDA, the torch reference on CPU), APPEND_LIST keys to a host list, REPLACE values to the payload's
+metadata. A ``PaddedBatch`` carries concatenating keys only.
 
 Emission (``collect``): DELTA drains the unread data every ``stream_interval`` steps and at finish;
 CUMULATIVE consolidates everything so far on the same schedule; FINAL_ONLY consolidates once, at
@@ -25,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import TensorAccumulationError, TensorConsolidationError
@@ -68,6 +71,7 @@ class _Request:
     list_emitted: dict[str, int] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     order: dict[str, None] = field(default_factory=dict)  # keys in first-seen order
+    strategies: dict[str, Strategy] = field(default_factory=dict)  # fixed by each key's first value
 
 
 @dataclass
@@ -89,8 +93,9 @@ class MultimodalAccumulator:
     def __init__(self, config: AccumulatorConfig | None = None, device: torch.device | str = "cpu"):
         self.config = config or AccumulatorConfig()
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._pools: dict[tuple, RingPool] = {}
-        self._strategy: dict[str, Strategy] = dict(self.config.strategies)
         self._requests: dict[str, _Request] = {}
         self.accumulation_errors = 0
 
@@ -120,8 +125,18 @@ class MultimodalAccumulator:
         """Accumulate one step. ``outputs[key]`` is a ``PaddedBatch`` or a sequence aligned with ids.
 
         Returns the per-request errors (already logged and counted); nothing else is raised for bad
-        values. ValueError for a structurally wrong call (misaligned lengths).
+        values, and a bad value costs only that request's value for that key. ValueError for a
+        structurally wrong call (a value that is neither, misaligned lengths), raised before anything
+        of the step is accumulated.
         """
+        for key, chunks in outputs.items():
+            if isinstance(chunks, PaddedBatch):
+                continue
+            if isinstance(chunks, (torch.Tensor, str, bytes)) or not isinstance(chunks, Sequence):
+                raise ValueError(f"outputs[{key!r}] must be a PaddedBatch or a per-request sequence, "
+                                 f"got {type(chunks).__name__}")
+            if len(chunks) != len(request_ids):
+                raise ValueError(f"outputs[{key!r}] has {len(chunks)} values for {len(request_ids)} requests")
         errors: list[TensorAccumulationError] = []
         for rid in request_ids:
             req = self._requests.get(rid)
@@ -131,25 +146,32 @@ class MultimodalAccumulator:
             if isinstance(chunks, PaddedBatch):
                 self._append_batch(key, request_ids, chunks, errors)
             else:
-                if isinstance(chunks, (torch.Tensor, str, bytes)) or not isinstance(chunks, Sequence):
-                    raise ValueError(f"outputs[{key!r}] must be a PaddedBatch or a per-request sequence, "
-                                     f"got {type(chunks).__name__}")
-                if len(chunks) != len(request_ids):
-                    raise ValueError(f"outputs[{key!r}] has {len(chunks)} values for {len(request_ids)} requests")
                 self._append_values(key, request_ids, chunks, errors)
         for exc in errors:
             logger.warning("skipping one step's tensor: %s", exc)
         self.accumulation_errors += len(errors)
         return errors
 
-    def _strategy_for(self, key: str, value: Any) -> Strategy:
-        strategy = self._strategy.get(key)
-        if strategy is None:
-            strategy = self._strategy[key] = resolve_strategy(key, value, self.config.modality)
-        return strategy
+    def _holds(self, req: _Request, rid: str, key: str, strategy: Strategy, errors: list) -> bool:
+        """Whether ``strategy`` is the request's strategy for ``key`` (fixed by its first value);
+        False, with an error recorded, when the request holds another one."""
+        held = req.strategies.setdefault(key, strategy)
+        if held is not strategy:
+            errors.append(TensorAccumulationError(
+                f"a value of strategy {strategy.value} for a key that holds {held.value} for this request",
+                request_id=rid, key=key))
+        return held is strategy
 
     def _pool(self, key: str, strategy: Strategy, dtype: torch.dtype, frame: tuple, device: torch.device) -> RingPool:
-        ident = (key, dtype, frame, device)
+        """The pool for chunks of ``key`` of this dtype and frame shape (made on first use).
+
+        Raises:
+            TensorAccumulationError: the chunks are on another device than the accumulator, or have
+                frames without elements (the caller attributes it to its requests).
+        """
+        if device != self.device:
+            raise TensorAccumulationError(f"tensor on {device} but the accumulator is on {self.device}", key=key)
+        ident = (key, dtype, frame)
         pool = self._pools.get(ident)
         if pool is None:
             if 0 in frame:
@@ -162,13 +184,9 @@ class MultimodalAccumulator:
                 initial_frames=frames, max_slots=cfg.max_slots, growth=cfg.growth)
         return pool
 
-    def _attach(self, key: str, rid: str, pool: RingPool, errors: list) -> bool:
-        """Make sure ``rid`` holds a slot of ``pool`` for ``key``; False (error recorded) if not."""
-        req = self._requests.get(rid)
-        if req is None:
-            errors.append(TensorAccumulationError("unknown request (never added, or already finished)",
-                                                  request_id=rid, key=key))
-            return False
+    @staticmethod
+    def _attach(key: str, rid: str, req: _Request, pool: RingPool, errors: list) -> bool:
+        """Make sure request ``rid`` holds a slot of ``pool`` for ``key``; False (error recorded) if not."""
         held = req.pools.get(key)
         if held is pool:
             return True
@@ -188,55 +206,67 @@ class MultimodalAccumulator:
 
     def _append_batch(self, key: str, request_ids: Sequence[str], batch: PaddedBatch, errors: list) -> None:
         data = batch.data
-        strategy = self._strategy_for(key, data[0] if data.dim() > 1 else data)
+        if not isinstance(data, torch.Tensor) or len(request_ids) == 0:
+            errors.extend(TensorAccumulationError(f"PaddedBatch.data must be a tensor, got {type(data).__name__}",
+                                                  request_id=rid, key=key) for rid in request_ids)
+            return
+        strategy = resolve_strategy(key, data[0] if data.dim() > 1 else data, self.config.modality,
+                                    self.config.strategies)
         if not strategy.uses_ring:
-            raise ValueError(f"key {key!r} uses {strategy.value}; PaddedBatch is only for concatenating keys")
+            errors.extend(TensorAccumulationError(
+                f"a PaddedBatch carries concatenating keys only; this key uses {strategy.value}",
+                request_id=rid, key=key) for rid in request_ids)
+            return
         frame = tuple(data.shape[1:-1]) if strategy is Strategy.CONCAT_LAST else tuple(data.shape[2:])
         try:
             pool = self._pool(key, strategy, data.dtype, frame, data.device)
         except TensorAccumulationError as exc:
             errors.extend(exc.for_request(rid, key) for rid in request_ids)
             return
-        keep = [self._attach(key, rid, pool, errors) for rid in request_ids]
+        keep = []
+        for rid in request_ids:
+            req = self._requests.get(rid)
+            if req is None:
+                errors.append(TensorAccumulationError("unknown request (never added, or already finished)",
+                                                      request_id=rid, key=key))
+            keep.append(req is not None and self._holds(req, rid, key, strategy, errors)
+                        and self._attach(key, rid, req, pool, errors))
         if all(keep):
             errors.extend(pool.append(request_ids, batch).errors)
             return
         idx = [i for i, k in enumerate(keep) if k]
-        lengths = [int(batch.lengths[i]) for i in idx]
-        sub = PaddedBatch(data[idx], lengths)  # rare path (some request rejected): gathers rows
+        if not idx:
+            return
+        lengths = np.asarray(batch.lengths.numpy() if isinstance(batch.lengths, torch.Tensor) else batch.lengths)
+        if lengths.shape != (len(request_ids),):
+            errors.extend(TensorAccumulationError(
+                f"PaddedBatch has {lengths.size} lengths for {len(request_ids)} requests",
+                request_id=request_ids[i], key=key) for i in idx)
+            return
+        sub = PaddedBatch(data[idx], lengths[idx])  # rare path (some request rejected): gathers rows
         errors.extend(pool.append([request_ids[i] for i in idx], sub).errors)
 
     def _append_values(self, key: str, request_ids: Sequence[str], values: Sequence[Any], errors: list) -> None:
-        first = next((v for v in values if v is not None), None)
-        if first is None:
-            return
-        strategy = self._strategy_for(key, first)
-        if not strategy.uses_ring:
-            for rid, value in zip(request_ids, values):
-                if value is None:
-                    continue
-                req = self._requests.get(rid)
-                if req is None:
-                    errors.append(TensorAccumulationError("unknown request (never added, or already finished)",
-                                                          request_id=rid, key=key))
-                elif strategy is Strategy.REPLACE:
-                    req.metadata[key] = value
-                else:
-                    req.lists.setdefault(key, []).append(value)
-                    req.order[key] = None
-            return
         groups: dict[int, tuple[RingPool, list[str], list[torch.Tensor]]] = {}
         for rid, value in zip(request_ids, values):
             if value is None:
                 continue
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                errors.append(TensorAccumulationError(
-                    f"expected a tensor with a {strategy.value} axis, got "
-                    f"{type(value).__name__ if not isinstance(value, torch.Tensor) else '0-d tensor'}",
-                    request_id=rid, key=key))
-                continue
             req = self._requests.get(rid)
-            pool = req.pools.get(key) if req is not None else None
+            if req is None:
+                errors.append(TensorAccumulationError("unknown request (never added, or already finished)",
+                                                      request_id=rid, key=key))
+                continue
+            strategy = resolve_strategy(key, value, self.config.modality, self.config.strategies)
+            if not self._holds(req, rid, key, strategy, errors):
+                continue
+            if strategy is Strategy.REPLACE:
+                req.metadata[key] = value
+                continue
+            if strategy is Strategy.APPEND_LIST:
+                req.lists.setdefault(key, []).append(value)
+                req.order[key] = None
+                continue
+            pool = req.pools.get(key)
             if pool is None:
                 frame = tuple(value.shape[:-1]) if strategy is Strategy.CONCAT_LAST else tuple(value.shape[1:])
                 try:
@@ -244,7 +274,7 @@ class MultimodalAccumulator:
                 except TensorAccumulationError as exc:
                     errors.append(exc.for_request(rid, key))
                     continue
-                if not self._attach(key, rid, pool, errors):
+                if not self._attach(key, rid, req, pool, errors):
                     continue
             group = groups.setdefault(id(pool), (pool, [], []))
             group[1].append(rid)
@@ -283,18 +313,20 @@ class MultimodalAccumulator:
             for key, pool in req.pools.items():
                 group = by_pool.setdefault(id(pool), (pool, [], []))
                 (group[1] if req.emit is EmitPolicy.DELTA else group[2]).append(rid)
+        for pool, _, cons_ids in by_pool.values():  # before any drain: a failure leaves the others as they were
+            try:
+                pool.check_consolidate(cons_ids)
+            except TensorConsolidationError as exc:
+                if exc.request_id in self._requests:
+                    self.abort(exc.request_id)
+                raise
         tensors: dict[str, dict[str, torch.Tensor]] = {rid: {} for rid, _, _ in due}
         event = None
         for pool, drain_ids, cons_ids in by_pool.values():
             for ids, read in ((drain_ids, pool.drain), (cons_ids, pool.consolidate)):
                 if not ids:
                     continue
-                try:
-                    outs = read(ids)
-                except TensorConsolidationError as exc:
-                    if exc.request_id in self._requests:
-                        self.abort(exc.request_id)
-                    raise
+                outs = read(ids)
                 if to_cpu and pool.device.type != "cpu" and outs:
                     outs, event = _to_pinned(outs)
                 for rid, out in zip(ids, outs):

@@ -26,14 +26,22 @@ class BuddyAllocator:
         blocks = total_frames // min_frames
         self.max_order = blocks.bit_length() - 1
         self.total_frames = blocks * min_frames
-        self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
+        self._free: list[set[int]] = self._initial_blocks(blocks)
+        self._live: dict[int, int] = {}  # offset -> order
+        self.used_frames = 0
+
+    def _initial_blocks(self, blocks: int) -> list[set[int]]:
+        free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
         offset = 0
         for order in range(self.max_order, -1, -1):
             if blocks >> order & 1:
-                self._free[order].add(offset)
-                offset += min_frames << order
-        self._live: dict[int, int] = {}  # offset -> order
-        self.used_frames = 0
+                free[order].add(offset)
+                offset += self.min_frames << order
+        return free
+
+    def is_merged(self) -> bool:
+        """Whether nothing is handed out and every freed region merged back into the initial blocks."""
+        return not self._live and self._free == self._initial_blocks(self.total_frames // self.min_frames)
 
     def order_for(self, frames: int) -> int:
         """The smallest order whose region holds ``frames`` (may exceed max_order)."""
