@@ -315,3 +315,121 @@ def test_per_request_add_multimodal_tensor():
     assert state.add_multimodal_tensor({"audio": torch.zeros(3)}) == []
     assert torch.equal(state.take_payload(False).tensors["audio"], torch.tensor([1.0, 1, 0, 0, 0]))
     assert np.isclose(float(state.take_payload(True).tensors["audio"].sum()), 2.0)
+
+
+def test_a_payload_with_a_key_and_its_alias_fails_only_that_key_of_that_request():
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio", key_aliases={"model_outputs": "audio"})
+    for rid in ("both", "ok"):
+        p.add_request(core_request(rid, [3], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=2)), None)
+    res = p.process_outputs([mm_step("both", 5, {"model_outputs": torch.ones(3), "audio": torch.zeros(2),
+                                                 "sr": 16000}),
+                             mm_step("ok", 5, {"model_outputs": torch.ones(4)})])
+    assert res.request_outputs == [] and p.accumulation_errors == 1
+    res = p.process_outputs([mm_step("both", 6, {"audio": torch.full((2,), 2.0)}, FinishReason.LENGTH),
+                             mm_step("ok", 6, {"audio": torch.ones(1)}, FinishReason.LENGTH)])
+    got = {o.request_id: o.outputs[0] for o in res.request_outputs}
+    assert list(got["both"].token_ids) == [5, 6] and list(got["ok"].token_ids) == [5, 6]
+    assert torch.equal(got["both"].multimodal_output.tensors["audio"], torch.full((2,), 2.0))
+    assert got["both"].multimodal_output.metadata["sr"] == 16000
+    assert torch.equal(got["ok"].multimodal_output.tensors["audio"], torch.ones(5))
+
+
+# ------------------------------------------------------------------ states vLLM builds itself
+
+def vllm_made_states(req):
+    """The same request's state built each way vLLM builds one: ``from_new_request``, the
+    constructor, and ``__new__`` with the fields set afterwards."""
+    def fresh():
+        return OmniRequestState.from_new_request(TOK, req, None, None, 0, None, False, 1)
+
+    source = fresh()
+    by_init = OmniRequestState(**{name: getattr(source, name) for name in (
+        "request_id", "external_req_id", "parent_req", "request_index", "lora_request", "output_kind", "prompt",
+        "prompt_token_ids", "prompt_embeds", "logprobs_processor", "detokenizer", "max_tokens_param")},
+        arrival_time=0.0, queue=None, log_stats=False, stream_interval=1)
+    bare = OmniRequestState.__new__(OmniRequestState)
+    bare.__dict__.update(fresh().__dict__)
+    return fresh(), by_init, bare
+
+
+def test_states_built_by_vllm_in_any_way_work():
+    words = word_ids(TOK, "the quick brown fox")
+    for state in vllm_made_states(core_request("s", words[:2], sampling(RequestOutputKind.CUMULATIVE))):
+        assert state.accumulator is None and state.failures is None
+        state.detokenizer.update([words[2]], False)
+        out = state.make_request_output([words[2]], None, None, None)
+        assert list(out.outputs[0].token_ids) == [words[2]] and out.outputs[0].text.strip() == "brown"
+        assert type(out.outputs[0]).__name__ == "CompletionOutput"  # no accumulator: exactly vLLM's output
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_vllm_processor_with_omni_states_behaves_as_stock(kind, monkeypatch):
+    """vLLM's own ``OutputProcessor`` with ``RequestState`` rebound to ``OmniRequestState`` (a drop-in
+    state class) gives exactly the stock outputs for generate, pooling, stop strings, logprobs,
+    parallel sampling, aborts and engine errors; so does ``MultimodalOutputProcessor`` beside it."""
+    import vllm.v1.engine.output_processor as vllm_op
+
+    def both_scenarios(processor_cls):
+        reqs, steps = text_scenario(kind)
+        text = drive(processor_cls(TOK, log_stats=True), reqs, steps)
+        words = word_ids(TOK, "one long happy song")
+        reqs = [(core_request(r, words[:2], sampling(kind)), None, 0) for r in ("a", "b", "c")]
+        steps = [[token_output("a", words[2]), token_output("b", words[2]), token_output("c", words[2])],
+                 [token_output("a", words[3]),
+                  EngineCoreOutput(request_id="b", new_token_ids=[], finish_reason=FinishReason.ERROR,
+                                   error=RequestError(code="engine_paused", message="paused"))],
+                 [token_output("a", words[0], finish=FinishReason.STOP)]]
+        aborts = drive(processor_cls(TOK, log_stats=False), reqs, steps, queues=True, aborts=[(0, ["c"])])
+        return text, aborts
+
+    stock = both_scenarios(OutputProcessor)
+    monkeypatch.setattr(vllm_op, "RequestState", OmniRequestState)
+    processor = OutputProcessor(TOK, log_stats=True)
+    processor.add_request(core_request("probe", [3], sampling(kind)), None)
+    assert type(processor.request_states["probe"]) is OmniRequestState  # vLLM built it
+    assert both_scenarios(OutputProcessor) == stock
+    assert both_scenarios(MultimodalOutputProcessor) == stock
+
+
+@pytest.mark.parametrize("bad", [
+    {"audio": ["float32", [999], 1]},      # shape not matching its buffer
+    {"audio": ["float32", [4], 99]},       # buffer index past the message's buffers
+    {"audio": ["float32", [4], {"h": 1}]},  # out-of-band data we never send
+    {"audio": "oops"},                     # not a tensor where the request holds tensors
+    {"audio": torch.ones(2, 3)},           # frame shape changes mid-stream
+    {"model_outputs": torch.ones(3), "audio": torch.ones(3)},  # two keys for one
+], ids=["shape", "index", "oob", "nontensor", "frame", "alias"])
+def test_bad_input_over_the_wire_fails_only_its_request(bad):
+    """Frames cross vLLM's msgpack encoder and the omni decoder; the bad request's value is counted as
+    an error, the frame's other requests are exact, and every request goes on afterwards."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    from vllm_omni_kernels.vllm_integration.engine import OmniMsgpackDecoder
+
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio", key_aliases={"model_outputs": "audio"})
+    ids = ["g1", "bad", "g2"]
+    for rid in ids:
+        p.add_request(core_request(rid, [3], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=3)), None)
+    encoder, decoder = MsgpackEncoder(), OmniMsgpackDecoder()
+    sent = {rid: [] for rid in ids}
+
+    def step(token, payloads, finish=None):
+        outs = EngineCoreOutputs(outputs=[mm_step(rid, token, payloads[rid], finish) for rid in ids])
+        return p.process_outputs(decoder.decode(encoder.encode(outs)).outputs)
+
+    for token in (5, 6, 7):
+        payloads = {rid: {"audio": torch.randn(300 + 10 * token)} for rid in ids}
+        if token == 6:
+            payloads["bad"] = bad
+        for rid in ids:
+            if "audio" in payloads[rid] and isinstance(payloads[rid]["audio"], torch.Tensor) and (rid != "bad" or token != 6):
+                sent[rid].append(payloads[rid]["audio"])
+        res = step(token, payloads, FinishReason.LENGTH if token == 7 else None)
+        if token == 6:
+            assert p.accumulation_errors == 1
+    got = {o.request_id: o.outputs[0] for o in res.request_outputs}
+    for rid in ids:
+        assert list(got[rid].token_ids) == [5, 6, 7]
+        assert torch.equal(got[rid].multimodal_output.tensors["audio"], torch.cat(sent[rid])), rid
+    assert p.accumulation_errors == 1 and p.accumulator_stats()["devices"]["cpu"]["requests"] == 0

@@ -8,6 +8,7 @@ pytest.importorskip("vllm")
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
+from vllm_omni_kernels.errors import TensorAccumulationError  # noqa: E402
 from vllm_omni_kernels.payload import MultimodalPayload  # noqa: E402
 from vllm_omni_kernels.vllm_integration.engine import (  # noqa: E402
     OmniEngineCoreOutput, OmniMsgpackDecoder, install_omni_decoder)
@@ -102,3 +103,21 @@ def test_payload_and_completion_round_trip_through_vllm_msgpack():
     out = decode_completion(encode_completion(comp))
     assert (out.index, out.text, list(out.token_ids), out.finish_reason) == (1, "hi", [4, 5], "stop")
     assert torch.equal(out.multimodal_output.tensors["codes"], payload.tensors["codes"])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["float32", [999], 1], "needs 3996 bytes"),   # shape not matching its buffer
+    (["float32", [4], 99], "outside the message"),  # aux index out of range
+    (["float32", [4], {"handle": 1}], "not a buffer"),  # dict data (an out-of-band tensor we never send)
+])
+def test_a_malformed_tensor_is_an_error_for_its_request_only(bad, message):
+    outs, audio, codes, sr = frame()
+    outs.outputs.insert(1, OmniEngineCoreOutput(request_id="bad", new_token_ids=[3],
+                                                multimodal_output={"audio": bad, "sr": 16000}))
+    got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs))
+    tts, broken, text, quiet = got.outputs
+    assert torch.equal(tts.multimodal_output["audio"], audio) and torch.equal(tts.multimodal_output["codes"], codes)
+    err = broken.multimodal_output["audio"]
+    assert isinstance(err, TensorAccumulationError) and err.request_id == "bad" and err.key == "audio"
+    assert message in str(err) and broken.multimodal_output["sr"] == 16000 and broken.new_token_ids == [3]
+    assert text.finish_reason == FinishReason.STOP

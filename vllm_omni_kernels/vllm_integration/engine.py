@@ -12,8 +12,11 @@ buffer is gone once ``decode`` returns. ``OmniMsgpackDecoder`` decodes into ``Om
 and turns those triples back into tensors while the message's buffers are still at hand (zero-copy
 for large tensors, as vLLM does). ``install_omni_decoder(client)`` puts it into a vLLM core client.
 
-Anything under ``multimodal_output`` that is not a tensor triple is left as decoded; the output
-processor rejects non-tensor values where tensors are expected, for that request only.
+Anything under ``multimodal_output`` that is not a tensor triple is left as decoded (metadata such as
+the sample rate). A triple that cannot be a tensor of this message (its data not a buffer of it, an
+index past its buffers, a size that does not match the shape) becomes a ``TensorAccumulationError``
+naming the request and key, in place of the value: the output processor counts it for that request
+only, and the frame's other outputs are delivered.
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import math
+
 import torch
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, bytestr
+
+from ..errors import TensorAccumulationError
 
 
 class OmniEngineCoreOutput(EngineCoreOutput, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -70,11 +77,33 @@ class OmniMsgpackDecoder(MsgpackDecoder):
             for eco in out.outputs if isinstance(out, OmniEngineCoreOutputs) else ():
                 mm = eco.multimodal_output
                 if mm:
-                    eco.multimodal_output = {k: self._decode_tensor(v) if _is_tensor_triple(v) else v
-                                             for k, v in mm.items()}
+                    eco.multimodal_output = {k: self._tensor_or_error(v, eco.request_id, k)
+                                             if _is_tensor_triple(v) else v for k, v in mm.items()}
             return out
         finally:
             self.aux_buffers = ()
+
+
+    def _tensor_or_error(self, triple: Any, request_id: str, key: str) -> torch.Tensor | TensorAccumulationError:
+        """The tensor a ``[dtype, shape, data]`` triple of this message stands for, or the error that
+        says why it cannot be one (checked before vLLM's tensor decoding, which would raise for the
+        whole frame)."""
+        dtype, shape, data = triple
+        if isinstance(data, int):
+            if not 0 <= data < len(self.aux_buffers):
+                return TensorAccumulationError(f"tensor buffer index {data} outside the message's "
+                                               f"{len(self.aux_buffers)} buffers", request_id=request_id, key=key)
+            nbytes = memoryview(self.aux_buffers[data]).nbytes
+        elif isinstance(data, bytes | memoryview):
+            nbytes = memoryview(data).nbytes
+        else:
+            return TensorAccumulationError(f"tensor data of type {type(data).__name__} is not a buffer of the "
+                                           "message", request_id=request_id, key=key)
+        expected = math.prod(shape) * getattr(torch, dtype).itemsize
+        if nbytes != expected:
+            return TensorAccumulationError(f"a {dtype} tensor of shape {list(shape)} needs {expected} bytes, its "
+                                           f"buffer holds {nbytes}", request_id=request_id, key=key)
+        return self._decode_tensor(triple)
 
 
 def install_omni_decoder(client: Any) -> None:

@@ -50,19 +50,21 @@ _EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE
 class OmniRequestState(RequestState):
     """vLLM's ``RequestState`` with the request's multimodal accumulation (see the module docstring).
 
-    Built from the state vLLM's processor creates (``adopt``), so every vLLM field and behaviour is
-    the base class's own. ``accumulator`` is set by the processor on the first multimodal value.
+    Every vLLM field and behaviour is the base class's own, and a state built any way vLLM builds one
+    (its constructor, ``from_new_request``, ``__new__`` and fields) works: the two fields below have
+    class defaults. Until the processor attaches the request's first multimodal value
+    (``accumulator``, and ``failures``: the processor's list of (state, error) of the current step),
+    the state behaves exactly as vLLM's.
     """
 
-    accumulator: MultimodalAccumulator | None
-    failures: list | None  # the processor's list of (state, error) of the current step
+    accumulator: MultimodalAccumulator | None = None
+    failures: list | None = None
 
     @classmethod
-    def adopt(cls, base: RequestState, failures: list | None = None) -> OmniRequestState:
+    def adopt(cls, base: RequestState) -> OmniRequestState:
+        """This class's state with ``base``'s fields (for a state vLLM's processor made as its own class)."""
         state = cls.__new__(cls)
         state.__dict__.update(base.__dict__)
-        state.accumulator = None
-        state.failures = failures
         return state
 
     def add_multimodal_tensor(self, payload: Mapping[str, Any] | None) -> list[TensorAccumulationError]:
@@ -142,7 +144,7 @@ class MultimodalOutputProcessor(OutputProcessor):
         super().add_request(request, prompt, parent_req, request_index, queue)
         state = self.request_states.get(request.request_id)
         if new and state is not None and not isinstance(state, OmniRequestState):
-            self.request_states[request.request_id] = OmniRequestState.adopt(state, self._failures)
+            self.request_states[request.request_id] = OmniRequestState.adopt(state)
 
     # ------------------------------------------------------------------ the step
 
@@ -154,8 +156,9 @@ class MultimodalOutputProcessor(OutputProcessor):
         return result
 
     def _accumulate(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> None:
-        """One batched append per device for every multimodal output of the step."""
-        steps: dict[torch.device, tuple[list[str], dict[str, list[Any]]]] = {}
+        """One batched append per device for every multimodal output of the step. A bad value (or
+        payload) is an error for its request and key; it never costs another request anything."""
+        steps: dict[torch.device, tuple[list[str], list[dict[str, Any]]]] = {}
         errors: list[TensorAccumulationError] = []
         for eco in engine_core_outputs:
             if not isinstance(eco, OmniEngineCoreOutput) or eco.multimodal_output is None:
@@ -171,24 +174,41 @@ class MultimodalOutputProcessor(OutputProcessor):
                 errors.append(TensorAccumulationError(
                     f"multimodal_output must be a {{key: value}} dict, got {type(payload).__name__}", request_id=rid))
                 continue
-            device = next((v.device for v in payload.values() if isinstance(v, torch.Tensor)), None)
+            values = self._values(rid, payload, errors)
+            device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), None)
             acc = self._attach(state, eco, device, errors)
             if acc is None:
                 continue
-            ids, values = steps.setdefault(acc.device, ([], {}))
-            row = len(ids)
+            ids, rows = steps.setdefault(acc.device, ([], []))
             ids.append(rid)
-            for key, value in payload.items():
-                key = self._key_aliases.get(key, key)
-                column = values.setdefault(key, [None] * row)
-                column.append(value)
-            for column in values.values():
-                column.extend([None] * (len(ids) - len(column)))
-        for device, (ids, values) in steps.items():
-            self.accumulation_errors += len(self._accumulators[device].append_step(ids, values))
+            rows.append(values)
+        for device, (ids, rows) in steps.items():
+            columns = {key: [row.get(key) for row in rows] for key in dict.fromkeys(k for row in rows for k in row)}
+            self.accumulation_errors += len(self._accumulators[device].append_step(ids, columns))
         for exc in errors:
             logger.warning("skipping one step's multimodal output: %s", exc)
         self.accumulation_errors += len(errors)
+
+    def _values(self, rid: str, payload: Mapping[str, Any], errors: list) -> dict[str, Any]:
+        """The payload's values under the stage's key names; a key that two payload keys map to (say
+        ``model_outputs`` and ``audio``) is an error and neither value is taken; values the decoder
+        could not make into tensors are their errors."""
+        values: dict[str, Any] = {}
+        dropped: set[str] = set()
+        for key, value in payload.items():
+            name = self._key_aliases.get(key, key)
+            if isinstance(value, TensorAccumulationError):
+                errors.append(value)
+                dropped.add(name)
+            elif name in values or name in dropped:
+                errors.append(TensorAccumulationError(f"payload key {key!r} maps to a key the payload already "
+                                                      "has; neither value is taken", request_id=rid, key=name))
+                dropped.add(name)
+            else:
+                values[name] = value
+        for name in dropped:
+            values.pop(name, None)
+        return values
 
     def _attach(self, state: OmniRequestState, eco: EngineCoreOutput, device: torch.device | None,
                 errors: list) -> MultimodalAccumulator | None:
@@ -205,6 +225,7 @@ class MultimodalOutputProcessor(OutputProcessor):
             acc = self._accumulators[device] = MultimodalAccumulator(self._config, device)
         acc.add_request(state.request_id, emit=_EMIT[state.output_kind])
         state.accumulator = acc
+        state.failures = self._failures
         if state.detokenizer is None and eco.pooling_output is None:
             # A request without a detokenizer (pooling params) that produces multimodal output: give
             # it vLLM's token-id-only detokenizer and an empty logprobs processor, so its outputs are
