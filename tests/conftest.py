@@ -5,6 +5,7 @@ Fixtures give each test the backends it should compare against the torch referen
 """
 
 import os
+import zlib
 
 import torch
 
@@ -39,3 +40,9 @@ def random_tensor(shape, dtype, device="cpu", generator=None):
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype).to(device)
     return torch.randint(-(2**30), 2**30, shape, generator=generator, dtype=torch.int64).to(dtype).to(device)
+
+
+def stable_seed(*parts) -> int:
+    """A seed from a test's parameters that is the same in every process (``hash()`` of a string is
+    randomised per process, so a failing case could not be replayed)."""
+    return zlib.crc32(repr(tuple(str(p) for p in parts)).encode())
