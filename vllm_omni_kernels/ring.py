@@ -640,14 +640,8 @@ class RingPool:
 
     def drain(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
         """The unread span of each request (DELTA), as views into one new tensor; advances the tails."""
-        with nvtx_range(f"ring.drain[{self.key}]"):
-            out = self._read(request_ids)
-            slots = np.fromiter((self._owner[r] for r in request_ids), np.int64, len(request_ids))
-            size = self._size[slots]
-            self._tail[slots] = (self._tail[slots] + size) % np.maximum(self._cap[slots], 1)
-            self._drained[slots] += size
-            self._size[slots] = 0
-        return out
+        out = torch.empty(self.unread_elements(request_ids), dtype=self.dtype, device=self.device)
+        return self._views(out, *self.read_into(request_ids, out, drain=True))
 
     def consolidate(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
         """Everything each request appended, as views into one new tensor; nothing is advanced.
@@ -656,9 +650,12 @@ class RingPool:
             TensorConsolidationError: part of a request's data was already drained, so "everything
                 appended" no longer exists (the request mixed DELTA and FINAL_ONLY reads).
         """
-        self.check_consolidate(request_ids)
-        with nvtx_range(f"ring.consolidate[{self.key}]"):
-            return self._read(request_ids)
+        out = torch.empty(self.unread_elements(request_ids), dtype=self.dtype, device=self.device)
+        return self._views(out, *self.read_into(request_ids, out, drain=False))
+
+    def unread_elements(self, request_ids: Sequence[str]) -> int:
+        """Elements a read of these requests copies (what ``read_into``'s ``out`` must hold)."""
+        return int(self._size[[self.slot_of(r) for r in request_ids]].sum()) * self.frame_elems
 
     def check_consolidate(self, request_ids: Sequence[str]) -> None:
         """Raise what ``consolidate(request_ids)`` would raise, reading nothing (TensorAccumulationError
@@ -669,18 +666,40 @@ class RingPool:
                 raise TensorConsolidationError(f"{drained} frames were already drained; cannot consolidate",
                                                request_id=r, key=self.key)
 
-    def _read(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
+    def read_into(self, request_ids: Sequence[str], out: torch.Tensor, *, drain: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Copy each request's unread span back to back into ``out`` (a contiguous 1-D tensor of the
+        pool's dtype and device, at least ``unread_elements`` long) in one launch: with ``drain`` the
+        tails advance (DELTA), else nothing moves and the spans must be everything appended
+        (``check_consolidate``). Returns each request's element offset in ``out`` and its frames
+        (int64 arrays). Span j of a request is laid out as its chunks are: ``[*frame, n]`` for
+        CONCAT_LAST, ``[n, *frame]`` for CONCAT_DIM0."""
+        if not drain:
+            self.check_consolidate(request_ids)
         slots = np.fromiter((self.slot_of(r) for r in request_ids), np.int64, len(request_ids))
         rows = len(slots)
-        n = self._size[slots]
+        n = self._size[slots].copy()
         F = self.frame_elems
-        starts = np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64) * F
-        out = torch.empty(int(n.sum()) * F, dtype=self.dtype, device=self.device)
-        if rows and n.any():
-            i, _ = self._stage(slots, starts, n, n if self.last else F, pos=self._tail[slots])
-            max_elems = int(n.max()) * F
-            meta = self._meta_for(i, rows, max_elems)
-            ops.ring_read(self.arena, meta, out, rows=rows, frame_elems=F, last=self.last, max_elems=max_elems)
+        starts = np.zeros(rows, np.int64)
+        np.cumsum(n[:-1] * F, out=starts[1:])
+        total = int(n.sum()) * F
+        if out.dtype != self.dtype or out.device != self.device or out.dim() != 1 or out.numel() < total \
+                or not out.is_contiguous():
+            raise ValueError(f"pool {self.key!r}: out must be a contiguous 1-D {self.dtype} tensor on "
+                             f"{self.device} of at least {total} elements")
+        with nvtx_range(f"ring.{'drain' if drain else 'consolidate'}[{self.key}]"):
+            if rows and total:
+                i, _ = self._stage(slots, starts, n, n if self.last else F, pos=self._tail[slots])
+                max_elems = int(n.max()) * F
+                meta = self._meta_for(i, rows, max_elems)
+                ops.ring_read(self.arena, meta, out, rows=rows, frame_elems=F, last=self.last, max_elems=max_elems)
+            if drain:
+                self._tail[slots] = (self._tail[slots] + n) % np.maximum(self._cap[slots], 1)
+                self._drained[slots] += n
+                self._size[slots] = 0
+        return starts, n
+
+    def _views(self, out: torch.Tensor, starts: np.ndarray, n: np.ndarray) -> list[torch.Tensor]:
+        F = self.frame_elems
         views = []
         for s, k in zip(starts.tolist(), n.tolist()):
             flat = out[s : s + k * F]

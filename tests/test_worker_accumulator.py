@@ -1,0 +1,125 @@
+"""WorkerAccumulator: what each output kind receives, the cadence, one copy per step, failures."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni_kernels.accumulator import EmitPolicy
+from vllm_omni_kernels.errors import TensorAccumulationError
+from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
+from vllm_omni_kernels.ring import PaddedBatch
+from vllm_omni_kernels.serving.worker_accumulator import OutputKey, WorkerAccumulator
+
+KEYS = [OutputKey("audio", S.CONCAT_LAST, torch.float32, (), cadence=10, initial_frames=8),
+        OutputKey("codes", S.CONCAT_DIM0, torch.int64, (3,), cadence=None, initial_frames=2)]
+
+
+def run(device, emits, steps, seed=0, finish_at=None):
+    """Random chunks for requests of the given output kinds; returns what each received per step
+    (concatenated per key) and what was sent."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    acc = WorkerAccumulator(KEYS, device, budget_bytes=1 << 16, max_requests=8)
+    ids = [f"r{i}" for i in range(len(emits))]
+    for rid, emit in zip(ids, emits):
+        acc.add_request(rid, emit)
+    sent = {r: {"audio": [], "codes": []} for r in ids}
+    got = {r: {"audio": [], "codes": []} for r in ids}
+    deliveries = {r: 0 for r in ids}
+    finish_at = finish_at or {r: steps - 1 for r in ids}
+    for step in range(steps):
+        live = [r for r in ids if finish_at[r] >= step]
+        if not live:
+            break
+        lengths = rng.integers(0, 7, size=len(live))
+        audio = torch.randn(len(live), 8, generator=gen).to(device)
+        codes = [torch.randint(0, 99, (int(n) % 3, 3), generator=gen).to(device) for n in lengths]
+        tokens = acc.head(len(live), torch.int64)
+        tokens.copy_(torch.arange(len(live)) + 100 * step)
+        assert acc.append(live, {"audio": PaddedBatch(audio, lengths), "codes": codes}) == {}
+        for b, rid in enumerate(live):
+            sent[rid]["audio"].append(audio[b, :lengths[b]].cpu())
+            sent[rid]["codes"].append(codes[b].cpu())
+        finishing = [r for r in live if finish_at[r] == step]
+        packed = acc.collect(finishing, head_bytes=8 * len(live))
+        host = packed.wait()
+        assert torch.equal(host[:8 * len(live)].view(torch.int64), torch.arange(len(live)) + 100 * step)
+        for rid in packed.spans:
+            deliveries[rid] += 1
+            for key, t in packed.tensors(rid).items():
+                got[rid][key].append(t.clone())
+        assert packed.final == set(finishing)
+    return acc, sent, got, deliveries
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_every_output_kind_receives_exactly_what_was_sent(backend_name, use_backend):
+    use_backend(backend_name)
+    emits = [EmitPolicy.DELTA, EmitPolicy.CUMULATIVE, EmitPolicy.FINAL_ONLY, EmitPolicy.DELTA]
+    acc, sent, got, deliveries = run("cpu", emits, steps=12, finish_at={"r0": 11, "r1": 7, "r2": 9, "r3": 3})
+    for rid, emit in zip(sent, emits):
+        for key, dim in (("audio", -1), ("codes", 0)):
+            want = torch.cat(sent[rid][key], dim=dim)
+            assert torch.equal(torch.cat(got[rid][key], dim=dim), want), (rid, key)
+    assert deliveries["r2"] == 1  # FINAL_ONLY: once, at finish
+    assert deliveries["r0"] > 2 and deliveries["r0"] < 12  # first chunk at once, then every >= 10 samples
+    assert len(acc) == 0 and all(p.stats().slots_used == 0 for p in acc.pools)
+
+
+def test_cadence_first_chunk_at_once_then_every_n_frames():
+    acc = WorkerAccumulator([OutputKey("audio", S.CONCAT_LAST, torch.float32, cadence=10, initial_frames=64)], "cpu")
+    acc.add_request("a", EmitPolicy.DELTA)
+    sizes = []
+    for step in range(8):
+        acc.append(["a"], {"audio": PaddedBatch(torch.ones(1, 4), [4])})
+        packed = acc.collect(["a"] if step == 7 else [])
+        if packed is not None:
+            sizes.append(packed.spans["a"][0].shape[-1])
+    assert sizes == [4, 12, 12, 4]  # at once; then >= 10 unread; the rest at finish
+
+
+def test_nothing_due_means_no_step_and_no_copy():
+    acc = WorkerAccumulator(KEYS, "cpu")
+    acc.add_request("f", EmitPolicy.FINAL_ONLY)
+    acc.append(["f"], {"audio": PaddedBatch(torch.ones(1, 4), [4])})
+    assert acc.collect() is None
+    packed = acc.collect(["f"])
+    assert torch.equal(packed.tensors("f")["audio"], torch.ones(4)) and "f" not in acc
+
+
+def test_a_malformed_chunk_fails_only_its_request():
+    acc = WorkerAccumulator(KEYS, "cpu")
+    for rid in "abc":
+        acc.add_request(rid, EmitPolicy.FINAL_ONLY)
+    acc.append(list("abc"), {"audio": [torch.ones(2), torch.ones(2), torch.ones(2)]})
+    failed = acc.append(list("abc"), {"audio": [torch.ones(3), torch.ones(3, dtype=torch.float64), torch.ones(3)],
+                                      "codes": [torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3, dtype=torch.int64),
+                                                torch.zeros(1, 4, dtype=torch.int64)]})
+    assert set(failed) == {"b", "c"} and all(isinstance(e, TensorAccumulationError) for e in failed.values())
+    assert failed["b"].key == "audio" and failed["c"].key == "codes" and "b" not in acc and "c" not in acc
+    packed = acc.collect(["a"])
+    assert torch.equal(packed.tensors("a")["audio"], torch.ones(5)) and packed.tensors("a")["codes"].shape == (1, 3)
+    assert acc.failed == 2 and all(p.stats().slots_used == 0 for p in acc.pools)
+
+
+def test_abort_frees_slots():
+    acc = WorkerAccumulator(KEYS, "cpu")
+    acc.add_request("a", EmitPolicy.DELTA)
+    acc.append(["a"], {"audio": PaddedBatch(torch.ones(1, 4), [4])})
+    acc.abort("a")
+    acc.abort("a")  # twice: ignored
+    assert len(acc) == 0 and all(p.stats().slots_used == 0 for p in acc.pools)
+    with pytest.raises(TensorAccumulationError):
+        acc.add_request("b", EmitPolicy.DELTA)
+        acc.add_request("b", EmitPolicy.DELTA)
+
+
+@pytest.mark.gpu
+def test_cuda_one_copy_per_step_and_exact(use_backend):
+    use_backend("auto")
+    emits = [EmitPolicy.DELTA, EmitPolicy.CUMULATIVE, EmitPolicy.FINAL_ONLY] * 2
+    acc, sent, got, _ = run("cuda", emits, steps=20, seed=3)
+    for rid in sent:
+        assert torch.equal(torch.cat(got[rid]["audio"], -1), torch.cat(sent[rid]["audio"], -1))
+        assert torch.equal(torch.cat(got[rid]["codes"]), torch.cat(sent[rid]["codes"]))
+    assert acc.copies == 20

@@ -1,0 +1,75 @@
+"""A small TTS talker to serve: text tokens in, codec codes out, and a decoder from codes to audio.
+
+Weights are random, made from a seed (nothing is downloaded). Every engine step the talker turns
+each sampling request's last token, frame index and prompt context into one codec frame of
+``CODEBOOKS`` codes; the first code, offset by ``TEXT_VOCAB``, is the step's sampled token (so a
+text id, EOS included, is never sampled: a request runs for its ``max_tokens`` frames).
+
+``decode_frames`` turns codes into ``FRAME_SAMPLES`` samples per frame with integer arithmetic only
+(a sum of sawtooth waves whose steps come from the codes, scaled by a power of two), so the audio of
+a frame is the same bits on every device: a test knows every sample from the codes alone
+(``expected_audio``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SAMPLE_RATE = 24_000
+FRAME_SAMPLES = 1920  # one 12.5 Hz codec frame at 24 kHz
+CODEBOOKS = 8
+CODEBOOK_SIZE = 1024
+TEXT_VOCAB = 1024  # ids below this are text (the tokenizer's); codes are sampled as TEXT_VOCAB + code
+VOCAB = TEXT_VOCAB + CODEBOOK_SIZE
+_HIDDEN = 64
+_POSITIONS = 4096
+_SCALE = 2.0 ** -18  # |sum of CODEBOOKS sawtooth values| < 2**18: samples in [-1, 1), exact in float32
+
+
+class ToyTalker(nn.Module):
+    """The talker's weights and one step's forward; see the module docstring.
+
+    ``forward(last_token [B] int64, frame [B] int64, context [B, H]) -> codes [B, CODEBOOKS] int64``
+    and ``prompt_context(prompt_ids [n] int64) -> [H]``: the mean embedding of the prompt.
+    """
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.embed = nn.Parameter(torch.randn(VOCAB, _HIDDEN, generator=g) * 0.5, requires_grad=False)
+        self.position = nn.Parameter(torch.randn(_POSITIONS, _HIDDEN, generator=g) * 0.5, requires_grad=False)
+        self.mix = nn.Parameter(torch.randn(_HIDDEN, _HIDDEN, generator=g) / _HIDDEN ** 0.5, requires_grad=False)
+        self.heads = nn.Parameter(torch.randn(CODEBOOKS, _HIDDEN, CODEBOOK_SIZE, generator=g) / _HIDDEN ** 0.5,
+                                  requires_grad=False)
+
+    @property
+    def hidden_size(self) -> int:
+        return _HIDDEN
+
+    def prompt_context(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[prompt_ids.clamp(0, VOCAB - 1)].mean(0)
+
+    @torch.no_grad()
+    def forward(self, last_token: torch.Tensor, frame: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed[last_token] + self.position[frame % _POSITIONS] + context)
+        h = torch.tanh(h @ self.mix)
+        logits = torch.einsum("bh,qhc->bqc", h, self.heads)
+        return logits.argmax(-1)
+
+
+def decode_frames(codes: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
+    """Audio of codec frames: ``codes`` ``[B, CODEBOOKS]`` int64 at frame indices ``frame`` ``[B]``
+    -> ``[B, FRAME_SAMPLES]`` float32. Integer arithmetic, then one exact scaling: the same bits on
+    any device."""
+    t = frame[:, None] * FRAME_SAMPLES + torch.arange(FRAME_SAMPLES, device=codes.device)  # [B, T] absolute
+    step = 1 + (codes * 37 + torch.arange(CODEBOOKS, device=codes.device) * 101) % 2039  # [B, Q]
+    saw = (t[:, None, :] * step[:, :, None]) % 65536 - 32768  # [B, Q, T]
+    return (saw.sum(1).to(torch.float32) * _SCALE)
+
+
+def expected_audio(codes: torch.Tensor) -> torch.Tensor:
+    """A request's whole audio from its codes ``[frames, CODEBOOKS]`` (frames 0, 1, ...): what the
+    server must deliver, sample for sample. ``[frames * FRAME_SAMPLES]`` float32."""
+    frames = torch.arange(codes.shape[0], device=codes.device)
+    return decode_frames(codes, frames).reshape(-1)

@@ -1,0 +1,51 @@
+"""WAV files and streams: float32 (IEEE, format 3) and 16-bit PCM, written by hand (the standard
+library's ``wave`` writes PCM only and cannot stream a header of unknown length)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+STREAMING_SIZE = 0xFFFFFFFF  # the data size of a header written before the length is known
+
+
+def wav_header(sample_rate: int, *, float32: bool, data_bytes: int = STREAMING_SIZE, channels: int = 1) -> bytes:
+    """A RIFF/WAVE header for mono (or ``channels``) audio; ``data_bytes`` left at its default for a
+    stream whose length is not known yet (players read to the end)."""
+    width = 4 if float32 else 2
+    fmt = struct.pack("<HHIIHH", 3 if float32 else 1, channels, sample_rate, sample_rate * channels * width,
+                      channels * width, 8 * width)
+    riff = STREAMING_SIZE if data_bytes == STREAMING_SIZE else 4 + 8 + len(fmt) + 8 + data_bytes
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+            + b"data" + struct.pack("<I", data_bytes))
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    """Float samples in [-1, 1] as little-endian 16-bit PCM (clipped, rounded to nearest)."""
+    return np.clip(np.rint(np.asarray(samples, np.float64) * 32767.0), -32768, 32767).astype("<i2").tobytes()
+
+
+def write_wav_f32(path: Path, samples: np.ndarray, sample_rate: int) -> None:
+    data = np.asarray(samples, "<f4").tobytes()
+    Path(path).write_bytes(wav_header(sample_rate, float32=True, data_bytes=len(data)) + data)
+
+
+def read_wav(path_or_bytes: Path | bytes) -> tuple[np.ndarray, int]:
+    """Samples (float32 for format 3, int16 for PCM) and the sample rate; a streamed header's size
+    (``STREAMING_SIZE``) reads to the end."""
+    raw = path_or_bytes if isinstance(path_or_bytes, bytes) else Path(path_or_bytes).read_bytes()
+    if raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
+        raise ValueError("not a RIFF/WAVE file")
+    pos, fmt, rate = 12, None, None
+    while pos + 8 <= len(raw):
+        tag, size = raw[pos:pos + 4], struct.unpack_from("<I", raw, pos + 4)[0]
+        if tag == b"fmt ":
+            fmt, _, rate = struct.unpack_from("<HHI", raw, pos + 8)
+        elif tag == b"data":
+            end = len(raw) if size == STREAMING_SIZE else pos + 8 + size
+            dtype = "<f4" if fmt == 3 else "<i2"
+            return np.frombuffer(raw[pos + 8:end], dtype=dtype), rate
+        pos += 8 + size + (size & 1)
+    raise ValueError("no data chunk")

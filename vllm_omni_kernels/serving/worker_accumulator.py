@@ -1,0 +1,328 @@
+"""Accumulation in the worker: ``WorkerAccumulator``.
+
+The model runner calls it once per step with the step's multimodal chunks of every request it
+produced output for. Every key's chunks go into that key's ``RingPool`` in one launch; what is due
+is then read out of the rings into one persistent device buffer (one launch per key) and copied to
+the host in **one asynchronous copy per step** on a side stream; nothing crosses to the host on a
+step where nothing is due. ``PackedStep`` is what a step hands on: the host buffer, the event that
+says it is filled, and per request the spans (key, dtype, shape, byte offset) that are its data.
+
+What is due, per request, by its output kind (taken from its sampling parameters when it arrives):
+
+* DELTA and CUMULATIVE: the unread data of every key, as soon as the first chunk is there, then
+  whenever some key has at least its ``cadence`` frames unread (0: every step), and the rest when
+  the request finishes; the frontend concatenates for CUMULATIVE;
+* FINAL_ONLY: nothing until the request finishes, then everything at once.
+
+A request's slots are taken when it arrives and freed when it finishes (its last spans are read
+first) or is aborted. A chunk that does not fit its key (dtype, frame shape, device, an overflow
+that cannot grow) fails that request: ``append`` returns its ``TensorAccumulationError``, its slots
+are freed, and every other request goes on exactly.
+
+Nothing on the step's path reads the device: lengths, offsets and due-ness come from host mirrors.
+The host buffer comes from torch's pinned caching allocator, so it stays valid for as long as any
+view of it is alive (the engine's zero-copy send, a payload in a user's hands) and costs no
+``cudaHostAlloc`` per step. On a CPU device the pack is the host buffer and there is no copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..accumulator import EmitPolicy
+from ..errors import TensorAccumulationError
+from ..modality import TensorAccumulationStrategy as Strategy
+from ..profiling import nvtx_range
+from ..ring import PaddedBatch, RingPool
+
+_ALIGN = 16  # every span starts on a 16-byte boundary of the buffer (any dtype can view it)
+
+
+@dataclass(frozen=True)
+class OutputKey:
+    """A key the model produces every step, accumulated in the worker.
+
+    ``strategy``: CONCAT_LAST (chunks ``[*frame_shape, n]``) or CONCAT_DIM0 (``[n, *frame_shape]``);
+    ``cadence``: frames of this key a streaming request gets at a time (0: every step; None: this
+    key does not set the pace, its data goes along when another key's does).
+    ``initial_frames``: a new slot's capacity (it grows when needed).
+    """
+
+    name: str
+    strategy: Strategy
+    dtype: torch.dtype
+    frame_shape: tuple[int, ...] = ()
+    cadence: int | None = 0
+    initial_frames: int = 4096
+
+
+@dataclass(frozen=True)
+class Span:
+    """One key's data of one request in a ``PackedStep``'s buffer: ``shape`` of ``dtype`` from byte
+    ``offset`` on (``[*frame, n]`` or ``[n, *frame]`` as the key's chunks are)."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    axis: int  # the axis its pieces concatenate along: -1 (CONCAT_LAST) or 0
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This span as a tensor view into the uint8 ``buffer``."""
+        nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return buffer[self.offset:self.offset + nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass
+class PackedStep:
+    """What one step delivers: ``host`` (uint8; valid once ``wait()`` returned), the caller's head
+    data at its start (``head_bytes``), and per request its spans and whether they are its last."""
+
+    host: torch.Tensor
+    head_bytes: int = 0
+    spans: dict[str, list[Span]] = field(default_factory=dict)
+    final: set[str] = field(default_factory=set)
+    event: torch.cuda.Event | None = None
+
+    def wait(self) -> torch.Tensor:
+        """Block until the copy has landed (at once on CPU); returns ``host``."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+    def tensors(self, request_id: str) -> dict[str, torch.Tensor]:
+        """The request's data as views into ``host`` (after ``wait``)."""
+        return {s.key: s.view(self.host) for s in self.spans.get(request_id, ())}
+
+
+class WorkerAccumulator:
+    """Per-request rings of every output key in the worker; see the module docstring.
+
+    Args:
+        keys: what the model produces each step.
+        device: where the chunks are (and the rings).
+        budget_bytes: each key's ring arena (preallocated, never exceeded).
+        max_requests: requests that can hold slots at once.
+        growth: grow a slot that would overflow (else that request fails).
+    """
+
+    def __init__(self, keys: Sequence[OutputKey], device: torch.device | str, *, budget_bytes: int = 256 << 20,
+                 max_requests: int = 1024, growth: bool = True):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.keys = list(keys)
+        self.pools = [RingPool(k.name, k.dtype, k.frame_shape, self.device, k.strategy, budget_bytes=budget_bytes,
+                               initial_frames=k.initial_frames, max_slots=max_requests, growth=growth)
+                      for k in self.keys]
+        big = np.iinfo(np.int64).max  # a key that does not set the pace is never due by itself
+        self._cadence = np.array([[big if k.cadence is None else k.cadence] for k in self.keys], np.int64)
+        self._row: dict[str, int] = {}
+        self._id_of: list[str | None] = [None] * max_requests
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+        self._held = np.zeros(max_requests, bool)
+        self._streaming = np.zeros(max_requests, bool)  # DELTA or CUMULATIVE
+        self._delivered = np.zeros(max_requests, bool)
+        self._unread = np.zeros((len(self.keys), max_requests), np.int64)  # frames, per key
+        self._pack = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._head_bytes = 0  # of this step's pack, handed out by head()
+        self._rows_cache: tuple = ((), np.zeros(0, np.int64), -1)  # (ids, rows, version) of the last append
+        self._version = 0  # bumped when a request comes or goes
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._last_copy: torch.cuda.Event | None = None  # the pack is rewritten only after it ran
+        self.copies = 0  # device-to-host copies so far (one per step with anything due)
+        self.failed = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._row
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+    def add_request(self, request_id: str, emit: EmitPolicy) -> None:
+        """Give the request a slot of every key.
+
+        Raises:
+            TensorAccumulationError: it already holds slots, or no slot or budget is left (nothing
+                is held then).
+        """
+        if request_id in self._row:
+            raise TensorAccumulationError("request added twice", request_id=request_id)
+        if not self._free_rows:
+            raise TensorAccumulationError(f"all {len(self._id_of)} request rows are in use", request_id=request_id)
+        taken = []
+        try:
+            for pool in self.pools:
+                pool.alloc(request_id)
+                taken.append(pool)
+        except TensorAccumulationError:
+            for pool in taken:
+                pool.free(request_id)
+            raise
+        row = self._free_rows.pop()
+        self._row[request_id] = row
+        self._id_of[row] = request_id
+        self._held[row] = True
+        self._version += 1
+        self._streaming[row] = emit is not EmitPolicy.FINAL_ONLY
+        self._delivered[row] = False
+        self._unread[:, row] = 0
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's slots; its unread data is dropped. Unknown ids are ignored (a request
+        that failed or finished here is gone already)."""
+        row = self._row.pop(request_id, None)
+        if row is None:
+            return
+        for pool in self.pools:
+            pool.free(request_id)
+        self._id_of[row] = None
+        self._held[row] = False
+        self._version += 1
+        self._free_rows.append(row)
+
+    # ------------------------------------------------------------------ the step
+
+    def head(self, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device view of ``count`` elements of ``dtype`` at the start of this step's buffer, for
+        the caller's own per-step data (the sampled token ids): it reaches the host in the same
+        copy (``collect(head_bytes=...)``, ``PackedStep.host[:head_bytes]``)."""
+        nbytes = count * dtype.itemsize
+        self._reserve(_aligned(nbytes))
+        self._head_bytes = nbytes
+        return self._pack[:nbytes].view(dtype)
+
+    def append(self, request_ids: Sequence[str], outputs: Mapping[str, PaddedBatch | Sequence]) \
+            -> dict[str, TensorAccumulationError]:
+        """Append one step: ``outputs[key]`` is a ``PaddedBatch`` aligned with ``request_ids`` or a
+        per-request list (None: nothing this step). One launch per key. Returns the requests that
+        failed (their slots are freed; every other request's chunk was appended)."""
+        failed: dict[str, TensorAccumulationError] = {}
+        with nvtx_range("worker.append"):
+            rows = self._rows_of(request_ids)
+            for k, (key, pool) in enumerate(zip(self.keys, self.pools)):
+                chunks = outputs.get(key.name)
+                if chunks is None:
+                    continue
+                result = pool.append(request_ids, chunks)
+                ok = rows >= 0
+                for err in result.errors:
+                    failed.setdefault(err.request_id, err)
+                    ok &= np.array([r != err.request_id for r in request_ids])
+                self._unread[k, rows[ok]] += _lengths(chunks, key.strategy)[ok]
+            for rid in failed:
+                self.abort(rid)
+        self.failed += len(failed)
+        return failed
+
+    def _rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
+        """Each request's row (-1 for one not held), cached for the last list while nobody came or went."""
+        ids = tuple(request_ids)
+        cached_ids, rows, version = self._rows_cache
+        if version != self._version or cached_ids != ids:
+            rows = np.fromiter((self._row.get(r, -1) for r in ids), np.int64, len(ids))
+            self._rows_cache = (ids, rows, self._version)
+        return rows
+
+    def collect(self, finishing: Collection[str] = (), head_bytes: int = 0) -> PackedStep | None:
+        """Read what is due into the step's buffer and start its one copy to the host.
+
+        ``finishing``: requests whose last step this was (their rest is read, then their slots are
+        freed). ``head_bytes``: bytes of ``head()`` data to carry along. Returns None when nothing
+        is due and there is no head.
+        """
+        with nvtx_range("worker.collect"):
+            live = np.flatnonzero(self._held)
+            unread = self._unread[:, live]
+            due_mask = self._streaming[live] & (((unread >= self._cadence) & (unread > 0)).any(0)
+                                                | (~self._delivered[live] & (unread > 0).any(0)))
+            due = [self._id_of[r] for r in live[due_mask]]
+            ending = [r for r in finishing if r in self._row]
+            streamed_end = [r for r in ending if self._streaming[self._row[r]]]
+            final_only = [r for r in ending if not self._streaming[self._row[r]]]
+            drain_ids = list(dict.fromkeys(due + streamed_end))
+            if not drain_ids and not final_only and not head_bytes:
+                for rid in ending:
+                    self.abort(rid)
+                return None
+            step = PackedStep(host=self._pack, head_bytes=head_bytes, final=set(ending))
+            offset = _aligned(head_bytes)
+            plans = []
+            for k, pool in enumerate(self.pools):
+                for ids, drain in ((drain_ids, True), (final_only, False)):
+                    if ids:
+                        nbytes = pool.unread_elements(ids) * pool.dtype.itemsize
+                        plans.append((k, ids, drain, offset, nbytes))
+                        offset += _aligned(nbytes)
+            self._reserve(offset)
+            for k, ids, drain, start, nbytes in plans:
+                key, pool = self.keys[k], self.pools[k]
+                item = pool.dtype.itemsize
+                elem_starts, frames = pool.read_into(ids, self._pack[start:start + nbytes].view(pool.dtype), drain=drain)
+                last = key.strategy is Strategy.CONCAT_LAST
+                for rid, e0, n in zip(ids, elem_starts.tolist(), frames.tolist()):
+                    shape = (*key.frame_shape, n) if last else (n, *key.frame_shape)
+                    step.spans.setdefault(rid, []).append(Span(key.name, pool.dtype, shape, start + e0 * item,
+                                                               -1 if last else 0))
+            rows = [self._row[r] for r in drain_ids + final_only]
+            self._unread[:, rows] = 0
+            self._delivered[rows] = True
+            self._copy_to_host(step, offset)
+            self._head_bytes = 0
+            for rid in ending:
+                self.abort(rid)
+        return step
+
+    def _copy_to_host(self, step: PackedStep, nbytes: int) -> None:
+        if self._side is None:  # CPU: the buffer is the host memory; the next step gets a new one
+            step.host = self._pack[:nbytes]
+            self._pack = torch.empty(self._pack.numel(), dtype=torch.uint8)
+            return
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        self._side.wait_event(ready)
+        with torch.cuda.stream(self._side):
+            host.copy_(self._pack[:nbytes], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        step.host, step.event = host, done
+        self._last_copy = done
+        self.copies += 1
+
+    def _reserve(self, nbytes: int) -> None:
+        """Make the pack hold ``nbytes`` and order this step's writes after the last copy read it."""
+        if self._last_copy is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._last_copy)
+        if self._pack.numel() < nbytes:  # rare: grows to the largest step seen, keeping the head
+            old = self._pack
+            self._pack = torch.empty(max(nbytes, 2 * old.numel(), 1 << 16), dtype=torch.uint8, device=self.device)
+            if self._head_bytes:
+                self._pack[:self._head_bytes].copy_(old[:self._head_bytes])
+
+    def stats(self) -> dict:
+        """Requests held, copies made, failures, and every pool's statistics."""
+        return {"requests": len(self._row), "copies": self.copies, "failed": self.failed,
+                "pools": {p.key: p.stats() for p in self.pools}}
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _lengths(chunks, strategy: Strategy) -> np.ndarray:
+    """Frames of each request's chunk (0 for None), from host values only."""
+    if isinstance(chunks, PaddedBatch):
+        lengths = chunks.lengths
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.numpy()
+        return np.asarray(lengths, np.int64).reshape(-1)
+    axis = -1 if strategy is Strategy.CONCAT_LAST else 0
+    return np.array([0 if c is None or not isinstance(c, torch.Tensor) or c.dim() == 0 else c.shape[axis]
+                     for c in chunks], np.int64)
