@@ -11,6 +11,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# vLLM's own platform, for the engines the tests start (their executor puts the talker on the device
+# it is given); inherited by the engine-core processes vLLM spawns.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import pytest  # noqa: E402
 

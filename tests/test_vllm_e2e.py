@@ -21,7 +21,7 @@ from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
 
 from vllm_env import core_request, sampling, sched_request, scheduler, tokenizer, word_ids  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
-from vllm_omni_kernels.vllm_integration.engine import OmniMsgpackDecoder  # noqa: E402
+from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder  # noqa: E402
 from vllm_omni_kernels.vllm_integration.output_processor import MultimodalOutputProcessor  # noqa: E402
 from vllm_omni_kernels.vllm_integration.outputs import (  # noqa: E402
     MultimodalCompletionOutput, MultimodalPoolingOutput, OmniModelRunnerOutput, OmniRequestOutput)

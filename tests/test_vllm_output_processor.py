@@ -24,7 +24,7 @@ from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402
 from vllm_env import EOS, core_request, sampling, token_output, tokenizer, word_ids  # noqa: E402
 from vllm_omni_kernels.errors import MultimodalOutputError, TensorConsolidationError  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
-from vllm_omni_kernels.vllm_integration.engine import OmniEngineCoreOutput  # noqa: E402
+from vllm_omni_kernels.vllm_integration.wire import OmniEngineCoreOutput  # noqa: E402
 from vllm_omni_kernels.vllm_integration.output_processor import (  # noqa: E402
     MultimodalOutputProcessor, OmniRequestState)
 from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput  # noqa: E402
@@ -405,7 +405,7 @@ def test_bad_input_over_the_wire_fails_only_its_request(bad):
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.serial_utils import MsgpackEncoder
 
-    from vllm_omni_kernels.vllm_integration.engine import OmniMsgpackDecoder
+    from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder
 
     p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio", key_aliases={"model_outputs": "audio"})
     ids = ["g1", "bad", "g2"]
@@ -433,3 +433,23 @@ def test_bad_input_over_the_wire_fails_only_its_request(bad):
         assert list(got[rid].token_ids) == [5, 6, 7]
         assert torch.equal(got[rid].multimodal_output.tensors["audio"], torch.cat(sent[rid])), rid
     assert p.accumulation_errors == 1 and p.accumulator_stats()["devices"]["cpu"]["requests"] == 0
+
+
+def test_delta_outputs_merged_for_a_slow_consumer_keep_every_chunk():
+    """AsyncLLM merges DELTA outputs its consumer has not read yet (vLLM's ``RequestOutput.add``,
+    which would keep the first output's payload only): every chunk must still arrive, in order."""
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio",
+                                  strategies={"audio": S.CONCAT_LAST, "codes": S.CONCAT_DIM0})
+    queue = RequestOutputCollector(RequestOutputKind.DELTA, "slow")
+    p.add_request(core_request("slow", [3], sampling(RequestOutputKind.DELTA, max_tokens=4)), None, None, 0, queue)
+    audio = [torch.randn(5 + i) for i in range(4)]
+    codes = [torch.randint(0, 9, (1 + i % 2, 3)) for i in range(4)]
+    for i in range(4):  # four steps before the consumer reads
+        p.process_outputs([mm_step("slow", 5 + i, {"audio": audio[i], "codes": codes[i], "sr": 16000 + i},
+                                   FinishReason.LENGTH if i == 3 else None)])
+    out = queue.get_nowait()
+    comp = out.outputs[0]
+    assert list(comp.token_ids) == [5, 6, 7, 8] and out.finished
+    assert torch.equal(comp.multimodal_output.tensors["audio"], torch.cat(audio))
+    assert torch.equal(comp.multimodal_output.tensors["codes"], torch.cat(codes))
+    assert comp.multimodal_output.metadata["sr"] == 16003

@@ -47,3 +47,16 @@ def test_preprocess_path_runs_inside_the_vllm_runner_class():
     np.testing.assert_array_equal(runner.input_ids.numpy(), ids)
     np.testing.assert_array_equal(runner.inputs_embeds.float().numpy(), emb)
     assert runner.model_intermediate_buffer["b"]["codes"]["audio"].tolist() == codes["b"].tolist()
+
+
+@pytest.mark.parametrize("v2", ["1", "0"])
+def test_refuses_to_start_when_vllm_selects_model_runner_v2(v2, monkeypatch):
+    from vllm_omni_kernels.vllm_integration.phase_runner import ModelRunnerV2SelectedError, check_v1_runner
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2)
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    if v2 == "1":
+        with pytest.raises(ModelRunnerV2SelectedError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+            OmniPhaseGPUModelRunner(config, torch.device("cpu"))
+    else:
+        check_v1_runner(config)  # V1 selected: nothing to refuse

@@ -14,7 +14,7 @@ from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm_env import core_request, sampling, tokenizer  # noqa: E402
 from vllm_omni_kernels.modality import OutputModality, TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.payload import MultimodalPayload  # noqa: E402
-from vllm_omni_kernels.vllm_integration.engine import OmniEngineCoreOutput  # noqa: E402
+from vllm_omni_kernels.vllm_integration.wire import OmniEngineCoreOutput  # noqa: E402
 from vllm_omni_kernels.vllm_integration.output_processor import MultimodalOutputProcessor  # noqa: E402
 from vllm_omni_kernels.vllm_integration.outputs import (  # noqa: E402
     MultimodalCompletionOutput, OmniModelRunnerOutput, OmniRequestOutput, wrap_output)

@@ -321,6 +321,7 @@ class MultimodalAccumulator:
                     self.abort(exc.request_id)
                 raise
         tensors: dict[str, dict[str, torch.Tensor]] = {rid: {} for rid, _, _ in due}
+        axes: dict[str, int] = {}
         event = None
         for pool, drain_ids, cons_ids in by_pool.values():
             for ids, read in ((drain_ids, pool.drain), (cons_ids, pool.consolidate)):
@@ -331,12 +332,14 @@ class MultimodalAccumulator:
                     outs, event = _to_pinned(outs)
                 for rid, out in zip(ids, outs):
                     tensors[rid][pool.key] = out
+                    axes[pool.key] = -1 if pool.last else 0
         payloads: dict[str, MultimodalPayload] = {}
         for rid, req, done in due:
             payload = MultimodalPayload(metadata=dict(req.metadata))
             for key in req.order:
                 if key in tensors[rid]:
                     payload.tensors[key] = tensors[rid][key]
+                    payload.axes[key] = axes[key]
                 elif key in req.lists:
                     items = req.lists[key]
                     start = req.list_emitted.get(key, 0) if req.emit is EmitPolicy.DELTA else 0

@@ -1,9 +1,17 @@
 """The frontend side of the separated channel (RFC parts II, IV, VI, VII).
 
 ``MultimodalOutputProcessor`` is vLLM's ``OutputProcessor`` plus one thing: before vLLM's own loop it
-reads each ``OmniEngineCoreOutput.multimodal_output`` of the step into the accumulator (one batched
-append per key and device), leaving ``pooling_output`` and everything else to vLLM. Nothing in it
-depends on the modality. Text and pooling requests therefore behave exactly as with vLLM's processor.
+reads the multimodal fields of each ``OmniEngineCoreOutput`` of the step, leaving ``pooling_output``
+and everything else to vLLM. Nothing in it depends on the modality. Text and pooling requests
+therefore behave exactly as with vLLM's processor.
+
+* Data the worker accumulated (``multimodal_spans``, views into the step's received buffer) is
+  handed through as it is: no copy, no re-accumulation. A request's pieces wait for its next
+  output (vLLM may skip steps: ``stream_interval``, FINAL_ONLY) and are concatenated only if more
+  than one arrived; CUMULATIVE outputs concatenate everything so far.
+* Plain per-step chunks (``multimodal_output``) are accumulated here, one batched append per key and
+  device (``MultimodalAccumulator``).
+* A request whose output the worker failed (``multimodal_error``) fails visibly, as below.
 
 ``OmniRequestState`` is vLLM's ``RequestState`` whose completion outputs are
 ``MultimodalCompletionOutput``s carrying the request's payload per its output kind: DELTA drains what
@@ -23,10 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from vllm.exceptions import GenerationError
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, FinishReason
@@ -35,16 +45,45 @@ from vllm.v1.engine.logprobs import LogprobsProcessor
 from vllm.v1.engine.output_processor import OutputProcessor, OutputProcessorOutput, RequestState
 
 from ..accumulator import AccumulatorConfig, EmitPolicy, MultimodalAccumulator
-from ..errors import TensorAccumulationError, TensorConsolidationError
+from ..errors import MultimodalOutputError, TensorAccumulationError, TensorConsolidationError
 from ..modality import OutputModality, TensorAccumulationStrategy, parse_strategy
 from ..payload import MultimodalPayload
-from .engine import OmniEngineCoreOutput
-from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput
+from .wire import OmniEngineCoreOutput
+from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput, MultimodalRequestOutput
 
 logger = logging.getLogger(__name__)
 
 _EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE: EmitPolicy.CUMULATIVE,
          RequestOutputKind.FINAL_ONLY: EmitPolicy.FINAL_ONLY}
+
+
+class AccumulationFailedError(TensorAccumulationError, GenerationError):
+    """A ``TensorAccumulationError`` that is also vLLM's ``GenerationError``, so ``AsyncLLM.generate``
+    raises it to the caller as it is (it wraps other errors in ``EngineGenerateError``) and vLLM's API
+    server answers it as a server error."""
+
+
+class ConsolidationFailedError(TensorConsolidationError, GenerationError):
+    """``AccumulationFailedError``'s counterpart for a ``TensorConsolidationError``."""
+
+
+def _raised_by_generate(exc: MultimodalOutputError, request_id: str) -> MultimodalOutputError:
+    """``exc`` as what ``generate`` raises, naming the request by the id its caller gave."""
+    cls = ConsolidationFailedError if isinstance(exc, TensorConsolidationError) else AccumulationFailedError
+    return cls(exc.reason, request_id=request_id, key=exc.key)
+
+
+class Stopwatch:
+    """Seconds spent inside ``with stopwatch:`` blocks, summed (the processor's multimodal share)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.seconds += time.perf_counter() - self._t0
 
 
 class OmniRequestState(RequestState):
@@ -59,6 +98,8 @@ class OmniRequestState(RequestState):
 
     accumulator: MultimodalAccumulator | None = None
     failures: list | None = None
+    delivered: dict[str, tuple[int, list[torch.Tensor]]] | None = None  # key -> (axis, pieces) from the worker
+    stopwatch: Stopwatch | None = None  # the processor's, timing payload assembly
 
     @classmethod
     def adopt(cls, base: RequestState) -> OmniRequestState:
@@ -77,13 +118,46 @@ class OmniRequestState(RequestState):
                                           request_id=self.request_id)
         return self.accumulator.append_step([self.request_id], {k: [v] for k, v in payload.items()})
 
+    def deliver(self, key: str, tensor: torch.Tensor, axis: int) -> None:
+        """Keep one piece of worker-accumulated data for the request's next output."""
+        if self.delivered is None:
+            self.delivered = {}
+        self.delivered.setdefault(key, (axis, []))[1].append(tensor)
+
     def take_payload(self, finished: bool) -> MultimodalPayload | None:
-        """The payload due now (per output kind); frees the request's slots when ``finished``."""
+        """The payload due now (per output kind): the worker's pieces, then what the accumulator
+        holds; frees the request's slots when ``finished``."""
+        if self.stopwatch is None:
+            return self._take_payload(finished)
+        with self.stopwatch:
+            return self._take_payload(finished)
+
+    def _take_payload(self, finished: bool) -> MultimodalPayload | None:
+        payload = None
+        if self.delivered:
+            cumulative = self.output_kind == RequestOutputKind.CUMULATIVE
+            for key, (axis, pieces) in self.delivered.items():
+                if not pieces:
+                    continue  # nothing new for this key since the last output
+                if payload is None:
+                    payload = MultimodalPayload()
+                whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=axis)
+                payload.tensors[key] = whole
+                payload.axes[key] = axis
+                self.delivered[key] = (axis, [whole] if cumulative else [])
         acc = self.accumulator
-        if acc is None or self.request_id not in acc:
-            return None
-        emission = acc.collect(finished=[self.request_id] if finished else (), request_ids=[self.request_id])
-        payload = emission.wait().get(self.request_id)
+        if acc is not None and self.request_id in acc:
+            emission = acc.collect(finished=[self.request_id] if finished else (), request_ids=[self.request_id])
+            own = emission.wait().get(self.request_id)
+            if own and payload is not None:
+                for key, value in own.tensors.items():
+                    if key not in payload.tensors:
+                        payload.tensors[key] = value
+                        if key in own.axes:
+                            payload.axes[key] = own.axes[key]
+                payload.metadata.update(own.metadata)
+            elif own:
+                payload = own
         return payload if payload else None
 
     def _payload_or_failure(self, finished: bool) -> MultimodalPayload | None:
@@ -98,18 +172,34 @@ class OmniRequestState(RequestState):
             self.failures.append((self, exc))
             return None
 
+    def _new_request_output(self, *args, **kwargs):
+        """vLLM's output of the request, as a ``MultimodalRequestOutput``: the same fields, and when
+        AsyncLLM merges DELTA outputs a consumer has not read yet, their payloads are merged too."""
+        return MultimodalRequestOutput.adopt(super()._new_request_output(*args, **kwargs))
+
     def _new_completion_output(self, token_ids, finish_reason, stop_reason):
         base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
-        if self.accumulator is None:
+        if self.accumulator is None and self.delivered is None:
             return base
         return MultimodalCompletionOutput.from_completion(base, self._payload_or_failure(finish_reason is not None))
 
     def _new_pooling_output(self, pooling_output: torch.Tensor):
         """A request with pooling params that also produced multimodal output ends with its pooling
         output, which carries the payload due at finish (per its output kind)."""
-        if self.accumulator is None or self.request_id not in self.accumulator:
+        if self.delivered is None and (self.accumulator is None or self.request_id not in self.accumulator):
             return super()._new_pooling_output(pooling_output)
         return MultimodalPoolingOutput(data=pooling_output, multimodal_output=self._payload_or_failure(True))
+
+
+def _give_completion_outputs(state: OmniRequestState) -> None:
+    """A request without a detokenizer (pooling params) that produces multimodal output gets vLLM's
+    token-id-only detokenizer and an empty logprobs processor, so its outputs are completion outputs
+    carrying the payload."""
+    if state.detokenizer is None:
+        state.detokenizer = IncrementalDetokenizer()
+        state.logprobs_processor = LogprobsProcessor(tokenizer=None, logprobs=None, prompt_logprobs=None,
+                                                     cumulative_logprob=None, num_logprobs=None,
+                                                     num_prompt_logprobs=None)
 
 
 class MultimodalOutputProcessor(OutputProcessor):
@@ -135,7 +225,9 @@ class MultimodalOutputProcessor(OutputProcessor):
                                            strategies={k: parse_strategy(v) for k, v in (strategies or {}).items()})
         self._key_aliases = dict(key_aliases or {})
         self._accumulators: dict[torch.device, MultimodalAccumulator] = {}
-        self._failures: list[tuple[OmniRequestState, TensorConsolidationError]] = []
+        self._failures: list[tuple[OmniRequestState, MultimodalOutputError]] = []
+        self.failed_by_worker = 0
+        self.stopwatch = Stopwatch()  # time spent on multimodal output (reading it, making payloads)
         self.accumulation_errors = 0
         self.consolidation_errors = 0
 
@@ -150,7 +242,8 @@ class MultimodalOutputProcessor(OutputProcessor):
 
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput], engine_core_timestamp=None,
                         iteration_stats=None, weight_version: str | None = None) -> OutputProcessorOutput:
-        self._accumulate(engine_core_outputs)
+        with self.stopwatch:
+            self._accumulate(engine_core_outputs)
         result = super().process_outputs(engine_core_outputs, engine_core_timestamp, iteration_stats, weight_version)
         self._fail_visibly(result)
         return result
@@ -161,8 +254,12 @@ class MultimodalOutputProcessor(OutputProcessor):
         steps: dict[torch.device, tuple[list[str], list[dict[str, Any]]]] = {}
         errors: list[TensorAccumulationError] = []
         for eco in engine_core_outputs:
-            if not isinstance(eco, OmniEngineCoreOutput) or eco.multimodal_output is None:
+            if not isinstance(eco, OmniEngineCoreOutput):
                 continue  # plain vLLM outputs (text, pooling) are vLLM's business
+            if eco.multimodal_spans or eco.multimodal_error is not None:
+                self._take_from_worker(eco, errors)
+            if eco.multimodal_output is None:
+                continue
             payload = eco.multimodal_output
             rid = eco.request_id
             state = self.request_states.get(rid)
@@ -188,6 +285,25 @@ class MultimodalOutputProcessor(OutputProcessor):
         for exc in errors:
             logger.warning("skipping one step's multimodal output: %s", exc)
         self.accumulation_errors += len(errors)
+
+    def _take_from_worker(self, eco: OmniEngineCoreOutput, errors: list) -> None:
+        """The worker's spans of ``eco`` handed to its request as they are; its error recorded to fail
+        the request visibly after the step."""
+        state = self.request_states.get(eco.request_id)
+        if not isinstance(state, OmniRequestState):
+            errors.append(TensorAccumulationError("multimodal output for an unknown or finished request",
+                                                  request_id=eco.request_id))
+            return
+        if eco.multimodal_error is not None:
+            exc = eco.multimodal_error.to_exception(eco.request_id)
+            logger.error("request %s failed: %s", eco.request_id, exc)
+            self._failures.append((state, exc))
+            return
+        state.stopwatch = self.stopwatch
+        if state.detokenizer is None and eco.pooling_output is None:
+            _give_completion_outputs(state)
+        for span in eco.multimodal_spans:
+            state.deliver(self._key_aliases.get(span.key, span.key), span.tensor, span.axis)
 
     def _values(self, rid: str, payload: Mapping[str, Any], errors: list) -> dict[str, Any]:
         """The payload's values under the stage's key names; a key that two payload keys map to (say
@@ -226,23 +342,23 @@ class MultimodalOutputProcessor(OutputProcessor):
         acc.add_request(state.request_id, emit=_EMIT[state.output_kind])
         state.accumulator = acc
         state.failures = self._failures
+        state.stopwatch = self.stopwatch
         if state.detokenizer is None and eco.pooling_output is None:
-            # A request without a detokenizer (pooling params) that produces multimodal output: give
-            # it vLLM's token-id-only detokenizer and an empty logprobs processor, so its outputs are
-            # completion outputs carrying the payload.
-            state.detokenizer = IncrementalDetokenizer()
-            state.logprobs_processor = LogprobsProcessor(tokenizer=None, logprobs=None, prompt_logprobs=None,
-                                                         cumulative_logprob=None, num_logprobs=None,
-                                                         num_prompt_logprobs=None)
+            _give_completion_outputs(state)
         return acc
 
     def _fail_visibly(self, result: OutputProcessorOutput) -> None:
-        """Requests whose consolidation failed in this step: fail them through vLLM's error paths."""
+        """Requests whose output failed in this step (a consolidation here, or the worker's
+        accumulation): fail them through vLLM's error paths."""
         failures, self._failures[:] = list(self._failures), []
         for state, exc in failures:
-            self.consolidation_errors += 1
+            if isinstance(exc, TensorConsolidationError):
+                self.consolidation_errors += 1
+            else:
+                self.failed_by_worker += 1
             if state.queue is not None:
-                state.queue.put(exc)  # AsyncLLM: the request's generate() raises it
+                # AsyncLLM: the request's generate() raises it
+                state.queue.put(_raised_by_generate(exc, state.external_req_id))
             for out in result.request_outputs:  # LLMEngine: the output says so
                 if isinstance(out, RequestOutput) and out.request_id == state.external_req_id and out.outputs:
                     out.finished = True
@@ -277,4 +393,5 @@ class MultimodalOutputProcessor(OutputProcessor):
     def accumulator_stats(self) -> dict[str, Any]:
         """Pool statistics per device, plus the error counters."""
         return {"accumulation_errors": self.accumulation_errors, "consolidation_errors": self.consolidation_errors,
+                "failed_by_worker": self.failed_by_worker, "multimodal_seconds": self.stopwatch.seconds,
                 "devices": {str(d): a.stats() for d, a in self._accumulators.items()}}

@@ -1,7 +1,9 @@
 """Output types of the separated multimodal channel on vLLM (RFC parts I, IV, V).
 
-* ``OmniModelRunnerOutput``: vLLM's ``ModelRunnerOutput`` plus ``multimodal_outputs`` (request id ->
-  ``{key: value}``); ``pooler_output`` keeps vLLM's meaning (pooling-task tensors only).
+* ``OmniModelRunnerOutput``: vLLM's ``ModelRunnerOutput`` plus the multimodal channel: plain
+  per-step values (``multimodal_outputs``), the worker's accumulated output due this step
+  (``packed``), and the requests whose output the worker opened or failed; ``pooler_output`` keeps
+  vLLM's meaning (pooling-task tensors only).
 * ``MultimodalCompletionOutput``: vLLM's ``CompletionOutput`` with a typed ``multimodal_output``;
   ``MultimodalPoolingOutput`` the same for ``PoolingOutput``.
 * ``OmniRequestOutput``: one non-nestable shape for every stage (``from_engine_output``,
@@ -17,20 +19,30 @@ import torch
 from vllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from vllm.v1.outputs import ModelRunnerOutput
 
+from ..errors import TensorAccumulationError
 from ..modality import OutputModality
 from ..payload import MultimodalPayload
+from ..serving.worker_accumulator import PackedStep
 
 
 @dataclass
 class OmniModelRunnerOutput(ModelRunnerOutput):
     """``ModelRunnerOutput`` with a dedicated multimodal channel.
 
-    ``multimodal_outputs``: request id -> ``{key: tensor or metadata value}`` for this step (requests
-    without output are absent). ``pooler_output`` is vLLM's: per-request tensors of pooling tasks or
-    None, never multimodal dicts (``TypeError`` otherwise: that is the channel this type separates).
+    ``multimodal_outputs``: request id -> ``{key: tensor or metadata value}`` for this step, values a
+    producer sends as plain per-step chunks (requests without output are absent).
+    ``packed``: the worker-accumulated data due this step (``serving.worker_accumulator.PackedStep``:
+    one host buffer, spans per request, the requests whose output it closed), already copied.
+    ``multimodal_opened``: requests whose output the worker started to hold this step;
+    ``multimodal_errors``: requests whose output the worker failed (the scheduler finishes them).
+    ``pooler_output`` is vLLM's: per-request tensors of pooling tasks or None, never multimodal dicts
+    (``TypeError`` otherwise: that is the channel this type separates).
     """
 
     multimodal_outputs: dict[str, dict[str, Any]] | None = None
+    packed: PackedStep | None = None
+    multimodal_opened: list[str] | None = None
+    multimodal_errors: dict[str, TensorAccumulationError] | None = None
 
     def __post_init__(self):
         for value in self.pooler_output or ():
@@ -54,6 +66,39 @@ class MultimodalCompletionOutput(CompletionOutput):
         """``base`` with ``payload`` attached (every field of ``base`` carried over)."""
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
         return cls(**fields, multimodal_output=payload)
+
+
+class MultimodalRequestOutput(RequestOutput):
+    """vLLM's ``RequestOutput`` whose ``add`` (AsyncLLM merging DELTA outputs that the consumer has not
+    read yet) merges the completions' multimodal payloads too (``MultimodalPayload.merge``), where
+    vLLM's would keep only the first one's. Every other field and behaviour is vLLM's."""
+
+    @classmethod
+    def adopt(cls, base):
+        """``base`` as this class (a ``PoolingRequestOutput`` is returned as it is)."""
+        if not isinstance(base, RequestOutput) or isinstance(base, cls):
+            return base
+        out = cls.__new__(cls)
+        out.__dict__.update(base.__dict__)
+        return out
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        merged = {}
+        if aggregate:
+            mine = {c.index: c for c in self.outputs}
+            for nxt in next_output.outputs:
+                first = mine.get(nxt.index)
+                later = getattr(nxt, "multimodal_output", None)
+                if first is not None and later:
+                    before = getattr(first, "multimodal_output", None)
+                    merged[nxt.index] = before.merge(later) if before else later
+        super().add(next_output, aggregate)
+        for completion in self.outputs:
+            if completion.index in merged:
+                if not isinstance(completion, MultimodalCompletionOutput):
+                    completion = self.outputs[self.outputs.index(completion)] = \
+                        MultimodalCompletionOutput.from_completion(completion, None)
+                completion.multimodal_output = merged[completion.index]
 
 
 @dataclass(eq=False)  # vLLM's PoolingOutput equality (data only) is kept

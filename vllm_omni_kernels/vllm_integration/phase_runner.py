@@ -4,6 +4,11 @@ For models with ``has_preprocess``: after vLLM's own ``_preprocess`` has laid ou
 goes through the model's hooks as ``OmniPhaseRunnerMixin._omni_preprocess`` routes it (phase keys,
 batched decode runs, runner MTP), and the model gets ``input_ids`` and ``inputs_embeds`` from the
 runner's persistent buffers. Other models run exactly as in vLLM.
+
+It is a subclass of vLLM's V1 ``GPUModelRunner``. vLLM 0.33 selects its Model Runner V2 by default,
+which would never construct this class: the constructor refuses to run on a configuration that
+selects V2, with an error that says how to select V1 (``VLLM_USE_V2_MODEL_RUNNER=0``), rather than
+let the phase contract silently go unused.
 """
 
 from __future__ import annotations
@@ -17,11 +22,24 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from ..phase_runner import OmniPhaseRunnerMixin
 
 
+class ModelRunnerV2SelectedError(RuntimeError):
+    """The configuration selects vLLM's Model Runner V2, which does not use this runner."""
+
+
+def check_v1_runner(vllm_config) -> None:
+    """Raise ``ModelRunnerV2SelectedError`` when ``vllm_config`` selects Model Runner V2."""
+    if vllm_config.use_v2_model_runner:
+        raise ModelRunnerV2SelectedError(
+            "OmniPhaseGPUModelRunner is a V1 GPUModelRunner, but this configuration selects vLLM's Model Runner "
+            "V2 (vLLM 0.33's default), which would never run it: set VLLM_USE_V2_MODEL_RUNNER=0")
+
+
 class OmniPhaseGPUModelRunner(OmniPhaseRunnerMixin, GPUModelRunner):
     """A ``GPUModelRunner`` whose preprocess follows the prefill/decode phase contract."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, vllm_config, *args, **kwargs):
+        check_v1_runner(vllm_config)
+        super().__init__(vllm_config, *args, **kwargs)
         self.model_intermediate_buffer: dict[str, dict[str, Any]] = {}
         self._omni_gather = None
 

@@ -1,49 +1,124 @@
-"""The scheduler side of the separated channel (RFC part I.3): ``OmniScheduler``.
+"""The scheduler side of the separated channel (RFC part I.3): ``OmniScheduler`` and
+``OmniAsyncScheduler``.
 
 vLLM's v1 ``Scheduler.update_from_output`` turns a runner output into ``EngineCoreOutput``s. Here
-the runner output is an ``OmniModelRunnerOutput`` whose ``pooler_output`` holds pooling tensors only
-and whose ``multimodal_outputs`` holds the multimodal data, so vLLM's own logic runs unchanged on the
-pooling channel (its "pooling request finishes when it has pooler output" check fires only for real
-pooling output) and this class threads the multimodal channel into ``OmniEngineCoreOutput``.
+the runner output is an ``OmniModelRunnerOutput``, whose ``pooler_output`` holds pooling tensors
+only, so vLLM's own logic runs unchanged on the pooling channel (its "a pooling request finishes
+when it has pooler output" check fires only for real pooling output). ``MultimodalChannel`` then
+threads the multimodal channel into ``OmniEngineCoreOutput``s:
 
-A multimodal output never finishes a request: completion comes from ``finish_reason`` (tokens, stop
-conditions, aborts). A request that has multimodal output in a step but produced no token (a
-generation stage) still gets an output for that step.
+* plain per-step values (``multimodal_outputs``) and worker-accumulated spans (``packed``): the
+  spans go on the request's output, the step's one host buffer on the message
+  (``OmniEngineCoreOutputs.multimodal_buffer``) of every client that has spans in it;
+* a request whose output the worker failed (``multimodal_errors``) is finished with
+  ``FINISHED_ERROR`` and its output carries the error, which the frontend raises to its caller;
+* a request that finishes (length, stop) while the worker still holds its output (it opened it in
+  ``multimodal_opened`` and has not closed it in ``packed.final``) would lose that output: its final
+  output carries an error instead, so the loss is visible.
+
+A multimodal output never finishes a request; a request that has multimodal output in a step but
+produced no token (a generation stage) still gets an output for that step.
+
+``OmniScheduler`` subclasses vLLM's ``Scheduler`` and ``OmniAsyncScheduler`` its ``AsyncScheduler``
+(async scheduling, vLLM's default: a ``Scheduler`` subclass would turn it off).
 """
 
 from __future__ import annotations
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutputs, FinishReason
+from vllm.v1.request import RequestStatus
 
-from .engine import OmniEngineCoreOutput
 from .outputs import OmniModelRunnerOutput
+from .wire import MultimodalError, MultimodalSpan, OmniEngineCoreOutput, OmniEngineCoreOutputs
 
 
-class OmniScheduler(Scheduler):
-    """vLLM's ``Scheduler`` with the multimodal channel; every other behaviour is vLLM's."""
+class MultimodalChannel:
+    """The multimodal channel of ``update_from_output``, for a vLLM scheduler class (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._worker_open: set[str] = set()  # requests whose output the worker holds
+
+    def finish_requests(self, request_ids, finished_status):
+        finished = super().finish_requests(request_ids, finished_status)
+        for request in finished:
+            self._worker_open.discard(request.request_id)
+        return finished
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        mm = model_runner_output.multimodal_outputs if isinstance(model_runner_output, OmniModelRunnerOutput) else None
-        if not mm:
+        if not isinstance(model_runner_output, OmniModelRunnerOutput):
+            return outputs
+        out = model_runner_output
+        packed = out.packed
+        self._worker_open.update(out.multimodal_opened or ())
+        if packed is not None:
+            self._worker_open.difference_update(packed.final)
+        plain = out.multimodal_outputs or {}
+        spans = packed.spans if packed is not None else {}
+        errors = {rid: MultimodalError(exc.reason, exc.key) for rid, exc in (out.multimodal_errors or {}).items()}
+        if errors:
+            self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
+        if not (plain or spans or errors or self._worker_open):
             return outputs
         emitted: set[str] = set()
-        for batch in outputs.values():
-            converted = []
+        for client, batch in list(outputs.items()):
+            converted, with_spans = [], False
             for eco in batch.outputs:
-                payload = mm.get(eco.request_id)
-                if payload:
-                    eco = OmniEngineCoreOutput.from_base(eco, payload)
-                    emitted.add(eco.request_id)
+                rid = eco.request_id
+                error = errors.get(rid)
+                if error is None and eco.finish_reason is not None and rid in self._worker_open:
+                    self._worker_open.discard(rid)
+                    error = MultimodalError(f"the request finished ({eco.finish_reason}) while the worker still "
+                                            "held its output, which is lost")
+                wire_spans = _wire(spans.get(rid))
+                if plain.get(rid) or wire_spans or error is not None:
+                    eco = OmniEngineCoreOutput.from_base(eco, plain.get(rid), wire_spans, error)
+                    if error is not None:
+                        eco.finish_reason = FinishReason.ERROR
+                    emitted.add(rid)
+                    with_spans |= bool(wire_spans)
                 converted.append(eco)
-            batch.outputs = converted
-        for req_id, payload in mm.items():
-            request = self.requests.get(req_id)
-            if req_id in emitted or not payload or request is None or request.is_finished():
+            outputs[client] = _with_outputs(batch, converted, packed.host if with_spans else None)
+        for rid in set(plain) | set(spans) | set(errors):
+            request = self.requests.get(rid)
+            if rid in emitted or request is None or (request.is_finished() and rid not in errors):
                 continue  # finished requests already got their final output above
             batch = outputs.get(request.client_index)
             if batch is None:
-                batch = outputs[request.client_index] = EngineCoreOutputs()
-            batch.outputs.append(OmniEngineCoreOutput(request_id=req_id, new_token_ids=[], multimodal_output=payload))
+                batch = outputs[request.client_index] = OmniEngineCoreOutputs()
+            wire_spans = _wire(spans.get(rid))
+            batch.outputs.append(OmniEngineCoreOutput(
+                request_id=rid, new_token_ids=[], multimodal_output=plain.get(rid) or None,
+                multimodal_spans=wire_spans, multimodal_error=errors.get(rid),
+                finish_reason=FinishReason.ERROR if rid in errors else None))
+            if wire_spans:
+                outputs[request.client_index] = _with_outputs(batch, batch.outputs, packed.host)
         return outputs
+
+
+def _wire(spans) -> list[MultimodalSpan] | None:
+    if not spans:
+        return None
+    return [MultimodalSpan(s.key, str(s.dtype).removeprefix("torch."), list(s.shape), s.offset, s.axis) for s in spans]
+
+
+def _with_outputs(batch: EngineCoreOutputs, outputs: list, buffer) -> OmniEngineCoreOutputs:
+    """``batch`` as ``OmniEngineCoreOutputs`` with ``outputs`` and the step's buffer (if any span needs it)."""
+    if isinstance(batch, OmniEngineCoreOutputs):
+        batch.outputs = outputs
+        if buffer is not None:
+            batch.multimodal_buffer = buffer
+        return batch
+    fields = {name: getattr(batch, name) for name in batch.__struct_fields__ if name != "outputs"}
+    return OmniEngineCoreOutputs(**fields, outputs=outputs, multimodal_buffer=buffer)
+
+
+class OmniScheduler(MultimodalChannel, Scheduler):
+    """vLLM's ``Scheduler`` with the multimodal channel; every other behaviour is vLLM's."""
+
+
+class OmniAsyncScheduler(MultimodalChannel, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` (async scheduling) with the multimodal channel."""

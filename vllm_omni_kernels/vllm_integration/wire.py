@@ -1,31 +1,41 @@
-"""The multimodal field on vLLM's engine-core wire (RFC part I.2) and the decoder that keeps it.
+"""The multimodal channel on vLLM's engine-core wire (RFC part I.2) and the decoder that keeps it.
 
-``OmniEngineCoreOutput`` adds ``multimodal_output: dict[str, Any] | None`` as the last field of
-vLLM's ``EngineCoreOutput`` (an ``array_like`` msgspec struct). An empty payload is stored as None;
-vLLM's frames keep every position (its own None fields are encoded as nil too), so the field costs
-one nil byte when absent, and frames without it (plain ``EngineCoreOutput``) decode as before.
+``OmniEngineCoreOutput`` appends to vLLM's ``EngineCoreOutput`` (an ``array_like`` msgspec struct):
 
-vLLM's client decodes every frame as ``EngineCoreOutputs``, whose outputs are plain
-``EngineCoreOutput``: decoded that way the field would be dropped, and even decoded into our type a
-tensor under an ``Any`` annotation arrives as its raw ``[dtype, shape, buffer index]`` triple, whose
-buffer is gone once ``decode`` returns. ``OmniMsgpackDecoder`` decodes into ``OmniEngineCoreOutputs``
-and turns those triples back into tensors while the message's buffers are still at hand (zero-copy
-for large tensors, as vLLM does). ``install_omni_decoder(client)`` puts it into a vLLM core client.
+* ``multimodal_output``: ``{key: tensor or metadata}`` a producer sends as plain per-step chunks
+  (the frontend accumulates them);
+* ``multimodal_spans``: the request's data accumulated in the worker and due now, as spans (key,
+  dtype, shape, byte offset) of the step's one buffer, ``OmniEngineCoreOutputs.multimodal_buffer``:
+  one tensor per message, a single zero-copy frame in vLLM's encoder, however many requests it
+  serves;
+* ``multimodal_error``: the worker failed the request's output (``MultimodalError``); the frontend
+  fails the request visibly with a ``TensorAccumulationError``.
 
-Anything under ``multimodal_output`` that is not a tensor triple is left as decoded (metadata such as
-the sample rate). A triple that cannot be a tensor of this message (its data not a buffer of it, an
-index past its buffers, a size that does not match the shape) becomes a ``TensorAccumulationError``
-naming the request and key, in place of the value: the output processor counts it for that request
-only, and the frame's other outputs are delivered.
+Absent fields cost nothing (trailing defaults are omitted), and frames without them (plain
+``EngineCoreOutput``) decode as before.
+
+vLLM's client decodes every frame as ``EngineCoreOutputs``: decoded that way the fields would be
+dropped, and a tensor under ``Any`` arrives as its raw ``[dtype, shape, buffer index]`` triple whose
+buffer is gone once ``decode`` returns. ``OmniMsgpackDecoder`` decodes into ``OmniEngineCoreOutputs``,
+turns those triples back into tensors while the message's buffers are at hand (zero-copy, as vLLM
+does) and resolves every span into a view of the step's buffer (``resolve_spans``; the in-process
+client calls it on the scheduler's own objects). The client subclasses in ``client.py`` hold this
+decoder from construction.
+
+Bad data never costs another request its output: a triple that cannot be a tensor of this message
+(data not a buffer of it, an index past its buffers, a size that does not match the shape) becomes
+a ``TensorAccumulationError`` in place of the value, and a span outside its buffer or misaligned
+becomes the request's ``multimodal_error``; the frame's other outputs are delivered.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
-import math
-
+import msgspec
 import torch
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, bytestr
@@ -33,24 +43,84 @@ from vllm.v1.serial_utils import MsgpackDecoder, bytestr
 from ..errors import TensorAccumulationError
 
 
+class MultimodalSpan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    """One key's data of one request in its message's buffer: a ``dtype`` tensor of ``shape`` from
+    byte ``offset`` on, whose pieces concatenate along ``axis`` (-1: CONCAT_LAST, 0: CONCAT_DIM0).
+    ``tensor`` is that view, filled on the receiving side (never sent)."""
+
+    key: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    axis: int = 0
+    tensor: torch.Tensor | None = None
+
+
+class MultimodalError(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """Why the worker failed a request's multimodal output (``key``: the key concerned, if one)."""
+
+    message: str
+    key: str | None = None
+
+    def to_exception(self, request_id: str) -> TensorAccumulationError:
+        return TensorAccumulationError(self.message, request_id=request_id, key=self.key)
+
+
 class OmniEngineCoreOutput(EngineCoreOutput, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    """``EngineCoreOutput`` plus the dedicated multimodal channel; ``pooling_output`` keeps vLLM's
-    meaning (pooling tensors only). ``multimodal_output`` is ``{key: tensor or metadata}``, or None
-    when there is none (an empty dict is stored as None)."""
+    """``EngineCoreOutput`` plus the dedicated multimodal channel (module docstring);
+    ``pooling_output`` keeps vLLM's meaning (pooling tensors only)."""
 
     multimodal_output: dict[str, Any] | None = None
+    multimodal_spans: list[MultimodalSpan] | None = None
+    multimodal_error: MultimodalError | None = None
 
     @classmethod
-    def from_base(cls, base: EngineCoreOutput, multimodal_output: dict[str, Any] | None) -> OmniEngineCoreOutput:
-        """``base`` with ``multimodal_output`` (every field of ``base`` carried over)."""
+    def from_base(cls, base: EngineCoreOutput, multimodal_output: dict[str, Any] | None = None,
+                  spans: list[MultimodalSpan] | None = None,
+                  error: MultimodalError | None = None) -> OmniEngineCoreOutput:
+        """``base`` with the multimodal fields (every field of ``base`` carried over; empty ones as None)."""
         fields = {name: getattr(base, name) for name in base.__struct_fields__}
-        return cls(**fields, multimodal_output=multimodal_output or None)
+        return cls(**fields, multimodal_output=multimodal_output or None, multimodal_spans=spans or None,
+                   multimodal_error=error)
 
 
 class OmniEngineCoreOutputs(EngineCoreOutputs, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    """``EngineCoreOutputs`` whose outputs decode as ``OmniEngineCoreOutput``."""
+    """``EngineCoreOutputs`` whose outputs decode as ``OmniEngineCoreOutput``, with the step's buffer
+    of worker-accumulated data (uint8, host memory) that their spans point into."""
 
     outputs: list[OmniEngineCoreOutput] = []
+    multimodal_buffer: torch.Tensor | None = None
+
+
+def resolve_spans(outputs: OmniEngineCoreOutputs) -> None:
+    """Fill every span's ``tensor`` with its view of ``outputs.multimodal_buffer``. A span that does
+    not lie inside the buffer, or whose offset does not suit its dtype, fails its request
+    (``multimodal_error``) and the request's spans are dropped."""
+    buffer = outputs.multimodal_buffer
+    for eco in outputs.outputs:
+        spans = getattr(eco, "multimodal_spans", None)
+        if not spans:
+            continue
+        try:
+            for span in spans:
+                span.tensor = _span_view(buffer, span)
+        except ValueError as exc:
+            eco.multimodal_spans = None
+            eco.multimodal_error = MultimodalError(str(exc), key=span.key)
+
+
+def _span_view(buffer: torch.Tensor | None, span: MultimodalSpan) -> torch.Tensor:
+    dtype = getattr(torch, span.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {span.dtype!r}")
+    if not all(type(s) is int and s >= 0 for s in span.shape):
+        raise ValueError(f"bad shape {span.shape}")
+    nbytes = math.prod(span.shape) * dtype.itemsize
+    size = 0 if buffer is None else buffer.numel()
+    if span.offset < 0 or span.offset + nbytes > size or span.offset % dtype.itemsize:
+        raise ValueError(f"span of {nbytes} bytes at offset {span.offset} is not inside the step's buffer "
+                         f"of {size} bytes on a {dtype.itemsize}-byte boundary")
+    return buffer[span.offset:span.offset + nbytes].view(dtype).view(span.shape)
 
 
 def _is_tensor_triple(value: Any) -> bool:
@@ -63,26 +133,35 @@ def _is_tensor_triple(value: Any) -> bool:
 
 
 class OmniMsgpackDecoder(MsgpackDecoder):
-    """vLLM's ``MsgpackDecoder`` for ``OmniEngineCoreOutputs`` that restores multimodal tensors."""
+    """vLLM's ``MsgpackDecoder`` for ``OmniEngineCoreOutputs`` that restores multimodal tensors and
+    resolves spans (module docstring)."""
 
     def __init__(self, t: Any = OmniEngineCoreOutputs, **kwargs):
         super().__init__(t, **kwargs)
+        self.messages = 0  # decoded so far, with their bytes (every frame) and decoding time
+        self.bytes = 0
+        self.seconds = 0.0
 
     def decode(self, bufs: bytestr | Sequence[bytestr]) -> Any:
+        t0 = time.perf_counter()
         if isinstance(bufs, bytestr):  # type: ignore[arg-type]
             bufs = (bufs,)
+        self.messages += 1
+        self.bytes += sum(memoryview(b).nbytes for b in bufs)
         self.aux_buffers = bufs
         try:
             out = self.decoder.decode(bufs[0])
-            for eco in out.outputs if isinstance(out, OmniEngineCoreOutputs) else ():
-                mm = eco.multimodal_output
-                if mm:
-                    eco.multimodal_output = {k: self._tensor_or_error(v, eco.request_id, k)
-                                             if _is_tensor_triple(v) else v for k, v in mm.items()}
+            if isinstance(out, OmniEngineCoreOutputs):
+                for eco in out.outputs:
+                    mm = eco.multimodal_output
+                    if mm:
+                        eco.multimodal_output = {k: self._tensor_or_error(v, eco.request_id, k)
+                                                 if _is_tensor_triple(v) else v for k, v in mm.items()}
+                resolve_spans(out)
             return out
         finally:
             self.aux_buffers = ()
-
+            self.seconds += time.perf_counter() - t0
 
     def _tensor_or_error(self, triple: Any, request_id: str, key: str) -> torch.Tensor | TensorAccumulationError:
         """The tensor a ``[dtype, shape, data]`` triple of this message stands for, or the error that
@@ -104,12 +183,3 @@ class OmniMsgpackDecoder(MsgpackDecoder):
             return TensorAccumulationError(f"a {dtype} tensor of shape {list(shape)} needs {expected} bytes, its "
                                            f"buffer holds {nbytes}", request_id=request_id, key=key)
         return self._decode_tensor(triple)
-
-
-def install_omni_decoder(client: Any) -> None:
-    """Make a vLLM multiprocess core client (``SyncMPClient``, ``AsyncMPClient``, ...) decode
-    engine-core frames with ``OmniMsgpackDecoder`` (its own ``decoder`` is typed on plain
-    ``EngineCoreOutputs``). Call right after the client is constructed."""
-    if not hasattr(client, "decoder"):
-        raise TypeError(f"{type(client).__name__} has no engine-core output decoder to replace")
-    client.decoder = OmniMsgpackDecoder()

@@ -1,0 +1,84 @@
+"""TTS served through a real vLLM engine core in its own process (ZMQ, vLLM's msgpack), the way
+users run it (marker vllm): every sample of every request checked against what its codes decode
+to, every output kind, aborts, a request whose chunk is malformed, and the slots all given back.
+
+vLLM's own client decodes the same frames with its ``EngineCoreOutputs`` decoder and loses the
+whole multimodal channel without an error; the first test shows that this run catches exactly that.
+"""
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams, TokensPrompt  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.usage.usage_lib import UsageContext  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.executor import Executor  # noqa: E402
+
+from vllm_omni_kernels.serving import talker as tk  # noqa: E402
+from vllm_omni_kernels.vllm_integration.llm import (  # noqa: E402
+    OmniLLM, omni_vllm_config, talker_engine_args)
+from vllm_omni_kernels.vllm_integration.simulate import SimConfig, run  # noqa: E402
+from vllm_omni_kernels.vllm_integration.talker_model import make_model_dir  # noqa: E402
+from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def test_vllm_own_async_client_loses_all_audio_silently(tmp_path):
+    """vLLM's AsyncLLM with this package's scheduler and worker: requests finish normally with
+    zero audio and no error (what a decoder installed after construction left users with)."""
+    model = make_model_dir(tmp_path / "model")
+    args = talker_engine_args(model, max_num_seqs=4, args_cls=AsyncEngineArgs, disable_log_stats=True)
+    config = omni_vllm_config(args, UsageContext.ENGINE_CONTEXT)
+
+    async def one():
+        engine = AsyncLLM(config, Executor.get_class(config), log_stats=False)
+        try:
+            params = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+            async for out in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), params, request_id="r"):
+                last = out
+            return last, type(engine.engine_core.decoder)
+        finally:
+            engine.shutdown()
+
+    out, decoder = asyncio.run(one())
+    assert out.finished and len(out.outputs[0].token_ids) == 4  # the tokens arrive...
+    assert not hasattr(out.outputs[0], "multimodal_output") and decoder is not OmniMsgpackDecoder  # ...no audio
+
+
+def test_two_hundred_streams_over_zmq_every_sample_exact(tmp_path):
+    cfg = SimConfig(requests=200, concurrency=32, min_frames=2, max_frames=9, abort_every=10, bad_every=50,
+                    cadence=2 * tk.FRAME_SAMPLES, device="cpu", paths=("worker",), out_dir=str(tmp_path),
+                    progress=False, write_wavs=False)
+    s = run(cfg)["paths"]["worker"]
+    assert s["requests"] == 200 and s["failed_as_expected"] == 4 and s["aborted_checked"] == 20
+    assert s["finished_exact"] == 176  # every sample of every finished request (simulate._check raises otherwise)
+    assert s["slots_held_after"] == 0 and s["engine_steps"] > 0
+
+
+def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
+    model = make_model_dir(tmp_path / "model")
+    prompts = [TokensPrompt(prompt_token_ids=list(range(4, 4 + n))) for n in (3, 9, 17)]
+    params = [SamplingParams(max_tokens=f, output_kind=k, detokenize=False) for f, k in
+              ((5, RequestOutputKind.FINAL_ONLY), (3, RequestOutputKind.CUMULATIVE), (7, RequestOutputKind.FINAL_ONLY))]
+    results = {}
+    for multiprocess in (True, False):
+        engine = OmniLLM.from_engine_args(talker_engine_args(model, max_num_seqs=4, disable_log_stats=True),
+                                          enable_multiprocessing=multiprocess)
+        try:
+            assert type(engine.engine_core).__name__ == ("OmniSyncMPClient" if multiprocess else "OmniInprocClient")
+            outs = engine.generate(prompts, params)
+        finally:
+            engine.engine_core.shutdown()
+        results[multiprocess] = outs
+        for out, p in zip(outs, params):
+            codes, audio = out.multimodal.tensors["codes"], out.multimodal.tensors["audio"]
+            assert codes.shape == (p.max_tokens, tk.CODEBOOKS) and audio.equal(tk.expected_audio(codes))
+            assert list(out.request_output.outputs[0].token_ids) == (codes[:, 0] + tk.TEXT_VOCAB).tolist()
+    for a, b in zip(results[True], results[False]):  # the same talker, the same frames either way
+        assert a.multimodal.tensors["codes"].equal(b.multimodal.tensors["codes"])

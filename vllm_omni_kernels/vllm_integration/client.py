@@ -1,0 +1,47 @@
+"""Engine-core clients that receive the multimodal channel: ``OmniSyncMPClient``,
+``OmniAsyncMPClient`` (the engine core in its own process, over ZMQ) and ``OmniInprocClient``.
+
+vLLM's multiprocess clients decode every frame with ``MsgpackDecoder(EngineCoreOutputs)``, which
+drops the multimodal fields without a word, and their output thread (sync) or task (async) takes
+the decoder when it starts, inside or right after construction: a decoder set on a built client is
+never used. Here the decoder is ``OmniMsgpackDecoder`` from construction on: ``OmniDecoding`` sits
+between vLLM's ``SyncMPClient``/``AsyncMPClient`` and ``MPClient`` and sets it as soon as
+``MPClient.__init__`` made vLLM's, before anything can take it. The in-process client gets the
+scheduler's own objects and only resolves their spans.
+
+``OmniLLM``/``OmniAsyncLLM`` (``llm.py``) build these; nothing else needs to.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.engine.core_client import AsyncMPClient, InprocClient, MPClient, SyncMPClient
+
+from .wire import OmniEngineCoreOutputs, OmniMsgpackDecoder, resolve_spans
+
+
+class OmniDecoding(MPClient):
+    """``MPClient`` whose decoder is ``OmniMsgpackDecoder`` before any thread or task can take it."""
+
+    decoder: OmniMsgpackDecoder
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decoder = OmniMsgpackDecoder()
+
+
+class OmniSyncMPClient(SyncMPClient, OmniDecoding):
+    """vLLM's ``SyncMPClient`` (``LLMEngine``'s) decoding the multimodal channel."""
+
+
+class OmniAsyncMPClient(AsyncMPClient, OmniDecoding):
+    """vLLM's ``AsyncMPClient`` (``AsyncLLM``'s) decoding the multimodal channel."""
+
+
+class OmniInprocClient(InprocClient):
+    """vLLM's in-process client; the engine core's outputs get their spans resolved."""
+
+    def get_output(self):
+        outputs = super().get_output()
+        if isinstance(outputs, OmniEngineCoreOutputs):
+            resolve_spans(outputs)
+        return outputs

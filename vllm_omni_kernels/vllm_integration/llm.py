@@ -1,0 +1,251 @@
+"""The entry points a user calls: ``OmniLLM`` (sync, vLLM's ``LLMEngine``) and ``OmniAsyncLLM``
+(vLLM's ``AsyncLLM``), and ``talker_engine_args`` for the TTS talker.
+
+Each builds vLLM's engine with three things of this package: the scheduler class (``OmniScheduler``,
+or ``OmniAsyncScheduler`` under async scheduling), ``MultimodalOutputProcessor`` and an engine-core
+client that decodes the multimodal channel from its construction on (``client.py``). vLLM 0.33 has
+no hook for the processor or the client class (``LLMEngine``/``AsyncLLM`` build them in their
+``__init__`` through static factories, and the client's output thread takes its decoder there), so
+the two ``__init__`` below are vLLM's own, step for step, with those two objects made here. The
+engine core runs in its own process (vLLM's default, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) or in
+process (``=0``; ``OmniLLM`` only, as for vLLM).
+
+Async scheduling: ``TalkerExecutor`` supports it, so it is on for the talker unless the engine
+arguments turn it off (vLLM's CPU platform turns it off for vLLM's own CPU worker, which is not
+what runs here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import vllm.envs as envs
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.logger import configure_logging_if_needed
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.profiler.wrapper import create_frontend_profiler
+from vllm.renderers import renderer_from_config
+from vllm.tracing import init_tracer
+from vllm.transformers_utils.config import maybe_register_config_serialize_by_value
+from vllm.usage.usage_lib import UsageContext
+from vllm.v1.engine.admission_control import SharedAdmissionStats
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.engine.llm_engine import LLMEngine
+from vllm.v1.executor import Executor
+from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_factories
+
+from ..accumulator import AccumulatorConfig
+from ..modality import OutputModality, TensorAccumulationStrategy
+from .client import OmniAsyncMPClient, OmniInprocClient, OmniSyncMPClient
+from .output_processor import MultimodalOutputProcessor
+from .outputs import OmniRequestOutput, wrap_output
+from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
+from .worker import TalkerExecutor
+
+
+@dataclass
+class ProcessorOptions:
+    """How the frontend treats multimodal output (``MultimodalOutputProcessor``'s own arguments)."""
+
+    output_modality: OutputModality | str = "text+audio"
+    strategies: Mapping[str, TensorAccumulationStrategy | str] | None = None
+    key_aliases: Mapping[str, str] | None = None
+    accumulator_config: AccumulatorConfig | None = None
+    processor_cls: type[MultimodalOutputProcessor] = MultimodalOutputProcessor
+
+
+def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int | None = None,
+                       output_path: str = "worker", max_num_seqs: int = 256, args_cls=EngineArgs,
+                       **kwargs) -> EngineArgs:
+    """Engine arguments that serve the talker of ``model`` (a ``talker_model.make_model_dir``) with
+    ``TalkerExecutor`` on ``device``. ``cadence``: audio samples a streaming request gets at a time;
+    ``output_path``: "worker" (this package) or "upstream" (the comparison path). Other keywords
+    go to vLLM's ``EngineArgs`` (``args_cls=AsyncEngineArgs`` for ``OmniAsyncLLM``)."""
+    omni: dict[str, Any] = {"device": device, "output_path": output_path}
+    if cadence is not None:
+        omni["cadence"] = int(cadence)
+    extra = dict(kwargs.pop("additional_config", None) or {})
+    extra["omni"] = {**extra.get("omni", {}), **omni}
+    kwargs.setdefault("max_model_len", 8192)
+    kwargs.setdefault("max_num_batched_tokens", max(8192, kwargs["max_model_len"]))
+    return args_cls(model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
+                     distributed_executor_backend=TalkerExecutor, max_num_seqs=max_num_seqs,
+                     additional_config=extra, **kwargs)
+
+
+def omni_vllm_config(engine_args: EngineArgs, usage_context: UsageContext) -> VllmConfig:
+    """vLLM's config for ``engine_args`` with this package's scheduler class (the async variant when
+    async scheduling is on, which it is for ``TalkerExecutor`` unless the arguments say no)."""
+    config = engine_args.create_engine_config(usage_context)
+    sched = config.scheduler_config
+    if Executor.get_class(config) is TalkerExecutor and engine_args.async_scheduling is not False:
+        sched.async_scheduling = True
+    chosen = sched.scheduler_cls
+    if not (isinstance(chosen, type) and issubclass(chosen, MultimodalChannel)):
+        sched.scheduler_cls = OmniAsyncScheduler if sched.async_scheduling else OmniScheduler
+    return config
+
+
+def _processor(renderer, config: VllmConfig, log_stats: bool, options: ProcessorOptions | None,
+               **kwargs) -> MultimodalOutputProcessor:
+    o = options or ProcessorOptions()
+    return o.processor_cls(renderer.tokenizer, log_stats=log_stats,
+                                     stream_interval=config.scheduler_config.stream_interval,
+                                     output_modality=o.output_modality, strategies=o.strategies,
+                                     key_aliases=o.key_aliases, accumulator_config=o.accumulator_config, **kwargs)
+
+
+class OmniLLM(LLMEngine):
+    """vLLM's ``LLMEngine`` with the multimodal channel (module docstring). ``generate`` runs
+    prompts to completion and returns one ``OmniRequestOutput`` each."""
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor], log_stats: bool,
+                 aggregate_engine_logging: bool = False, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+                 stat_loggers=None, mm_registry=MULTIMODAL_REGISTRY, multiprocess_mode: bool = False,
+                 processor_options: ProcessorOptions | None = None):
+        configure_logging_if_needed(vllm_config.logging_config)
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            raise ValueError("OmniLLM serves one engine core (data_parallel_size 1)")
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.observability_config = vllm_config.observability_config
+        tracing_endpoint = self.observability_config.otlp_traces_endpoint
+        if tracing_endpoint is not None:
+            init_tracer("vllm.llm_engine", tracing_endpoint)
+        self.log_stats = log_stats
+        self.external_launcher_dp = False
+        self.dp_group = None
+        self.should_execute_dummy_batch = False
+        self.renderer = renderer = renderer_from_config(vllm_config)
+        self.input_processor = InputProcessor(vllm_config, renderer)
+        self.output_processor = _processor(renderer, vllm_config, log_stats, processor_options,
+                                           tracing_enabled=tracing_endpoint is not None)
+        if multiprocess_mode:
+            self.engine_core = OmniSyncMPClient(vllm_config=vllm_config,
+                                                executor_class=executor_class, log_stats=log_stats,
+                                                renderer=renderer)
+        else:
+            self.engine_core = OmniInprocClient(vllm_config, executor_class, log_stats)
+        self._profile_session_active = False
+        self.logger_manager = None
+        if log_stats:
+            self.logger_manager = StatLoggerManager(vllm_config=vllm_config, custom_stat_loggers=stat_loggers,
+                                                    enable_default_loggers=log_stats,
+                                                    aggregate_engine_logging=aggregate_engine_logging)
+            self.logger_manager.log_engine_initialized()
+        if not multiprocess_mode:
+            self.model_executor = self.engine_core.engine_core.model_executor
+            model = self._get_driver_model_for_cleanup()
+            if model is not None:
+                self._finalizer = weakref.finalize(self, LLMEngine._cleanup_instance_caches, weakref.ref(model))
+        self.reset_mm_cache()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+                         stat_loggers=None, enable_multiprocessing: bool | None = None,
+                         processor_options: ProcessorOptions | None = None) -> OmniLLM:
+        """``enable_multiprocessing``: the engine core in its own process (default: vLLM's
+        ``VLLM_ENABLE_V1_MULTIPROCESSING``, on unless set to 0) or in this one."""
+        config = omni_vllm_config(engine_args, usage_context)
+        multiprocess = envs.VLLM_ENABLE_V1_MULTIPROCESSING if enable_multiprocessing is None else enable_multiprocessing
+        return cls(config, Executor.get_class(config), log_stats=not engine_args.disable_log_stats,
+                   usage_context=usage_context, stat_loggers=stat_loggers, multiprocess_mode=bool(multiprocess),
+                   processor_options=processor_options)
+
+    def generate(self, prompts: Sequence[Any], params) -> list[OmniRequestOutput]:
+        """Run ``prompts`` (with one ``SamplingParams`` or one each) to completion; returns each
+        request's final output (request ids ``"0"``, ``"1"``, ...). Use FINAL_ONLY or CUMULATIVE
+        params for a whole result; DELTA outputs are the last delta."""
+        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            self.add_request(str(i), prompt, p)
+        final: dict[str, OmniRequestOutput] = {}
+        modality = self.output_processor.output_modality
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = wrap_output(out, None, modality)
+        return [final[str(i)] for i in range(len(prompts)) if str(i) in final]
+
+
+class OmniAsyncLLM(AsyncLLM):
+    """vLLM's ``AsyncLLM`` with the multimodal channel (module docstring); vLLM's API server, its
+    ``generate`` and everything else work on it unchanged."""
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor], log_stats: bool,
+                 usage_context: UsageContext = UsageContext.ENGINE_CONTEXT, mm_registry=MULTIMODAL_REGISTRY,
+                 log_requests: bool = True, start_engine_loop: bool = True, stat_loggers=None,
+                 aggregate_engine_logging: bool = False, client_addresses: dict[str, Any] | None = None,
+                 client_count: int = 1, client_index: int = 0, profiler=None,
+                 processor_options: ProcessorOptions | None = None):
+        configure_logging_if_needed(vllm_config.logging_config)
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            raise ValueError("OmniAsyncLLM serves one engine core (data_parallel_size 1)")
+        maybe_register_config_serialize_by_value()
+        self.vllm_config = vllm_config
+        self._elastic_ep_lock = asyncio.Lock()
+        self.model_config = vllm_config.model_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.observability_config = vllm_config.observability_config
+        tracing_endpoint = self.observability_config.otlp_traces_endpoint
+        if tracing_endpoint is not None:
+            init_tracer("vllm.llm_engine", tracing_endpoint)
+        self.log_requests = log_requests
+        custom_stat_loggers = list(stat_loggers or [])
+        custom_stat_loggers.extend(load_stat_logger_plugin_factories())
+        self.log_stats = log_stats or bool(custom_stat_loggers)
+        self.renderer = renderer = renderer_from_config(vllm_config)
+        self.input_processor = InputProcessor(vllm_config, renderer)
+        self.admission_stats = (SharedAdmissionStats(client_addresses, client_count, client_index)
+                                if client_addresses is not None and "mp_admission_counters" in client_addresses
+                                else None)
+        self.output_processor = _processor(renderer, vllm_config, self.log_stats, processor_options,
+                                           tracing_enabled=tracing_endpoint is not None,
+                                           admission_stats=self.admission_stats)
+        self.engine_core = OmniAsyncMPClient(vllm_config=vllm_config,
+                                             executor_class=executor_class, log_stats=self.log_stats,
+                                             client_addresses=client_addresses, client_count=client_count,
+                                             client_index=client_index, renderer=renderer)
+        self.logger_manager = None
+        if self.log_stats:
+            self.logger_manager = StatLoggerManager(vllm_config=vllm_config,
+                                                    engine_idxs=self.engine_core.engine_ranks_managed,
+                                                    custom_stat_loggers=custom_stat_loggers,
+                                                    enable_default_loggers=log_stats, client_count=client_count,
+                                                    aggregate_engine_logging=aggregate_engine_logging)
+            self.logger_manager.log_engine_initialized()
+        self._client_count = client_count
+        self.output_handler = None
+        try:
+            asyncio.get_running_loop()  # in the event loop: start the output handler now, as vLLM does
+            self._run_output_handler()
+        except RuntimeError:
+            pass
+        self.profiler = profiler
+        self._frontend_profiler_injected = profiler is not None
+        self._profile_lock = asyncio.Lock()
+        self._profile_session_guard_enabled = client_count == 1
+        self._profile_session_active = False
+        if not self._frontend_profiler_injected and vllm_config.profiler_config.should_profile_frontend \
+                and self._profile_session_guard_enabled:
+            self._frontend_profiler_worker_name = f"{socket.gethostname()}_{os.getpid()}.async_llm"
+            self.profiler = create_frontend_profiler(vllm_config.profiler_config,
+                                                     worker_name=self._frontend_profiler_worker_name)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True,
+                         usage_context: UsageContext = UsageContext.ENGINE_CONTEXT, stat_loggers=None,
+                         processor_options: ProcessorOptions | None = None) -> OmniAsyncLLM:
+        config = omni_vllm_config(engine_args, usage_context)
+        return cls(config, Executor.get_class(config), log_requests=engine_args.enable_log_requests,
+                   log_stats=not engine_args.disable_log_stats, start_engine_loop=start_engine_loop,
+                   usage_context=usage_context, stat_loggers=stat_loggers, processor_options=processor_options)

@@ -1,0 +1,388 @@
+"""The main job: stream TTS through a real vLLM engine, this package's output path against the
+upstream-style one, in one run.
+
+For each path a vLLM engine core starts in its own process (ZMQ + msgpack; ``in_process`` keeps it
+in this process) serving the talker (``talker_model``) on the device, and ``requests`` requests
+arrive staggered, at most ``concurrency`` at a time, in DELTA, CUMULATIVE and FINAL_ONLY output
+kinds, every ``abort_every``-th one aborted after its first audio. Every finished request's audio
+is checked sample for sample against the audio its codes decode to, its codes against its tokens,
+and its length against its ``max_tokens``; this package's path writes each finished request's WAV
+under ``out_dir`` and reads it back. Both paths get the same requests.
+
+Reported per path (``summary.json``, one PNG): audio seconds per wall second, time to first audio
+(p50/p99) and the delay of a request's first chunk from its production in the worker to the client,
+engine step time, the worker's output-path host time per step, the frontend's multimodal time per
+step, device-to-host copies per step and bytes on the wire per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import TensorAccumulationError
+from ..serving import talker as tk
+from ..serving.wav import read_wav, write_wav_f32
+
+KINDS = ("delta", "cumulative", "final_only")
+PATHS = ("worker", "upstream")
+
+
+@dataclasses.dataclass
+class SimConfig:
+    requests: int = 96
+    concurrency: int = 32
+    min_frames: int = 8  # request length in 80 ms codec frames
+    max_frames: int = 40
+    abort_every: int = 12  # every n-th request is aborted after its first audio (0: none)
+    bad_every: int = 0  # every n-th request makes the talker emit a malformed chunk (0: none)
+    cadence: int = 4 * tk.FRAME_SAMPLES  # audio samples a streaming request gets at a time
+    device: str = "auto"
+    in_process: bool = False
+    paths: tuple[str, ...] = PATHS
+    out_dir: str = "out/simulate"
+    seed: int = 0
+    progress: bool = True
+    write_wavs: bool = True
+
+
+@dataclasses.dataclass
+class _Plan:
+    rid: str
+    prompt: list[int]
+    frames: int
+    kind: str
+    abort: bool
+    bad: bool
+    arrival: float  # seconds after the start
+
+
+@dataclasses.dataclass
+class _Result:
+    plan: _Plan
+    audio: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    codes: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    outputs: int = 0
+    payloads: int = 0
+    start: float = 0.0
+    first_audio: float | None = None  # perf_counter
+    first_audio_wall: float | None = None  # time.time, to meet the worker's clock
+    finished: bool = False
+    error: str | None = None
+
+
+def _plans(cfg: SimConfig) -> list[_Plan]:
+    rng = np.random.default_rng(cfg.seed)
+    plans, t = [], 0.0
+    for i in range(cfg.requests):
+        n = int(rng.integers(4, 40))
+        prompt = [int(x) for x in rng.integers(4, 100, size=n)]
+        bad = bool(cfg.bad_every) and i % cfg.bad_every == cfg.bad_every - 1
+        abort = bool(cfg.abort_every) and i % cfg.abort_every == cfg.abort_every // 2 and not bad
+        frames = int(rng.integers(min(cfg.min_frames, cfg.max_frames), cfg.max_frames + 1))
+        plans.append(_Plan(f"req-{i:04d}", prompt, frames, KINDS[i % 3], abort, bad, t))
+        t += float(rng.exponential(0.01))
+    return plans
+
+
+def run(cfg: SimConfig) -> dict:
+    """Serve ``cfg.requests`` on each path of ``cfg.paths``; returns (and writes) the summary."""
+    from .talker_model import make_model_dir
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = make_model_dir(out / "model", seed=cfg.seed)
+    plans = _plans(cfg)
+    summary: dict = {"config": dataclasses.asdict(cfg), "paths": {}}
+    for path in cfg.paths:
+        summary["paths"][path] = _serve(cfg, path, model, plans, out)
+    if set(PATHS) <= set(summary["paths"]):
+        ours, theirs = summary["paths"]["worker"], summary["paths"]["upstream"]
+        summary["ratios"] = {k: theirs[k] / ours[k] if ours[k] else None for k in
+                             ("worker_output_path_us_median", "frontend_multimodal_us_per_step",
+                              "d2h_copies_per_step", "wire_bytes_per_step")}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _plot(summary, out / "simulate.png")
+    return summary
+
+
+def _engine_args(cfg: SimConfig, path: str, model: Path):
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    from .llm import talker_engine_args
+
+    bad_token = 1 if cfg.bad_every and path == "worker" else None  # "<s>", in no other prompt
+    extra = {"omni": {"bad_prompt_token": bad_token}} if bad_token is not None else None
+    return talker_engine_args(model, device=cfg.device, cadence=cfg.cadence, output_path=path,
+                              max_num_seqs=max(cfg.concurrency, 8), disable_log_stats=True,
+                              args_cls=EngineArgs if cfg.in_process else AsyncEngineArgs,
+                              additional_config=extra)
+
+
+def _options(path: str):
+    from ..modality import TensorAccumulationStrategy as S
+    from .llm import ProcessorOptions
+    from .upstream_style import UpstreamStyleOutputProcessor
+
+    strategies = {"audio": S.CONCAT_LAST, "codes": S.CONCAT_DIM0}
+    if path == "upstream":
+        return ProcessorOptions("audio", strategies, processor_cls=UpstreamStyleOutputProcessor)
+    return ProcessorOptions("audio", strategies)
+
+
+def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path) -> dict:
+    t_start = time.perf_counter()
+    if cfg.in_process:
+        results, engine_stats, client, wall = _serve_in_process(cfg, path, model, plans)
+    else:
+        results, engine_stats, client, wall = asyncio.run(_serve_async(cfg, path, model, plans))
+    checked = _check(results, out / "wav" if (path == "worker" and cfg.write_wavs) else None,
+                     bad_fails=path == "worker")
+    samples = sum(sum(a.numel() for a in r.audio) for r in results)
+    ttfa = [r.first_audio - r.start for r in results if r.first_audio is not None]
+    first_chunk = engine_stats.pop("first_chunk_at", {})
+    delays = [r.first_audio_wall - first_chunk[r.plan.rid] for r in results
+              if r.first_audio_wall is not None and r.plan.rid in first_chunk]
+    steps = max(engine_stats["output_steps"], 1)
+    messages = max(client["messages"], 1)
+    return {
+        "path": path, "device": engine_stats["device"], "requests": len(results), **checked,
+        "audio_seconds": samples / tk.SAMPLE_RATE, "wall_seconds": wall,
+        "audio_seconds_per_wall_second": samples / tk.SAMPLE_RATE / wall,
+        "ttfa_ms_p50": _pct(ttfa, 50) * 1e3, "ttfa_ms_p99": _pct(ttfa, 99) * 1e3,
+        "first_chunk_delay_ms_p50": _pct(delays, 50) * 1e3, "first_chunk_delay_ms_p99": _pct(delays, 99) * 1e3,
+        "step_ms_median": engine_stats["step_us_median"] / 1e3,
+        "worker_output_path_us_median": engine_stats["output_path_us_median"],
+        "worker_output_path_us_p99": engine_stats["output_path_us_p99"],
+        "frontend_multimodal_us_per_step": client["multimodal_seconds"] / messages * 1e6,
+        "frontend_decode_us_per_step": client["decode_seconds"] / messages * 1e6,
+        "d2h_copies_per_step": engine_stats["copies"] / steps,
+        "wire_bytes_per_step": client["bytes"] / messages,
+        "engine_steps": engine_stats["steps"], "pools_after": engine_stats["accumulator"]["pools"],
+        "slots_held_after": sum(p["slots_used"] for p in engine_stats["accumulator"]["pools"].values()),
+        "seconds_total": time.perf_counter() - t_start,
+    }
+
+
+def _pct(values, q) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
+    from vllm import SamplingParams, TokensPrompt
+
+    from .llm import OmniAsyncLLM
+
+    engine = OmniAsyncLLM.from_engine_args(_engine_args(cfg, path, model), processor_options=_options(path))
+    try:
+        await _warm_up_async(engine)
+        await engine.collective_rpc("reset_output_path_stats")
+        decoder, processor = engine.engine_core.decoder, engine.output_processor
+        d0 = (decoder.messages, decoder.bytes, decoder.seconds)
+        processor.stopwatch.seconds = 0.0
+        bar = _bar(cfg, path)
+        sem = asyncio.Semaphore(cfg.concurrency)
+        t0 = time.perf_counter()
+
+        async def one(plan: _Plan) -> _Result:
+            await asyncio.sleep(plan.arrival)
+            async with sem:
+                res = _Result(plan, start=time.perf_counter())
+                params = SamplingParams(max_tokens=plan.frames, output_kind=_kind(plan.kind), detokenize=False)
+                prompt = TokensPrompt(prompt_token_ids=plan.prompt + ([1] if plan.bad else []))
+                try:
+                    async for out in engine.generate(prompt, params, request_id=plan.rid):
+                        _take(res, out)
+                        if plan.abort and res.first_audio is not None:
+                            await engine.abort(plan.rid)
+                            break
+                except TensorAccumulationError as exc:
+                    res.error = str(exc)
+                if bar is not None:
+                    bar.update(1)
+                return res
+
+        results = await asyncio.gather(*(one(p) for p in plans))
+        wall = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        await asyncio.sleep(0.2)  # aborts reach the engine core
+        stats = (await engine.collective_rpc("output_path_stats"))[0]
+        client = {"messages": decoder.messages - d0[0], "bytes": decoder.bytes - d0[1],
+                  "decode_seconds": decoder.seconds - d0[2], "multimodal_seconds": processor.stopwatch.seconds}
+        return results, stats, client, wall
+    finally:
+        engine.shutdown()
+
+
+async def _warm_up_async(engine) -> None:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=3, output_kind=_kind("final_only"), detokenize=False)
+
+    async def one(i):
+        async for _ in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7 + i]), params, request_id=f"warm-{i}"):
+            pass
+
+    await asyncio.gather(*(one(i) for i in range(4)))
+
+
+def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
+    from vllm import SamplingParams, TokensPrompt
+
+    from .llm import OmniLLM
+
+    engine = OmniLLM.from_engine_args(_engine_args(cfg, path, model), enable_multiprocessing=False,
+                                      processor_options=_options(path))
+    try:
+        warm = SamplingParams(max_tokens=3, output_kind=_kind("final_only"), detokenize=False)
+        engine.add_request("warm", TokensPrompt(prompt_token_ids=[5, 6, 7]), warm)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.collective_rpc("reset_output_path_stats")
+        processor = engine.output_processor
+        processor.stopwatch.seconds = 0.0
+        bar = _bar(cfg, path)
+        pending, live, results = list(plans), {}, []
+        t0 = time.perf_counter()
+        while pending or live:
+            while pending and len(live) < cfg.concurrency and pending[0].arrival <= time.perf_counter() - t0:
+                plan = pending.pop(0)
+                params = SamplingParams(max_tokens=plan.frames, output_kind=_kind(plan.kind), detokenize=False)
+                engine.add_request(plan.rid, TokensPrompt(prompt_token_ids=plan.prompt + ([1] if plan.bad else [])),
+                                   params)
+                live[plan.rid] = _Result(plan, start=time.perf_counter())
+            if not live:
+                time.sleep(min(0.01, max(0.0, pending[0].arrival - (time.perf_counter() - t0))))
+                continue
+            for out in engine.step():
+                res = live.get(out.request_id)
+                if res is None:
+                    continue  # an aborted request's last output
+                _take(res, out)
+                aborting = res.plan.abort and res.first_audio is not None
+                if aborting:
+                    engine.abort_request([res.plan.rid])
+                if out.finished or aborting or res.error is not None:
+                    results.append(live.pop(out.request_id))
+                    if bar is not None:
+                        bar.update(1)
+        wall = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        stats = engine.collective_rpc("output_path_stats")[0]
+        client = {"messages": stats["steps"], "bytes": 0, "decode_seconds": 0.0,
+                  "multimodal_seconds": processor.stopwatch.seconds}
+        return sorted(results, key=lambda r: r.plan.rid), stats, client, wall
+    finally:
+        engine.engine_core.shutdown()
+
+
+def _kind(name: str):
+    from vllm.sampling_params import RequestOutputKind
+
+    return {"delta": RequestOutputKind.DELTA, "cumulative": RequestOutputKind.CUMULATIVE,
+            "final_only": RequestOutputKind.FINAL_ONLY}[name]
+
+
+def _take(res: _Result, out) -> None:
+    """One request output into the request's result (DELTA pieces add up; CUMULATIVE and FINAL_ONLY
+    carry everything so far)."""
+    comp = out.outputs[0]
+    res.outputs += 1
+    if comp.finish_reason == "error":
+        res.error = str(comp.stop_reason)
+    payload = getattr(comp, "multimodal_output", None)
+    if res.plan.kind == "delta":
+        res.tokens.extend(comp.token_ids)
+    else:
+        res.tokens = list(comp.token_ids)
+    if payload is not None and "audio" in payload.tensors:
+        res.payloads += 1
+        if res.first_audio is None and payload.tensors["audio"].numel():
+            res.first_audio, res.first_audio_wall = time.perf_counter(), time.time()
+        if res.plan.kind == "delta":
+            res.audio.append(payload.tensors["audio"])
+            res.codes.append(payload.tensors["codes"])
+        else:
+            res.audio, res.codes = [payload.tensors["audio"]], [payload.tensors["codes"]]
+    res.finished = out.finished and not res.plan.abort
+
+
+def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool) -> dict:
+    """Every sample of every request against what its codes decode to; raises on any difference.
+    ``bad_fails``: the requests planned with a malformed chunk must have failed with its error (the
+    comparison path has no such check and serves them as any other)."""
+    exact = aborted = failed = 0
+    if wav_dir is not None:
+        wav_dir.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        p = r.plan
+        if p.bad and bad_fails:
+            if r.error is None or "dtype" not in r.error:
+                raise AssertionError(f"{p.rid}: its malformed chunk should have failed it, got {r.error!r}")
+            failed += 1
+            continue
+        if r.error is not None:
+            raise AssertionError(f"{p.rid}: failed: {r.error}")
+        codes = torch.cat(r.codes) if r.codes else torch.zeros(0, tk.CODEBOOKS, dtype=torch.int64)
+        audio = torch.cat(r.audio) if r.audio else torch.zeros(0)
+        if not torch.equal(audio, tk.expected_audio(codes)):
+            raise AssertionError(f"{p.rid} ({p.kind}): audio differs from what its {codes.shape[0]} frames decode to")
+        if r.tokens[:codes.shape[0]] != (codes[:, 0] + tk.TEXT_VOCAB).tolist():
+            raise AssertionError(f"{p.rid}: codes do not match the request's sampled tokens")
+        if p.abort:
+            aborted += 1
+            continue
+        if codes.shape[0] != p.frames or len(r.tokens) != p.frames:
+            raise AssertionError(f"{p.rid} ({p.kind}): {codes.shape[0]} frames and {len(r.tokens)} tokens, "
+                                 f"expected {p.frames}")
+        if p.kind == "final_only" and r.payloads != 1:
+            raise AssertionError(f"{p.rid}: FINAL_ONLY got {r.payloads} payloads")
+        if wav_dir is not None:
+            wav = wav_dir / f"{p.rid}_{p.kind}.wav"
+            write_wav_f32(wav, audio.numpy(), tk.SAMPLE_RATE)
+            back, rate = read_wav(wav)
+            if rate != tk.SAMPLE_RATE or not np.array_equal(back, audio.numpy()):
+                raise AssertionError(f"{p.rid}: {wav} does not read back exactly")
+        exact += 1
+    return {"finished_exact": exact, "aborted_checked": aborted, "failed_as_expected": failed}
+
+
+def _bar(cfg: SimConfig, path: str):
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.requests, desc=f"simulate[{path}]", unit="req")
+
+
+def _plot(summary: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("audio_seconds_per_wall_second", "audio s / wall s"), ("ttfa_ms_p99", "time to first audio p99 (ms)"),
+               ("worker_output_path_us_median", "worker output path (us/step)"),
+               ("frontend_multimodal_us_per_step", "frontend multimodal (us/step)"),
+               ("d2h_copies_per_step", "device-to-host copies / step"), ("wire_bytes_per_step", "wire bytes / step")]
+    paths = list(summary["paths"])
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    for ax, (key, title) in zip(axes.flat, metrics):
+        values = [summary["paths"][p][key] for p in paths]
+        ax.bar(paths, values, color=["tab:blue", "tab:gray"][:len(paths)])
+        ax.set_title(title, fontsize=9)
+    device = next(iter(summary["paths"].values()))["device"] if paths else ""
+    fig.suptitle(f"TTS serving through a vLLM engine core, {summary['config']['requests']} requests, {device}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+

@@ -1,0 +1,74 @@
+"""The TTS talker as a vLLM model: ``OmniTalkerForTTS`` and ``make_model_dir``.
+
+``make_model_dir(path)`` writes what vLLM loads a model from, made in code (no hub): a
+``config.json`` (architecture ``OmniTalkerForTTS``, the talker's vocabulary and its weight seed)
+and a character-level tokenizer (every printable ASCII character is a token, ids below the
+talker's ``TEXT_VOCAB``). The architecture is registered with vLLM by the project's
+``vllm.general_plugins`` entry point (``plugin.py``), so every process vLLM starts knows it.
+
+``OmniTalkerForTTS`` has vLLM's model interface (``__init__(*, vllm_config, prefix)``,
+``embed_input_ids``, ``forward(input_ids, positions)``, ``compute_logits``), so vLLM's model
+inspection classifies it as a generation model; ``talker`` is the ``serving.talker.ToyTalker`` that
+``worker.TalkerWorker`` runs a step at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..serving import talker as tk
+
+ARCHITECTURE = "OmniTalkerForTTS"
+_SPECIALS = {"[UNK]": 0, "<s>": 1, "</s>": 2, "[PAD]": 3}
+
+
+class OmniTalkerForTTS(nn.Module):
+    """vLLM's face of the talker (module docstring); the weights come from ``talker_seed`` in the
+    model's config."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        seed = int(getattr(vllm_config.model_config.hf_config, "talker_seed", 0))
+        self.talker = tk.ToyTalker(seed)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.talker.embed[input_ids]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.tanh(self.embed_input_ids(input_ids) + self.talker.position[positions % tk._POSITIONS])
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary: the first codebook's, at the code token ids."""
+        logits = hidden_states.new_full((hidden_states.shape[0], tk.VOCAB), float("-inf"))
+        logits[:, tk.TEXT_VOCAB:] = torch.tanh(hidden_states @ self.talker.mix) @ self.talker.heads[0]
+        return logits
+
+
+def make_model_dir(path: str | Path, seed: int = 0) -> Path:
+    """Write the talker's config and tokenizer into ``path`` (created); returns it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = dict(_SPECIALS)
+    for c in sorted(set(string.printable) - set("\x0b\x0c\r")):
+        vocab[c] = len(vocab)
+    assert len(vocab) <= tk.TEXT_VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>",
+                            pad_token="[PAD]").save_pretrained(str(path))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": tk.VOCAB,
+        "max_position_embeddings": 16384, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 3, "talker_seed": seed, "sample_rate": tk.SAMPLE_RATE,
+    }, indent=2))
+    return path

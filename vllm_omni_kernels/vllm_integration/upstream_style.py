@@ -1,0 +1,35 @@
+"""The frontend half of the comparison path: ``UpstreamStyleOutputProcessor``.
+
+Upstream vllm-omni's output processor keeps each request's per-step chunks in Python lists and
+concatenates them when an output needs them: a DELTA output gets the chunks since the last one, a
+CUMULATIVE one everything so far, a FINAL_ONLY one everything at finish. Paired with the worker's
+``output_path="upstream"`` (every key copied to the host each step and sliced per request) it is
+what the main job and the load tests measure this package against, in the same run.
+"""
+
+from __future__ import annotations
+
+from ..modality import TensorAccumulationStrategy as Strategy
+from .output_processor import MultimodalOutputProcessor, OmniRequestState
+from .wire import OmniEngineCoreOutput
+
+
+class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
+    """Per-step chunks kept in per-request lists and concatenated for each output (module
+    docstring); a key concatenates along its declared strategy's axis (default: along dim 0)."""
+
+    def _accumulate(self, engine_core_outputs) -> None:
+        for eco in engine_core_outputs:
+            if not isinstance(eco, OmniEngineCoreOutput):
+                continue
+            if eco.multimodal_spans or eco.multimodal_error is not None:
+                self._take_from_worker(eco, [])
+            if not eco.multimodal_output:
+                continue
+            state = self.request_states.get(eco.request_id)
+            if not isinstance(state, OmniRequestState):
+                continue
+            state.stopwatch = self.stopwatch
+            for key, value in eco.multimodal_output.items():
+                axis = -1 if self._config.strategies.get(key) is Strategy.CONCAT_LAST else 0
+                state.deliver(key, value, axis)
