@@ -1,35 +1,46 @@
-"""The main job on CPU: every request's WAV is checked sample-exactly inside the run."""
+"""The main job (``python -m vllm_omni_kernels simulate``) end to end on CPU, both output paths:
+every request's audio is checked sample for sample inside the run, and the run fails otherwise."""
 
 import json
 
+import numpy as np
+import pytest
+
 from vllm_omni_kernels.cli import main
-from vllm_omni_kernels.simulate import read_wav_f32, write_wav_f32
+from vllm_omni_kernels.serving.wav import pcm16, read_wav, wav_header, write_wav_f32
 
 
-def test_simulate_small_run_is_sample_exact(tmp_path, capsys, use_backend):
-    use_backend("torch")
-    rc = main(["simulate", "--requests", "12", "--concurrency", "6", "--max-frames", "12", "--device", "cpu",
+@pytest.mark.vllm
+def test_main_job_serves_both_paths_sample_exact(tmp_path, capsys):
+    pytest.importorskip("vllm")
+    rc = main(["simulate", "--requests", "24", "--concurrency", "8", "--max-frames", "10", "--device", "cpu",
                "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["finished_exact"] == 12 and summary["pool"]["bytes_used"] == 0
-    assert len(list(tmp_path.glob("*.wav"))) == 12
+    for path in ("worker", "upstream"):
+        s = summary["paths"][path]
+        assert s["finished_exact"] + s["aborted_checked"] == 24 and s["slots_held_after"] == 0
+    assert len(list((tmp_path / "wav").glob("*.wav"))) == summary["paths"]["worker"]["finished_exact"]
+    assert (tmp_path / "simulate.png").stat().st_size > 10_000
     assert "audio s / wall s" in capsys.readouterr().out
 
 
-def test_simulate_through_triton_interpreter(tmp_path, use_backend):
+@pytest.mark.vllm
+def test_main_job_in_process_through_the_triton_interpreter(tmp_path, use_backend):
+    pytest.importorskip("vllm")
     use_backend("triton")
-    assert main(["simulate", "--requests", "4", "--concurrency", "4", "--max-frames", "9", "--device", "cpu",
-                 "--out", str(tmp_path), "--no-progress"]) == 0
+    assert main(["simulate", "--requests", "6", "--concurrency", "3", "--max-frames", "4", "--device", "cpu",
+                 "--in-process", "--paths", "worker", "--out", str(tmp_path), "--no-progress"]) == 0
 
 
-def test_wav_round_trip(tmp_path):
-    import numpy as np
-
+def test_wav_round_trip_and_streaming_header(tmp_path):
     x = np.linspace(-1, 1, 101, dtype=np.float32)
     write_wav_f32(tmp_path / "x.wav", x, 16000)
-    y, sr = read_wav_f32(tmp_path / "x.wav")
+    y, sr = read_wav(tmp_path / "x.wav")
     assert sr == 16000 and np.array_equal(x, y)
+    streamed = wav_header(24000, float32=False) + pcm16(x)  # length unknown when the header went out
+    z, sr = read_wav(streamed)
+    assert sr == 24000 and z.dtype == np.int16 and z[0] == -32767 and z[-1] == 32767 and len(z) == 101
 
 
 def test_info_reports_backends(capsys):

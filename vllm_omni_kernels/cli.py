@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-omni-kernels")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sim = sub.add_parser("simulate", help="streaming TTS accumulation run on the default device")
+    sim = sub.add_parser("simulate", help="stream TTS through a real vLLM engine: this package's output path and "
+                                          "the upstream-style one, side by side")
     sim.add_argument("--requests", type=int, default=96)
-    sim.add_argument("--concurrency", type=int, default=48)
-    sim.add_argument("--max-frames", type=int, default=60, help="longest request, in 80 ms codec frames")
-    sim.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda")
-    sim.add_argument("--out", default="out/simulate", help="where WAVs and summary.json go")
+    sim.add_argument("--concurrency", type=int, default=32)
+    sim.add_argument("--max-frames", type=int, default=40, help="longest request, in 80 ms codec frames")
+    sim.add_argument("--cadence", type=int, default=4 * 1920,
+                     help="audio samples a streaming request receives at a time (the first chunk at once)")
+    sim.add_argument("--device", default="auto", help="where the talker and the rings run: auto (GPU if present), "
+                                                      "cpu, cuda")
+    sim.add_argument("--in-process", action="store_true", help="the engine core in this process (default: its own)")
+    sim.add_argument("--paths", default="worker,upstream", help="output paths to run: worker, upstream")
+    sim.add_argument("--out", default="out/simulate", help="where WAVs, summary.json and the PNG go")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--no-progress", action="store_true")
     sub.add_parser("info", help="versions and which backend each op uses, and why")
@@ -37,22 +44,32 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(info, indent=2))
         return 0
 
-    from .simulate import SimConfig, run
+    # vLLM's own platform: the talker's executor puts the model and the rings on --device itself.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from .vllm_integration.simulate import SimConfig, run
 
-    summary = run(SimConfig(requests=args.requests, concurrency=args.concurrency, max_frames=args.max_frames,
-                            device=args.device, out_dir=args.out, seed=args.seed, progress=not args.no_progress))
-    pool = summary["pool"]
-    print(f"device {summary['device']} (backend {summary['backend']}): {summary['finished_exact']}/"
-          f"{summary['requests']} requests sample-exact, {summary['steps']} steps")
-    print(f"accumulated {summary['audio_seconds']:.1f} s of audio in {summary['wall_seconds']:.2f} s wall: "
-          f"{summary['audio_seconds_per_wall_second']:.1f} audio s / wall s")
-    print(f"pools: high-water {pool['high_water_bytes'] / 2**20:.2f} MiB of {pool['bytes_reserved'] / 2**20:.0f} MiB "
-          f"reserved, in use now {pool['bytes_used']} B, accumulation errors {pool['accumulation_errors']}")
-    for name, st in summary["pools"].items():
-        print(f"  {name}: slots used {st['slots_used']}/{st['slots_capacity']}, high-water "
-              f"{st['high_water_bytes'] / 2**20:.2f} MiB, growths {st['growths']}")
-    print(f"WAVs and summary.json in {summary['wav_dir']}")
-    return 0 if summary["finished_exact"] == summary["requests"] else 1
+    cfg = SimConfig(requests=args.requests, concurrency=args.concurrency, max_frames=args.max_frames,
+                    cadence=args.cadence, device=args.device, in_process=args.in_process,
+                    paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()), out_dir=args.out,
+                    seed=args.seed, progress=not args.no_progress)
+    summary = run(cfg)
+    for path, s in summary["paths"].items():
+        print(f"[{path}] {s['device']}: {s['finished_exact']} finished sample-exact, {s['aborted_checked']} aborted "
+              f"(checked up to the abort), {s['failed_as_expected']} failed as planned, of {s['requests']}")
+        print(f"  {s['audio_seconds']:.1f} s of audio in {s['wall_seconds']:.2f} s: "
+              f"{s['audio_seconds_per_wall_second']:.1f} audio s / wall s; time to first audio p50 "
+              f"{s['ttfa_ms_p50']:.1f} ms, p99 {s['ttfa_ms_p99']:.1f} ms; engine step {s['step_ms_median']:.2f} ms")
+        print(f"  output path: worker {s['worker_output_path_us_median']:.1f} us/step (p99 "
+              f"{s['worker_output_path_us_p99']:.1f}), frontend {s['frontend_multimodal_us_per_step']:.1f} us/step, "
+              f"{s['d2h_copies_per_step']:.2f} device-to-host copies/step, {s['wire_bytes_per_step'] / 1024:.1f} KiB "
+              f"on the wire/step; slots held after: {s['slots_held_after']}")
+    for key, ratio in summary.get("ratios", {}).items():
+        if ratio is not None:
+            print(f"upstream-style / this package, {key}: {ratio:.1f}x")
+    print(f"WAVs, summary.json and simulate.png in {args.out}")
+    ok = all(s["finished_exact"] + s["aborted_checked"] + s["failed_as_expected"] == s["requests"]
+             and s["slots_held_after"] == 0 for s in summary["paths"].values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
