@@ -45,6 +45,6 @@ def test_cuda_episodes(name, chunk, use_backend):
         pytest.skip(f"{name} is not available here")
     use_backend(name)
     for seed in range(40_000 + chunk * 1000, 40_000 + (chunk + 1) * 1000):
-        run_episode(seed, "cuda")
+        run_episode(seed, "cuda", max_requests=8, steps=6)
     run_episode(50_000 + chunk, "cuda", big_batch=True)
     torch.cuda.synchronize()

@@ -441,15 +441,16 @@ def test_delta_outputs_merged_for_a_slow_consumer_keep_every_chunk():
     p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio",
                                   strategies={"audio": S.CONCAT_LAST, "codes": S.CONCAT_DIM0})
     queue = RequestOutputCollector(RequestOutputKind.DELTA, "slow")
-    p.add_request(core_request("slow", [3], sampling(RequestOutputKind.DELTA, max_tokens=4)), None, None, 0, queue)
+    p.add_request(core_request("slow", [3], sampling(RequestOutputKind.DELTA, max_tokens=5)), None, None, 0, queue)
     audio = [torch.randn(5 + i) for i in range(4)]
     codes = [torch.randint(0, 9, (1 + i % 2, 3)) for i in range(4)]
-    for i in range(4):  # four steps before the consumer reads
+    p.process_outputs([token_output("slow", 4)])  # a first output without multimodal data
+    for i in range(4):  # four more steps before the consumer reads
         p.process_outputs([mm_step("slow", 5 + i, {"audio": audio[i], "codes": codes[i], "sr": 16000 + i},
                                    FinishReason.LENGTH if i == 3 else None)])
     out = queue.get_nowait()
     comp = out.outputs[0]
-    assert list(comp.token_ids) == [5, 6, 7, 8] and out.finished
+    assert list(comp.token_ids) == [4, 5, 6, 7, 8] and out.finished
     assert torch.equal(comp.multimodal_output.tensors["audio"], torch.cat(audio))
     assert torch.equal(comp.multimodal_output.tensors["codes"], torch.cat(codes))
     assert comp.multimodal_output.metadata["sr"] == 16003

@@ -16,6 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--requests", type=int, default=96)
     sim.add_argument("--concurrency", type=int, default=32)
     sim.add_argument("--max-frames", type=int, default=40, help="longest request, in 80 ms codec frames")
+    sim.add_argument("--arrival-ms", type=float, default=10.0,
+                     help="mean gap between request arrivals (0: all at once, up to --concurrency)")
+    sim.add_argument("--kinds", default="delta,cumulative,final_only", help="output kinds, taken in turn")
+    sim.add_argument("--sync-check", action="store_true",
+                     help="run every worker step under CUDA's sync-debug mode 'error': a host sync fails the run")
     sim.add_argument("--cadence", type=int, default=4 * 1920,
                      help="audio samples a streaming request receives at a time (the first chunk at once)")
     sim.add_argument("--device", default="auto", help="where the talker and the rings run: auto (GPU if present), "
@@ -23,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--in-process", action="store_true", help="the engine core in this process (default: its own)")
     sim.add_argument("--paths", default="worker,upstream", help="output paths to run: worker, upstream")
     sim.add_argument("--out", default="out/simulate", help="where WAVs, summary.json and the PNG go")
+    sim.add_argument("--no-wavs", action="store_true", help="check every sample but write no WAV files")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--no-progress", action="store_true")
     sub.add_parser("info", help="versions and which backend each op uses, and why")
@@ -49,16 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     from .vllm_integration.simulate import SimConfig, run
 
     cfg = SimConfig(requests=args.requests, concurrency=args.concurrency, max_frames=args.max_frames,
-                    cadence=args.cadence, device=args.device, in_process=args.in_process,
+                    arrival_ms=args.arrival_ms, kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
+                    sync_check=args.sync_check, cadence=args.cadence, device=args.device, in_process=args.in_process,
                     paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()), out_dir=args.out,
-                    seed=args.seed, progress=not args.no_progress)
+                    seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs)
     summary = run(cfg)
     for path, s in summary["paths"].items():
         print(f"[{path}] {s['device']}: {s['finished_exact']} finished sample-exact, {s['aborted_checked']} aborted "
               f"(checked up to the abort), {s['failed_as_expected']} failed as planned, of {s['requests']}")
         print(f"  {s['audio_seconds']:.1f} s of audio in {s['wall_seconds']:.2f} s: "
               f"{s['audio_seconds_per_wall_second']:.1f} audio s / wall s; time to first audio p50 "
-              f"{s['ttfa_ms_p50']:.1f} ms, p99 {s['ttfa_ms_p99']:.1f} ms; engine step {s['step_ms_median']:.2f} ms")
+              f"{s['ttfa_ms_p50']:.1f} ms, p99 {s['ttfa_ms_p99']:.1f} ms; engine step {s['step_ms_median']:.2f} ms, "
+              f"{s['streams_per_step']:.0f} streams/step")
         print(f"  output path: worker {s['worker_output_path_us_median']:.1f} us/step (p99 "
               f"{s['worker_output_path_us_p99']:.1f}), frontend {s['frontend_multimodal_us_per_step']:.1f} us/step, "
               f"{s['d2h_copies_per_step']:.2f} device-to-host copies/step, {s['wire_bytes_per_step'] / 1024:.1f} KiB "
@@ -66,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, ratio in summary.get("ratios", {}).items():
         if ratio is not None:
             print(f"upstream-style / this package, {key}: {ratio:.1f}x")
-    print(f"WAVs, summary.json and simulate.png in {args.out}")
+    print(f"{'' if args.no_wavs else 'WAVs, '}summary.json and simulate.png in {args.out}")
     ok = all(s["finished_exact"] + s["aborted_checked"] + s["failed_as_expected"] == s["requests"]
              and s["slots_held_after"] == 0 for s in summary["paths"].values())
     return 0 if ok else 1

@@ -54,3 +54,35 @@ class MultimodalPayload:
         if key in self.tensors:
             return self.tensors[key]
         return self.metadata.get(key, default)
+
+
+class GrowingTensor:
+    """A tensor that grows along ``axis`` (0, or -1 for the last) by ``append``: capacity doubles, so
+    each element is copied O(1) times, and ``view()`` is everything so far without a copy (a strided
+    view when the axis is the last of a multi-dimensional frame). A view handed out stays valid and
+    unchanged: growth moves the data to new storage, appends write past every earlier view's end."""
+
+    def __init__(self, first: torch.Tensor, axis: int):
+        self.axis = axis
+        self._n = first.shape[axis]
+        shape = list(first.shape)
+        shape[axis] = max(2 * self._n, 16)
+        self._data = first.new_empty(shape)
+        self._span(0, self._n).copy_(first)
+
+    def _span(self, start: int, stop: int) -> torch.Tensor:
+        return self._data[..., start:stop] if self.axis == -1 else self._data[start:stop]
+
+    def append(self, piece: torch.Tensor) -> None:
+        k = piece.shape[self.axis]
+        cap = self._data.shape[self.axis]
+        if self._n + k > cap:
+            old, shape = self._span(0, self._n), list(self._data.shape)
+            shape[self.axis] = max(2 * cap, self._n + k)
+            self._data = self._data.new_empty(shape)
+            self._span(0, self._n).copy_(old)
+        self._span(self._n, self._n + k).copy_(piece)
+        self._n += k
+
+    def view(self) -> torch.Tensor:
+        return self._span(0, self._n)

@@ -13,11 +13,9 @@ from .gather_jobs import each_jobs, source_rows
 from .layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, N, POS, SLOT
 
 
-def _ring_index(pos: int, n: int, cap: int, device: torch.device) -> torch.Tensor:
-    return (pos + torch.arange(n, device=device, dtype=torch.int64)) % cap
-
-
 def _views(arena, lin, row, frame_elems, last):
+    """(ring region, the row's span of ``lin``), both as ``[frame, time]`` (CONCAT_LAST) or
+    ``[time, frame]`` (CONCAT_DIM0)."""
     n, base, cap = row[N], row[BASE], row[CAP]
     region = arena[base : base + cap * frame_elems]
     offset = lin.storage_offset() + row[LIN_OFF]  # LIN_OFF counts from lin's first element, as in the kernels
@@ -30,6 +28,12 @@ def _views(arena, lin, row, frame_elems, last):
     return ring, flat
 
 
+def _pieces(pos: int, n: int, cap: int):
+    """The span of ``n`` ring frames from ``pos`` as at most two runs: (ring start, span start, frames)."""
+    first = min(n, cap - pos)
+    return [(pos, 0, first)] + ([(0, first, n - first)] if n > first else [])
+
+
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool) -> None:
     """Copy each row's chunk from ``src`` into its ring region at the head; advance the head."""
     for row in meta[:rows].tolist():
@@ -37,11 +41,11 @@ def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bo
         pos = row[POS] if row[POS] >= 0 else int(state[row[SLOT]]) >> HEAD_SHIFT
         if n:
             ring, flat = _views(arena, src, row, frame_elems, last)
-            idx = _ring_index(pos, n, cap, arena.device)
-            if last:
-                ring[:, idx] = flat
-            else:
-                ring[idx] = flat
+            for r0, s0, k in _pieces(pos, n, cap):
+                if last:
+                    ring[:, r0:r0 + k] = flat[:, s0:s0 + k]
+                else:
+                    ring[r0:r0 + k] = flat[s0:s0 + k]
         state[row[SLOT]] = ((pos + n) % cap) << HEAD_SHIFT
 
 
@@ -51,8 +55,11 @@ def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool) -> N
         n = row[N]
         if n:
             ring, flat = _views(arena, out, row, frame_elems, last)
-            idx = _ring_index(row[POS], n, row[CAP], arena.device)
-            flat.copy_(ring[:, idx] if last else ring[idx])
+            for r0, s0, k in _pieces(row[POS], n, row[CAP]):
+                if last:
+                    flat[:, s0:s0 + k] = ring[:, r0:r0 + k]
+                else:
+                    flat[s0:s0 + k] = ring[r0:r0 + k]
 
 
 def row_gather(jobs) -> None:

@@ -47,7 +47,7 @@ from vllm.v1.engine.output_processor import OutputProcessor, OutputProcessorOutp
 from ..accumulator import AccumulatorConfig, EmitPolicy, MultimodalAccumulator
 from ..errors import MultimodalOutputError, TensorAccumulationError, TensorConsolidationError
 from ..modality import OutputModality, TensorAccumulationStrategy, parse_strategy
-from ..payload import MultimodalPayload
+from ..payload import GrowingTensor, MultimodalPayload
 from .wire import OmniEngineCoreOutput
 from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput, MultimodalRequestOutput
 
@@ -99,6 +99,7 @@ class OmniRequestState(RequestState):
     accumulator: MultimodalAccumulator | None = None
     failures: list | None = None
     delivered: dict[str, tuple[int, list[torch.Tensor]]] | None = None  # key -> (axis, pieces) from the worker
+    pending: bool = False  # pieces arrived since the last output (or CUMULATIVE: any ever)
     stopwatch: Stopwatch | None = None  # the processor's, timing payload assembly
 
     @classmethod
@@ -118,15 +119,29 @@ class OmniRequestState(RequestState):
                                           request_id=self.request_id)
         return self.accumulator.append_step([self.request_id], {k: [v] for k, v in payload.items()})
 
-    def deliver(self, key: str, tensor: torch.Tensor, axis: int) -> None:
-        """Keep one piece of worker-accumulated data for the request's next output."""
+    def deliver(self, key: str, tensor: torch.Tensor, axis: int, growing: bool = True) -> None:
+        """Keep one piece of worker-accumulated data for the request's next output (CUMULATIVE:
+        append it to everything so far, in a ``GrowingTensor``; ``growing=False``: in a list that
+        each output concatenates, as the upstream-style comparison does)."""
         if self.delivered is None:
             self.delivered = {}
-        self.delivered.setdefault(key, (axis, []))[1].append(tensor)
+        self.pending = True
+        held = self.delivered.get(key)
+        if growing and self.output_kind == RequestOutputKind.CUMULATIVE:
+            if held is None:
+                self.delivered[key] = (axis, GrowingTensor(tensor, axis))
+            else:
+                held[1].append(tensor)
+        elif held is None:
+            self.delivered[key] = (axis, [tensor])
+        else:
+            held[1].append(tensor)
 
     def take_payload(self, finished: bool) -> MultimodalPayload | None:
         """The payload due now (per output kind): the worker's pieces, then what the accumulator
         holds; frees the request's slots when ``finished``."""
+        if not self.pending and self.accumulator is None:
+            return None  # the common step of a stream between deliveries
         if self.stopwatch is None:
             return self._take_payload(finished)
         with self.stopwatch:
@@ -134,17 +149,19 @@ class OmniRequestState(RequestState):
 
     def _take_payload(self, finished: bool) -> MultimodalPayload | None:
         payload = None
-        if self.delivered:
-            cumulative = self.output_kind == RequestOutputKind.CUMULATIVE
-            for key, (axis, pieces) in self.delivered.items():
-                if not pieces:
-                    continue  # nothing new for this key since the last output
-                if payload is None:
-                    payload = MultimodalPayload()
+        self.pending = self.output_kind == RequestOutputKind.CUMULATIVE and self.delivered is not None
+        for key, (axis, pieces) in (self.delivered or {}).items():
+            if isinstance(pieces, GrowingTensor):  # CUMULATIVE: everything so far, a view
+                whole = pieces.view()
+            elif not pieces:
+                continue  # nothing new for this key since the last output
+            else:
                 whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=axis)
-                payload.tensors[key] = whole
-                payload.axes[key] = axis
-                self.delivered[key] = (axis, [whole] if cumulative else [])
+                pieces[:] = [whole] if self.output_kind == RequestOutputKind.CUMULATIVE else []
+            if payload is None:
+                payload = MultimodalPayload()
+            payload.tensors[key] = whole
+            payload.axes[key] = axis
         acc = self.accumulator
         if acc is not None and self.request_id in acc:
             emission = acc.collect(finished=[self.request_id] if finished else (), request_ids=[self.request_id])
@@ -173,15 +190,18 @@ class OmniRequestState(RequestState):
             return None
 
     def _new_request_output(self, *args, **kwargs):
-        """vLLM's output of the request, as a ``MultimodalRequestOutput``: the same fields, and when
-        AsyncLLM merges DELTA outputs a consumer has not read yet, their payloads are merged too."""
-        return MultimodalRequestOutput.adopt(super()._new_request_output(*args, **kwargs))
+        """vLLM's output of the request; a DELTA one as a ``MultimodalRequestOutput`` (the same
+        fields; when AsyncLLM merges DELTA outputs a consumer has not read yet, their payloads are
+        merged too)."""
+        out = super()._new_request_output(*args, **kwargs)
+        return MultimodalRequestOutput.adopt(out) if self.output_kind == RequestOutputKind.DELTA else out
 
     def _new_completion_output(self, token_ids, finish_reason, stop_reason):
         base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
         if self.accumulator is None and self.delivered is None:
             return base
-        return MultimodalCompletionOutput.from_completion(base, self._payload_or_failure(finish_reason is not None))
+        payload = self._payload_or_failure(finish_reason is not None)
+        return base if payload is None else MultimodalCompletionOutput.from_completion(base, payload)
 
     def _new_pooling_output(self, pooling_output: torch.Tensor):
         """A request with pooling params that also produced multimodal output ends with its pooling

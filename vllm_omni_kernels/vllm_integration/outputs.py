@@ -64,8 +64,10 @@ class MultimodalCompletionOutput(CompletionOutput):
     @classmethod
     def from_completion(cls, base: CompletionOutput, payload: MultimodalPayload | None) -> MultimodalCompletionOutput:
         """``base`` with ``payload`` attached (every field of ``base`` carried over)."""
-        fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
-        return cls(**fields, multimodal_output=payload)
+        out = cls.__new__(cls)
+        out.__dict__.update(base.__dict__)
+        out.multimodal_output = payload
+        return out
 
 
 class MultimodalRequestOutput(RequestOutput):
@@ -93,12 +95,13 @@ class MultimodalRequestOutput(RequestOutput):
                     before = getattr(first, "multimodal_output", None)
                     merged[nxt.index] = before.merge(later) if before else later
         super().add(next_output, aggregate)
-        for completion in self.outputs:
-            if completion.index in merged:
-                if not isinstance(completion, MultimodalCompletionOutput):
-                    completion = self.outputs[self.outputs.index(completion)] = \
-                        MultimodalCompletionOutput.from_completion(completion, None)
-                completion.multimodal_output = merged[completion.index]
+        for i, completion in enumerate(self.outputs):
+            payload = merged.get(completion.index)
+            if payload is None:
+                continue
+            if not isinstance(completion, MultimodalCompletionOutput):  # the first had no payload
+                completion = self.outputs[i] = MultimodalCompletionOutput.from_completion(completion, None)
+            completion.multimodal_output = payload
 
 
 @dataclass(eq=False)  # vLLM's PoolingOutput equality (data only) is kept

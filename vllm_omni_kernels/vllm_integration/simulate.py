@@ -42,6 +42,9 @@ class SimConfig:
     max_frames: int = 40
     abort_every: int = 12  # every n-th request is aborted after its first audio (0: none)
     bad_every: int = 0  # every n-th request makes the talker emit a malformed chunk (0: none)
+    arrival_ms: float = 10.0  # mean gap between arrivals (exponential; 0: all at once)
+    kinds: tuple[str, ...] = KINDS  # output kinds, taken in turn
+    sync_check: bool = False  # run the worker's step under CUDA's sync-debug mode "error"
     cadence: int = 4 * tk.FRAME_SAMPLES  # audio samples a streaming request gets at a time
     device: str = "auto"
     in_process: bool = False
@@ -87,8 +90,8 @@ def _plans(cfg: SimConfig) -> list[_Plan]:
         bad = bool(cfg.bad_every) and i % cfg.bad_every == cfg.bad_every - 1
         abort = bool(cfg.abort_every) and i % cfg.abort_every == cfg.abort_every // 2 and not bad
         frames = int(rng.integers(min(cfg.min_frames, cfg.max_frames), cfg.max_frames + 1))
-        plans.append(_Plan(f"req-{i:04d}", prompt, frames, KINDS[i % 3], abort, bad, t))
-        t += float(rng.exponential(0.01))
+        plans.append(_Plan(f"req-{i:04d}", prompt, frames, cfg.kinds[i % len(cfg.kinds)], abort, bad, t))
+        t += float(rng.exponential(cfg.arrival_ms / 1e3)) if cfg.arrival_ms > 0 else 0.0
     return plans
 
 
@@ -107,7 +110,8 @@ def run(cfg: SimConfig) -> dict:
         ours, theirs = summary["paths"]["worker"], summary["paths"]["upstream"]
         summary["ratios"] = {k: theirs[k] / ours[k] if ours[k] else None for k in
                              ("worker_output_path_us_median", "frontend_multimodal_us_per_step",
-                              "d2h_copies_per_step", "wire_bytes_per_step")}
+                              "frontend_multimodal_us_per_audio_second", "d2h_copies_per_step",
+                              "wire_bytes_per_step")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot(summary, out / "simulate.png")
     return summary
@@ -118,8 +122,10 @@ def _engine_args(cfg: SimConfig, path: str, model: Path):
 
     from .llm import talker_engine_args
 
-    bad_token = 1 if cfg.bad_every and path == "worker" else None  # "<s>", in no other prompt
-    extra = {"omni": {"bad_prompt_token": bad_token}} if bad_token is not None else None
+    omni = {"sync_debug": cfg.sync_check}
+    if cfg.bad_every and path == "worker":
+        omni["bad_prompt_token"] = 1  # "<s>", in no other prompt
+    extra = {"omni": omni}
     return talker_engine_args(model, device=cfg.device, cadence=cfg.cadence, output_path=path,
                               max_num_seqs=max(cfg.concurrency, 8), disable_log_stats=True,
                               args_cls=EngineArgs if cfg.in_process else AsyncEngineArgs,
@@ -163,8 +169,10 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "worker_output_path_us_p99": engine_stats["output_path_us_p99"],
         "frontend_multimodal_us_per_step": client["multimodal_seconds"] / messages * 1e6,
         "frontend_decode_us_per_step": client["decode_seconds"] / messages * 1e6,
+        "frontend_multimodal_us_per_audio_second": client["multimodal_seconds"] / max(samples / tk.SAMPLE_RATE, 1e-9) * 1e6,
         "d2h_copies_per_step": engine_stats["copies"] / steps,
         "wire_bytes_per_step": client["bytes"] / messages,
+        "streams_per_step": engine_stats["samples"] / tk.FRAME_SAMPLES / max(engine_stats["steps"], 1),
         "engine_steps": engine_stats["steps"], "pools_after": engine_stats["accumulator"]["pools"],
         "slots_held_after": sum(p["slots_used"] for p in engine_stats["accumulator"]["pools"].values()),
         "seconds_total": time.perf_counter() - t_start,
@@ -185,7 +193,7 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         await _warm_up_async(engine)
         await engine.collective_rpc("reset_output_path_stats")
         decoder, processor = engine.engine_core.decoder, engine.output_processor
-        d0 = (decoder.messages, decoder.bytes, decoder.seconds)
+        d0 = (decoder.messages, decoder.bytes, decoder.seconds, decoder.multimodal_seconds)
         processor.stopwatch.seconds = 0.0
         bar = _bar(cfg, path)
         sem = asyncio.Semaphore(cfg.concurrency)
@@ -216,7 +224,8 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         await asyncio.sleep(0.2)  # aborts reach the engine core
         stats = (await engine.collective_rpc("output_path_stats"))[0]
         client = {"messages": decoder.messages - d0[0], "bytes": decoder.bytes - d0[1],
-                  "decode_seconds": decoder.seconds - d0[2], "multimodal_seconds": processor.stopwatch.seconds}
+                  "decode_seconds": decoder.seconds - d0[2],
+                  "multimodal_seconds": processor.stopwatch.seconds + decoder.multimodal_seconds - d0[3]}
         return results, stats, client, wall
     finally:
         engine.shutdown()

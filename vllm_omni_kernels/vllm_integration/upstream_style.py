@@ -32,4 +32,4 @@ class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
             state.stopwatch = self.stopwatch
             for key, value in eco.multimodal_output.items():
                 axis = -1 if self._config.strategies.get(key) is Strategy.CONCAT_LAST else 0
-                state.deliver(key, value, axis)
+                state.deliver(key, value, axis, growing=False)

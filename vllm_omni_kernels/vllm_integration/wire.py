@@ -95,32 +95,67 @@ class OmniEngineCoreOutputs(EngineCoreOutputs, array_like=True, omit_defaults=Tr
 def resolve_spans(outputs: OmniEngineCoreOutputs) -> None:
     """Fill every span's ``tensor`` with its view of ``outputs.multimodal_buffer``. A span that does
     not lie inside the buffer, or whose offset does not suit its dtype, fails its request
-    (``multimodal_error``) and the request's spans are dropped."""
+    (``multimodal_error``) and the request's spans are dropped.
+
+    The worker lays each key's spans out back to back, so the spans of a key are cut from the
+    buffer with one ``split`` (one call for all of them); spans laid out otherwise are cut one by one.
+    """
     buffer = outputs.multimodal_buffer
+    if buffer is None:
+        buffer = torch.empty(0, dtype=torch.uint8)
+    runs: dict[tuple, list] = {}  # (dtype, frame shape, axis) -> [(span, eco), ...]
     for eco in outputs.outputs:
-        spans = getattr(eco, "multimodal_spans", None)
-        if not spans:
+        for span in getattr(eco, "multimodal_spans", None) or ():
+            shape = span.shape
+            frame = tuple(shape[:-1]) if span.axis == -1 else tuple(shape[1:])
+            runs.setdefault((span.dtype, frame, span.axis), []).append((span, eco))
+    failed: dict[int, tuple] = {}
+    for (dtype_name, frame, axis), items in runs.items():
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None or not all(type(s) is int and s >= 0 for s in frame):
+            for span, eco in items:
+                failed[id(eco)] = (eco, MultimodalError(f"span of unknown dtype {dtype_name!r} or shape {span.shape}",
+                                                       key=span.key))
             continue
-        try:
-            for span in spans:
-                span.tensor = _span_view(buffer, span)
-        except ValueError as exc:
-            eco.multimodal_spans = None
-            eco.multimodal_error = MultimodalError(str(exc), key=span.key)
+        _cut(buffer, dtype, frame, axis, items, failed)
+    for eco, error in failed.values():
+        eco.multimodal_spans = None
+        eco.multimodal_error = error
 
 
-def _span_view(buffer: torch.Tensor | None, span: MultimodalSpan) -> torch.Tensor:
-    dtype = getattr(torch, span.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {span.dtype!r}")
-    if not all(type(s) is int and s >= 0 for s in span.shape):
-        raise ValueError(f"bad shape {span.shape}")
-    nbytes = math.prod(span.shape) * dtype.itemsize
-    size = 0 if buffer is None else buffer.numel()
-    if span.offset < 0 or span.offset + nbytes > size or span.offset % dtype.itemsize:
-        raise ValueError(f"span of {nbytes} bytes at offset {span.offset} is not inside the step's buffer "
-                         f"of {size} bytes on a {dtype.itemsize}-byte boundary")
-    return buffer[span.offset:span.offset + nbytes].view(dtype).view(span.shape)
+def _cut(buffer: torch.Tensor, dtype: torch.dtype, frame: tuple, axis: int, items: list, failed: dict) -> None:
+    """The views of ``items`` (spans of one dtype and frame shape): one ``split`` of the buffer when
+    they lie back to back, else one view each; spans outside the buffer fail their request."""
+    item, per_frame = dtype.itemsize, math.prod(frame)
+    counts = [span.shape[axis] for span, _ in items]
+    start = items[0][0].offset
+    expected, contiguous = start, True
+    for (span, _), n in zip(items, counts):
+        contiguous &= span.offset == expected and len(span.shape) == len(frame) + 1
+        expected += n * per_frame * item
+    if contiguous and start >= 0 and start % item == 0 and expected <= buffer.numel():
+        region = buffer[start:expected].view(dtype)
+        if axis == 0:
+            pieces = region.view(-1, *frame).split(counts)
+        elif not frame:  # mono audio: the pieces are the views
+            pieces = region.split(counts)
+        else:
+            pieces = [p.view(*frame, n) for p, n in zip(region.split([n * per_frame for n in counts]), counts)]
+        for (span, _), piece in zip(items, pieces):
+            span.tensor = piece
+        return
+    for span, eco in items:
+        nbytes = math.prod(span.shape) * item
+        if span.offset < 0 or span.offset % item or span.offset + nbytes > buffer.numel() \
+                or len(span.shape) != len(frame) + 1:
+            failed[id(eco)] = (eco, MultimodalError(
+                f"span of {nbytes} bytes at offset {span.offset} is not inside the step's buffer of "
+                f"{buffer.numel()} bytes on a {item}-byte boundary", key=span.key))
+            continue
+        span.tensor = buffer[span.offset:span.offset + nbytes].view(dtype).view(span.shape)
+
+
+_DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtype, torch.dtype)}
 
 
 def _is_tensor_triple(value: Any) -> bool:
@@ -138,9 +173,10 @@ class OmniMsgpackDecoder(MsgpackDecoder):
 
     def __init__(self, t: Any = OmniEngineCoreOutputs, **kwargs):
         super().__init__(t, **kwargs)
-        self.messages = 0  # decoded so far, with their bytes (every frame) and decoding time
-        self.bytes = 0
+        self.messages = 0  # decoded so far, with their bytes (every frame), the whole decoding time
+        self.bytes = 0  # and the share spent on the multimodal channel's tensors and spans
         self.seconds = 0.0
+        self.multimodal_seconds = 0.0
 
     def decode(self, bufs: bytestr | Sequence[bytestr]) -> Any:
         t0 = time.perf_counter()
@@ -151,17 +187,21 @@ class OmniMsgpackDecoder(MsgpackDecoder):
         self.aux_buffers = bufs
         try:
             out = self.decoder.decode(bufs[0])
+            t1 = time.perf_counter()
             if isinstance(out, OmniEngineCoreOutputs):
                 for eco in out.outputs:
                     mm = eco.multimodal_output
                     if mm:
                         eco.multimodal_output = {k: self._tensor_or_error(v, eco.request_id, k)
                                                  if _is_tensor_triple(v) else v for k, v in mm.items()}
-                resolve_spans(out)
+                if out.multimodal_buffer is not None:
+                    resolve_spans(out)
+            t2 = time.perf_counter()
+            self.multimodal_seconds += t2 - t1
+            self.seconds += t2 - t0
             return out
         finally:
             self.aux_buffers = ()
-            self.seconds += time.perf_counter() - t0
 
     def _tensor_or_error(self, triple: Any, request_id: str, key: str) -> torch.Tensor | TensorAccumulationError:
         """The tensor a ``[dtype, shape, data]`` triple of this message stands for, or the error that

@@ -23,8 +23,9 @@ A step (``execute_model`` then ``sample_tokens``, as vLLM's GPU runner does):
 ``additional_config["omni"]`` configures it: ``device`` ("auto", "cuda", "cpu"), ``cadence``
 (audio samples a streaming request gets at a time; 0: every step), ``output_path`` ("worker", or
 "upstream": the comparison path, where each key's batched output is copied to the host every step
-and sliced per request, as upstream vllm-omni does) and ``bad_prompt_token`` (a prompt token that
-makes the talker emit a malformed chunk, for tests of the failure path).
+and sliced per request, as upstream vllm-omni does), ``bad_prompt_token`` (a prompt token that
+makes the talker emit a malformed chunk, for tests of the failure path) and ``sync_debug`` (run
+``execute_model`` under CUDA's sync-debug mode "error": any host synchronisation in the step raises).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class WorkerOptions:
     cadence: int = 4 * tk.FRAME_SAMPLES
     output_path: str = "worker"
     bad_prompt_token: int | None = None
+    sync_debug: bool = False
     pool_budget_bytes: int = 128 << 20
 
     @classmethod
@@ -207,6 +209,15 @@ class TalkerWorker:
     # ------------------------------------------------------------------ the step
 
     def execute_model(self, scheduler_output):
+        if self.options.sync_debug and self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return self._execute(scheduler_output)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output):
         so = scheduler_output
         with nvtx_range("worker.step"):
             opened = self._update_requests(so)
@@ -237,7 +248,9 @@ class TalkerWorker:
             # a prefix-cache hit arrives as num_computed_tokens > 0
             self.requests[new.req_id] = _Request(row, len(prompt), max_tokens, computed=new.num_computed_tokens,
                                                  bad=self.options.bad_prompt_token in prompt)
-            ids = torch.tensor(prompt, dtype=torch.int64).to(self.device)
+            ids = torch.tensor(prompt, dtype=torch.int64)
+            if self.device.type == "cuda":  # an asynchronous copy: the step never waits for the device
+                ids = ids.pin_memory().to(self.device, non_blocking=True)
             self.context[row] = self.model.talker.prompt_context(ids)
             self.last_token[row] = prompt[-1]
             self.frame[row] = 0
