@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--paths", default="worker,upstream", help="output paths to run: worker, upstream")
     sim.add_argument("--out", default="out/simulate", help="where WAVs, summary.json and the PNG go")
     sim.add_argument("--no-wavs", action="store_true", help="check every sample but write no WAV files")
+    sim.add_argument("--bad-every", type=int, default=0,
+                     help="every n-th request makes the talker emit a malformed chunk: it must fail alone")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--no-progress", action="store_true")
     sub.add_parser("info", help="versions and which backend each op uses, and why")
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                     arrival_ms=args.arrival_ms, kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
                     sync_check=args.sync_check, cadence=args.cadence, device=args.device, in_process=args.in_process,
                     paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()), out_dir=args.out,
-                    seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs)
+                    seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
+                    bad_every=args.bad_every)
     summary = run(cfg)
     for path, s in summary["paths"].items():
         print(f"[{path}] {s['device']}: {s['finished_exact']} finished sample-exact, {s['aborted_checked']} aborted "
