@@ -11,7 +11,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 from vllm_omni_kernels.errors import TensorAccumulationError  # noqa: E402
 from vllm_omni_kernels.payload import MultimodalPayload  # noqa: E402
 from vllm_omni_kernels.vllm_integration.wire import (  # noqa: E402
-    MultimodalSpan, OmniEngineCoreOutput, OmniEngineCoreOutputs, OmniMsgpackDecoder)
+    MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs, OmniMsgpackDecoder)
 from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput  # noqa: E402
 from vllm_omni_kernels.vllm_integration.serialization import (  # noqa: E402
     decode_completion, decode_payload, encode_completion, encode_payload)
@@ -63,8 +63,8 @@ def test_plain_vllm_frames_decode_with_the_omni_decoder():
 def test_empty_fields_are_none_and_cost_one_nil_each():
     """Empty multimodal fields are stored as None; vLLM's array-like frames keep every position (its
     own None fields are encoded too), so each of the three fields costs one msgpack nil byte."""
-    empty = OmniEngineCoreOutput.from_base(EngineCoreOutput(request_id="a", new_token_ids=[1]), {}, [])
-    assert empty.multimodal_output is None and empty.multimodal_spans is None and empty.multimodal_error is None
+    empty = OmniEngineCoreOutput.from_base(EngineCoreOutput(request_id="a", new_token_ids=[1]), {})
+    assert empty.multimodal_output is None and empty.multimodal_error is None and empty.multimodal_delivered is None
     with_none = bytes(MsgpackEncoder().encode(empty)[0])
     base = bytes(MsgpackEncoder().encode(EngineCoreOutput(request_id="a", new_token_ids=[1]))[0])
     assert len(with_none) == len(base) + 3 and with_none.endswith(b"\xc0" * 3)
@@ -78,46 +78,51 @@ def test_non_tensor_values_stay_as_decoded_for_the_processor_to_reject():
 
 
 def packed_frame():
-    """A step's worker-accumulated data: one uint8 buffer, spans of two requests into it."""
+    """A step's worker-accumulated data as the worker lays it out: one uint8 buffer, each key's data
+    of every request back to back, one region per key."""
     audio = [torch.randn(1920 * 3), torch.randn(1920)]
     codes = [torch.randint(0, 1024, (3, 8)), torch.randint(0, 1024, (1, 8))]
-    parts, spans, offset = [], {}, 0
-    for rid, a, c in zip(("a", "b"), audio, codes):
-        for key, t, axis in (("audio", a, -1), ("codes", c, 0)):
-            raw = t.contiguous().view(torch.uint8).reshape(-1)
-            parts.append(raw)
-            spans.setdefault(rid, []).append(MultimodalSpan(key, str(t.dtype).removeprefix("torch."), list(t.shape),
-                                                            offset, axis))
-            offset += raw.numel()
-    buffer = torch.cat(parts)
-    outs = OmniEngineCoreOutputs(outputs=[OmniEngineCoreOutput(request_id=r, new_token_ids=[5], multimodal_spans=spans[r])
-                                          for r in ("a", "b")], multimodal_buffer=buffer)
+    a_bytes = torch.cat(audio).view(torch.uint8)
+    c_bytes = torch.cat(codes).view(-1).view(torch.uint8)
+    buffer = torch.cat([a_bytes, c_bytes])
+    regions = [MultimodalRegion("audio", "float32", [], -1, 0, ["a", "b"], [1920 * 3, 1920]),
+               MultimodalRegion("codes", "int64", [8], 0, a_bytes.numel(), ["a", "b"], [3, 1])]
+    outs = OmniEngineCoreOutputs(outputs=[OmniEngineCoreOutput(request_id=r, new_token_ids=[5]) for r in ("a", "b", "c")],
+                                 multimodal_buffer=buffer, multimodal_regions=regions)
     return outs, audio, codes
 
 
-def test_worker_spans_travel_in_one_frame_and_arrive_as_views():
+def test_worker_data_travels_in_one_frame_and_arrives_as_views():
     outs, audio, codes = packed_frame()
     bufs = MsgpackEncoder().encode(outs)
     assert len(bufs) == 2  # the message and the one buffer, however many requests and keys
     got = OmniMsgpackDecoder().decode([bytes(b) for b in bufs])
     for eco, a, c in zip(got.outputs, audio, codes):
-        by_key = {s.key: s for s in eco.multimodal_spans}
-        assert torch.equal(by_key["audio"].tensor, a) and by_key["audio"].axis == -1
-        assert torch.equal(by_key["codes"].tensor, c) and by_key["codes"].tensor.dtype == torch.int64
-        assert by_key["audio"].tensor.untyped_storage().data_ptr() == got.multimodal_buffer.untyped_storage().data_ptr()
+        (axis_a, t_a), (axis_c, t_c) = eco.multimodal_delivered["audio"], eco.multimodal_delivered["codes"]
+        assert torch.equal(t_a, a) and axis_a == -1 and torch.equal(t_c, c) and axis_c == 0
+        assert t_a.untyped_storage().data_ptr() == got.multimodal_buffer.untyped_storage().data_ptr()
+    assert got.outputs[2].multimodal_delivered is None  # a request with nothing due
     plain = MsgpackDecoder(EngineCoreOutputs).decode(bufs)  # vLLM's own client decoder drops it all
-    assert not hasattr(plain.outputs[0], "multimodal_spans") and not hasattr(plain, "multimodal_buffer")
+    assert not hasattr(plain, "multimodal_buffer") and not hasattr(plain.outputs[0], "multimodal_delivered")
 
 
-@pytest.mark.parametrize("offset, message", [(10 ** 9, "not inside"), (2, "boundary")])
-def test_a_span_outside_its_buffer_fails_only_its_request(offset, message):
+@pytest.mark.parametrize("change, message", [
+    ({"offset": 10 ** 9}, "does not fit"),
+    ({"offset": 2}, "boundary"),
+    ({"dtype": "float99"}, "malformed"),
+    ({"frames": [3, 1]}, "malformed"),  # two counts for the one request it names
+])
+def test_a_region_that_does_not_fit_fails_only_the_requests_it_names(change, message):
     outs, audio, codes = packed_frame()
-    outs.outputs[0].multimodal_spans[1].offset = offset
+    codes_region = outs.multimodal_regions[1]
+    codes_region.request_ids, codes_region.frames = ["a"], [3]  # codes of "a" only
+    for name, value in change.items():
+        setattr(codes_region, name, value)
     got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs))
-    bad, good = got.outputs
-    assert bad.multimodal_spans is None and message in bad.multimodal_error.message
+    bad, good = got.outputs[0], got.outputs[1]
+    assert bad.multimodal_delivered is None and message in bad.multimodal_error.message
     assert bad.multimodal_error.key == "codes" and bad.multimodal_error.to_exception("a").request_id == "a"
-    assert torch.equal(good.multimodal_spans[0].tensor, audio[1])
+    assert good.multimodal_error is None and torch.equal(good.multimodal_delivered["audio"][1], audio[1])
 
 
 def test_payload_and_completion_round_trip_through_vllm_msgpack():

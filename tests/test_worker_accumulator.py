@@ -44,7 +44,7 @@ def run(device, emits, steps, seed=0, finish_at=None):
         packed = acc.collect(finishing, head_bytes=8 * len(live))
         host = packed.wait()
         assert torch.equal(host[:8 * len(live)].view(torch.int64), torch.arange(len(live)) + 100 * step)
-        for rid in packed.spans:
+        for rid in packed.requests():
             deliveries[rid] += 1
             for key, t in packed.tensors(rid).items():
                 got[rid][key].append(t.clone())
@@ -74,7 +74,7 @@ def test_cadence_first_chunk_at_once_then_every_n_frames():
         acc.append(["a"], {"audio": PaddedBatch(torch.ones(1, 4), [4])})
         packed = acc.collect(["a"] if step == 7 else [])
         if packed is not None:
-            sizes.append(packed.spans["a"][0].shape[-1])
+            sizes.append(packed.tensors("a")["audio"].shape[-1])
     assert sizes == [4, 12, 12, 4]  # at once; then >= 10 unread; the rest at finish
 
 

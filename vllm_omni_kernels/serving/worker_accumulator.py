@@ -5,7 +5,8 @@ produced output for. Every key's chunks go into that key's ``RingPool`` in one l
 is then read out of the rings into one persistent device buffer (one launch per key) and copied to
 the host in **one asynchronous copy per step** on a side stream; nothing crosses to the host on a
 step where nothing is due. ``PackedStep`` is what a step hands on: the host buffer, the event that
-says it is filled, and per request the spans (key, dtype, shape, byte offset) that are its data.
+says it is filled, and per key a ``Region``: the requests whose data it holds back to back and
+their frame counts.
 
 What is due, per request, by its output kind (taken from its sampling parameters when it arrives):
 
@@ -20,14 +21,16 @@ that cannot grow) fails that request: ``append`` returns its ``TensorAccumulatio
 are freed, and every other request goes on exactly.
 
 Nothing on the step's path reads the device: lengths, offsets and due-ness come from host mirrors.
-The host buffer comes from torch's pinned caching allocator, so it stays valid for as long as any
-view of it is alive (the engine's zero-copy send, a payload in a user's hands) and costs no
-``cudaHostAlloc`` per step. On a CPU device the pack is the host buffer and there is no copy.
+The host buffer is pinned memory reused once nothing refers to it any more (``_HostBuffers``), so
+it stays valid for as long as any view of it is alive (the engine's zero-copy send, a payload in a
+user's hands) and costs no ``cudaHostAlloc`` per step. On a CPU device the pack is the host buffer
+and there is no copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,30 +64,39 @@ class OutputKey:
 
 
 @dataclass(frozen=True)
-class Span:
-    """One key's data of one request in a ``PackedStep``'s buffer: ``shape`` of ``dtype`` from byte
-    ``offset`` on (``[*frame, n]`` or ``[n, *frame]`` as the key's chunks are)."""
+class Region:
+    """One key's due data of several requests, back to back in a ``PackedStep``'s buffer from byte
+    ``offset`` on: request ``request_ids[i]`` has ``frames[i]`` frames, shaped ``[*frame, n]``
+    (``axis`` -1, CONCAT_LAST) or ``[n, *frame]`` (``axis`` 0, CONCAT_DIM0) of ``dtype``."""
 
     key: str
     dtype: torch.dtype
-    shape: tuple[int, ...]
+    frame: tuple[int, ...]
+    axis: int
     offset: int
-    axis: int  # the axis its pieces concatenate along: -1 (CONCAT_LAST) or 0
+    request_ids: list[str]
+    frames: np.ndarray  # int64, one per request
 
-    def view(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This span as a tensor view into the uint8 ``buffer``."""
-        nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        return buffer[self.offset:self.offset + nbytes].view(self.dtype).view(self.shape)
+    def pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Every request's data as a view into the uint8 ``buffer`` (one split)."""
+        per_frame = int(np.prod(self.frame, dtype=np.int64))
+        counts = self.frames.tolist()
+        end = self.offset + sum(counts) * per_frame * self.dtype.itemsize
+        region = buffer[self.offset:end].view(self.dtype)
+        if self.axis == 0:
+            return list(region.view(-1, *self.frame).split(counts))
+        return [p.view(*self.frame, n) for p, n in zip(region.split([n * per_frame for n in counts]), counts)]
 
 
 @dataclass
 class PackedStep:
     """What one step delivers: ``host`` (uint8; valid once ``wait()`` returned), the caller's head
-    data at its start (``head_bytes``), and per request its spans and whether they are its last."""
+    data at its start (``head_bytes``), the due data as ``regions``, and the requests whose output
+    this step closed (``final``)."""
 
     host: torch.Tensor
     head_bytes: int = 0
-    spans: dict[str, list[Span]] = field(default_factory=dict)
+    regions: list[Region] = field(default_factory=list)
     final: set[str] = field(default_factory=set)
     event: torch.cuda.Event | None = None
 
@@ -94,9 +106,52 @@ class PackedStep:
             self.event.synchronize()
         return self.host
 
+    def requests(self) -> set[str]:
+        """The requests with data in this step."""
+        return {rid for region in self.regions for rid in region.request_ids}
+
     def tensors(self, request_id: str) -> dict[str, torch.Tensor]:
         """The request's data as views into ``host`` (after ``wait``)."""
-        return {s.key: s.view(self.host) for s in self.spans.get(request_id, ())}
+        out = {}
+        for region in self.regions:
+            if request_id in region.request_ids:
+                out[region.key] = region.pieces(self.host)[region.request_ids.index(request_id)]
+        return out
+
+
+class _HostBuffers:
+    """Pinned host buffers for the steps' copies, each reused once every tensor made of it is gone.
+
+    A step's host tensor is made over a free buffer with ``torch.frombuffer``, so it is a tensor of
+    its own (no ``_base``) and every view, numpy array or encoder frame made of it keeps it alive;
+    when the last of them goes, a ``weakref.finalize`` hands the buffer back. Allocating pinned
+    memory (``cudaHostAlloc``) costs about a millisecond: that happens only while the buffers in
+    flight outgrow what was allocated before (a few at the start).
+    """
+
+    def __init__(self):
+        self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # (buffer, its last copy)
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, Callable[[torch.cuda.Event], None]]:
+        """A pinned uint8 host tensor of ``nbytes``, and the function that records its copy's event."""
+        buffer = None
+        for i, (candidate, event) in enumerate(self._free):
+            if candidate.numel() >= nbytes and (event is None or event.query()):
+                buffer = self._free.pop(i)[0]
+                break
+        if buffer is None:
+            buffer = torch.empty(max(1 << (max(nbytes, 1) - 1).bit_length(), 1 << 20), dtype=torch.uint8,
+                                 pin_memory=True)
+        host = torch.frombuffer(buffer.numpy()[:nbytes], dtype=torch.uint8) if nbytes else buffer[:0].clone()
+        copied: list[torch.cuda.Event | None] = [None]
+        weakref.finalize(host, self._give_back, buffer, copied)
+        return host, lambda event: copied.__setitem__(0, event)
+
+    def _give_back(self, buffer: torch.Tensor, copied: list) -> None:
+        self._free.append((buffer, copied[0]))
+        if len(self._free) > 16:  # keep the largest few
+            self._free.sort(key=lambda item: item[0].numel())
+            del self._free[0]
 
 
 class WorkerAccumulator:
@@ -133,6 +188,7 @@ class WorkerAccumulator:
         self._rows_cache: tuple = ((), np.zeros(0, np.int64), -1)  # (ids, rows, version) of the last append
         self._version = 0  # bumped when a request comes or goes
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._host = _HostBuffers()
         self._last_copy: torch.cuda.Event | None = None  # the pack is rewritten only after it ran
         self.copies = 0  # device-to-host copies so far (one per step with anything due)
         self.failed = 0
@@ -263,13 +319,9 @@ class WorkerAccumulator:
             self._reserve(offset)
             for k, ids, drain, start, nbytes in plans:
                 key, pool = self.keys[k], self.pools[k]
-                item = pool.dtype.itemsize
-                elem_starts, frames = pool.read_into(ids, self._pack[start:start + nbytes].view(pool.dtype), drain=drain)
-                last = key.strategy is Strategy.CONCAT_LAST
-                for rid, e0, n in zip(ids, elem_starts.tolist(), frames.tolist()):
-                    shape = (*key.frame_shape, n) if last else (n, *key.frame_shape)
-                    step.spans.setdefault(rid, []).append(Span(key.name, pool.dtype, shape, start + e0 * item,
-                                                               -1 if last else 0))
+                _, frames = pool.read_into(ids, self._pack[start:start + nbytes].view(pool.dtype), drain=drain)
+                step.regions.append(Region(key.name, pool.dtype, key.frame_shape,
+                                           -1 if key.strategy is Strategy.CONCAT_LAST else 0, start, ids, frames))
             rows = [self._row[r] for r in drain_ids + final_only]
             self._unread[:, rows] = 0
             self._delivered[rows] = True
@@ -284,7 +336,7 @@ class WorkerAccumulator:
             step.host = self._pack[:nbytes]
             self._pack = torch.empty(self._pack.numel(), dtype=torch.uint8)
             return
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host, note_copy = self._host.take(nbytes)
         ready = torch.cuda.Event()
         ready.record()
         self._side.wait_event(ready)
@@ -292,6 +344,7 @@ class WorkerAccumulator:
             host.copy_(self._pack[:nbytes], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
+        note_copy(done)
         step.host, step.event = host, done
         self._last_copy = done
         self.copies += 1

@@ -7,7 +7,7 @@ the decoder when it starts, inside or right after construction: a decoder set on
 never used. Here the decoder is ``OmniMsgpackDecoder`` from construction on: ``OmniDecoding`` sits
 between vLLM's ``SyncMPClient``/``AsyncMPClient`` and ``MPClient`` and sets it as soon as
 ``MPClient.__init__`` made vLLM's, before anything can take it. The in-process client gets the
-scheduler's own objects and only resolves their spans.
+scheduler's own objects and only cuts their regions into each output's pieces.
 
 ``OmniLLM``/``OmniAsyncLLM`` (``llm.py``) build these; nothing else needs to.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from vllm.v1.engine.core_client import AsyncMPClient, InprocClient, MPClient, SyncMPClient
 
-from .wire import OmniEngineCoreOutputs, OmniMsgpackDecoder, resolve_spans
+from .wire import OmniEngineCoreOutputs, OmniMsgpackDecoder, resolve_regions
 
 
 class OmniDecoding(MPClient):
@@ -38,10 +38,10 @@ class OmniAsyncMPClient(AsyncMPClient, OmniDecoding):
 
 
 class OmniInprocClient(InprocClient):
-    """vLLM's in-process client; the engine core's outputs get their spans resolved."""
+    """vLLM's in-process client; the engine core's outputs get their pieces of the step's buffer."""
 
     def get_output(self):
         outputs = super().get_output()
         if isinstance(outputs, OmniEngineCoreOutputs):
-            resolve_spans(outputs)
+            resolve_regions(outputs)
         return outputs

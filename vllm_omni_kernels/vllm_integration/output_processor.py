@@ -5,7 +5,7 @@ reads the multimodal fields of each ``OmniEngineCoreOutput`` of the step, leavin
 and everything else to vLLM. Nothing in it depends on the modality. Text and pooling requests
 therefore behave exactly as with vLLM's processor.
 
-* Data the worker accumulated (``multimodal_spans``, views into the step's received buffer) is
+* Data the worker accumulated (``multimodal_delivered``, views into the step's received buffer) is
   handed through as it is: no copy, no re-accumulation. A request's pieces wait for its next
   output (vLLM may skip steps: ``stream_interval``, FINAL_ONLY) and are concatenated only if more
   than one arrived; CUMULATIVE outputs concatenate everything so far.
@@ -48,6 +48,7 @@ from ..accumulator import AccumulatorConfig, EmitPolicy, MultimodalAccumulator
 from ..errors import MultimodalOutputError, TensorAccumulationError, TensorConsolidationError
 from ..modality import OutputModality, TensorAccumulationStrategy, parse_strategy
 from ..payload import GrowingTensor, MultimodalPayload
+from ..profiling import nvtx_range
 from .wire import OmniEngineCoreOutput
 from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput, MultimodalRequestOutput
 
@@ -144,7 +145,7 @@ class OmniRequestState(RequestState):
             return None  # the common step of a stream between deliveries
         if self.stopwatch is None:
             return self._take_payload(finished)
-        with self.stopwatch:
+        with self.stopwatch, nvtx_range("frontend.payload"):
             return self._take_payload(finished)
 
     def _take_payload(self, finished: bool) -> MultimodalPayload | None:
@@ -262,7 +263,7 @@ class MultimodalOutputProcessor(OutputProcessor):
 
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput], engine_core_timestamp=None,
                         iteration_stats=None, weight_version: str | None = None) -> OutputProcessorOutput:
-        with self.stopwatch:
+        with self.stopwatch, nvtx_range("frontend.multimodal"):
             self._accumulate(engine_core_outputs)
         result = super().process_outputs(engine_core_outputs, engine_core_timestamp, iteration_stats, weight_version)
         self._fail_visibly(result)
@@ -276,7 +277,7 @@ class MultimodalOutputProcessor(OutputProcessor):
         for eco in engine_core_outputs:
             if not isinstance(eco, OmniEngineCoreOutput):
                 continue  # plain vLLM outputs (text, pooling) are vLLM's business
-            if eco.multimodal_spans or eco.multimodal_error is not None:
+            if eco.multimodal_delivered or eco.multimodal_error is not None:
                 self._take_from_worker(eco, errors)
             if eco.multimodal_output is None:
                 continue
@@ -307,8 +308,8 @@ class MultimodalOutputProcessor(OutputProcessor):
         self.accumulation_errors += len(errors)
 
     def _take_from_worker(self, eco: OmniEngineCoreOutput, errors: list) -> None:
-        """The worker's spans of ``eco`` handed to its request as they are; its error recorded to fail
-        the request visibly after the step."""
+        """The worker's data of ``eco`` handed to its request as it is; its error recorded to fail the
+        request visibly after the step."""
         state = self.request_states.get(eco.request_id)
         if not isinstance(state, OmniRequestState):
             errors.append(TensorAccumulationError("multimodal output for an unknown or finished request",
@@ -322,8 +323,8 @@ class MultimodalOutputProcessor(OutputProcessor):
         state.stopwatch = self.stopwatch
         if state.detokenizer is None and eco.pooling_output is None:
             _give_completion_outputs(state)
-        for span in eco.multimodal_spans:
-            state.deliver(self._key_aliases.get(span.key, span.key), span.tensor, span.axis)
+        for key, (axis, tensor) in eco.multimodal_delivered.items():
+            state.deliver(self._key_aliases.get(key, key), tensor, axis)
 
     def _values(self, rid: str, payload: Mapping[str, Any], errors: list) -> dict[str, Any]:
         """The payload's values under the stage's key names; a key that two payload keys map to (say

@@ -7,9 +7,10 @@ only, so vLLM's own logic runs unchanged on the pooling channel (its "a pooling 
 when it has pooler output" check fires only for real pooling output). ``MultimodalChannel`` then
 threads the multimodal channel into ``OmniEngineCoreOutput``s:
 
-* plain per-step values (``multimodal_outputs``) and worker-accumulated spans (``packed``): the
-  spans go on the request's output, the step's one host buffer on the message
-  (``OmniEngineCoreOutputs.multimodal_buffer``) of every client that has spans in it;
+* plain per-step values (``multimodal_outputs``) go on the request's output; the worker's
+  accumulated data due this step (``packed``: one host buffer, and per key the requests whose data
+  lies back to back in it) goes on the message (``OmniEngineCoreOutputs``) of every client that has
+  a request with data in it: nothing is built per request;
 * a request whose output the worker failed (``multimodal_errors``) is finished with
   ``FINISHED_ERROR`` and its output carries the error, which the frontend raises to its caller;
 * a request that finishes (length, stop) while the worker still holds its output (it opened it in
@@ -31,7 +32,8 @@ from vllm.v1.engine import EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
 from .outputs import OmniModelRunnerOutput
-from .wire import MultimodalError, MultimodalSpan, OmniEngineCoreOutput, OmniEngineCoreOutputs
+from ..serving.worker_accumulator import PackedStep
+from .wire import MultimodalError, MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs
 
 
 class MultimodalChannel:
@@ -57,15 +59,15 @@ class MultimodalChannel:
         if packed is not None:
             self._worker_open.difference_update(packed.final)
         plain = out.multimodal_outputs or {}
-        spans = packed.spans if packed is not None else {}
+        delivered = packed.requests() if packed is not None else set()
         errors = {rid: MultimodalError(exc.reason, exc.key) for rid, exc in (out.multimodal_errors or {}).items()}
         if errors:
             self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
-        if not (plain or spans or errors or self._worker_open):
+        if not (plain or delivered or errors or self._worker_open):
             return outputs
         emitted: set[str] = set()
         for client, batch in list(outputs.items()):
-            converted, with_spans = [], False
+            converted, with_data = [], False
             for eco in batch.outputs:
                 rid = eco.request_id
                 error = errors.get(rid)
@@ -73,47 +75,43 @@ class MultimodalChannel:
                     self._worker_open.discard(rid)
                     error = MultimodalError(f"the request finished ({eco.finish_reason}) while the worker still "
                                             "held its output, which is lost")
-                wire_spans = _wire(spans.get(rid))
-                if plain.get(rid) or wire_spans or error is not None:
-                    eco = OmniEngineCoreOutput.from_base(eco, plain.get(rid), wire_spans, error)
+                if plain.get(rid) or error is not None or rid in delivered:
+                    eco = OmniEngineCoreOutput.from_base(eco, plain.get(rid), error)
                     if error is not None:
                         eco.finish_reason = FinishReason.ERROR
                     emitted.add(rid)
-                    with_spans |= bool(wire_spans)
+                    with_data |= rid in delivered
                 converted.append(eco)
-            outputs[client] = _with_outputs(batch, converted, packed.host if with_spans else None)
-        for rid in set(plain) | set(spans) | set(errors):
+            outputs[client] = _with_outputs(batch, converted, packed if with_data else None)
+        for rid in set(plain) | delivered | set(errors):
             request = self.requests.get(rid)
             if rid in emitted or request is None or (request.is_finished() and rid not in errors):
                 continue  # finished requests already got their final output above
             batch = outputs.get(request.client_index)
             if batch is None:
                 batch = outputs[request.client_index] = OmniEngineCoreOutputs()
-            wire_spans = _wire(spans.get(rid))
             batch.outputs.append(OmniEngineCoreOutput(
                 request_id=rid, new_token_ids=[], multimodal_output=plain.get(rid) or None,
-                multimodal_spans=wire_spans, multimodal_error=errors.get(rid),
-                finish_reason=FinishReason.ERROR if rid in errors else None))
-            if wire_spans:
-                outputs[request.client_index] = _with_outputs(batch, batch.outputs, packed.host)
+                multimodal_error=errors.get(rid), finish_reason=FinishReason.ERROR if rid in errors else None))
+            if rid in delivered:
+                outputs[request.client_index] = _with_outputs(batch, batch.outputs, packed)
         return outputs
 
 
-def _wire(spans) -> list[MultimodalSpan] | None:
-    if not spans:
-        return None
-    return [MultimodalSpan(s.key, str(s.dtype).removeprefix("torch."), list(s.shape), s.offset, s.axis) for s in spans]
-
-
-def _with_outputs(batch: EngineCoreOutputs, outputs: list, buffer) -> OmniEngineCoreOutputs:
-    """``batch`` as ``OmniEngineCoreOutputs`` with ``outputs`` and the step's buffer (if any span needs it)."""
+def _with_outputs(batch: EngineCoreOutputs, outputs: list, packed: PackedStep | None) -> OmniEngineCoreOutputs:
+    """``batch`` as ``OmniEngineCoreOutputs`` with ``outputs``, and the step's buffer and regions
+    when some of them have data there."""
+    regions = None if packed is None else [
+        MultimodalRegion(r.key, str(r.dtype).removeprefix("torch."), list(r.frame), r.axis, r.offset,
+                         r.request_ids, r.frames.tolist()) for r in packed.regions]
     if isinstance(batch, OmniEngineCoreOutputs):
         batch.outputs = outputs
-        if buffer is not None:
-            batch.multimodal_buffer = buffer
+        if packed is not None:
+            batch.multimodal_buffer, batch.multimodal_regions = packed.host, regions
         return batch
     fields = {name: getattr(batch, name) for name in batch.__struct_fields__ if name != "outputs"}
-    return OmniEngineCoreOutputs(**fields, outputs=outputs, multimodal_buffer=buffer)
+    return OmniEngineCoreOutputs(**fields, outputs=outputs, multimodal_buffer=None if packed is None else packed.host,
+                                 multimodal_regions=regions)
 
 
 class OmniScheduler(MultimodalChannel, Scheduler):

@@ -22,7 +22,7 @@ class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
         for eco in engine_core_outputs:
             if not isinstance(eco, OmniEngineCoreOutput):
                 continue
-            if eco.multimodal_spans or eco.multimodal_error is not None:
+            if eco.multimodal_delivered or eco.multimodal_error is not None:
                 self._take_from_worker(eco, [])
             if not eco.multimodal_output:
                 continue

@@ -4,12 +4,14 @@
 
 * ``multimodal_output``: ``{key: tensor or metadata}`` a producer sends as plain per-step chunks
   (the frontend accumulates them);
-* ``multimodal_spans``: the request's data accumulated in the worker and due now, as spans (key,
-  dtype, shape, byte offset) of the step's one buffer, ``OmniEngineCoreOutputs.multimodal_buffer``:
-  one tensor per message, a single zero-copy frame in vLLM's encoder, however many requests it
-  serves;
 * ``multimodal_error``: the worker failed the request's output (``MultimodalError``); the frontend
   fails the request visibly with a ``TensorAccumulationError``.
+
+and ``OmniEngineCoreOutputs`` (the message) the data the worker accumulated and that is due now:
+``multimodal_buffer``, one host tensor for the whole step (a single zero-copy frame in vLLM's
+encoder, however many requests it serves), and ``multimodal_regions``: per key the requests whose
+data lies back to back in it and their frame counts (``MultimodalRegion``), so the engine core
+builds nothing per request and the client cuts every request's tensor with one ``split`` per key.
 
 Absent fields cost nothing (trailing defaults are omitted), and frames without them (plain
 ``EngineCoreOutput``) decode as before.
@@ -18,14 +20,15 @@ vLLM's client decodes every frame as ``EngineCoreOutputs``: decoded that way the
 dropped, and a tensor under ``Any`` arrives as its raw ``[dtype, shape, buffer index]`` triple whose
 buffer is gone once ``decode`` returns. ``OmniMsgpackDecoder`` decodes into ``OmniEngineCoreOutputs``,
 turns those triples back into tensors while the message's buffers are at hand (zero-copy, as vLLM
-does) and resolves every span into a view of the step's buffer (``resolve_spans``; the in-process
-client calls it on the scheduler's own objects). The client subclasses in ``client.py`` hold this
-decoder from construction.
+does) and cuts the regions into views of the step's buffer, handing each output its own
+(``multimodal_delivered``: ``{key: (axis, tensor)}``, filled on the receiving side only;
+``resolve_regions``, which the in-process client calls on the scheduler's own objects). The client
+subclasses in ``client.py`` hold this decoder from construction.
 
 Bad data never costs another request its output: a triple that cannot be a tensor of this message
 (data not a buffer of it, an index past its buffers, a size that does not match the shape) becomes
-a ``TensorAccumulationError`` in place of the value, and a span outside its buffer or misaligned
-becomes the request's ``multimodal_error``; the frame's other outputs are delivered.
+a ``TensorAccumulationError`` in place of the value, and a region that does not fit its buffer
+fails the requests it names (``multimodal_error``); the frame's other outputs are delivered.
 """
 
 from __future__ import annotations
@@ -41,19 +44,21 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, bytestr
 
 from ..errors import TensorAccumulationError
+from ..profiling import nvtx_range
 
 
-class MultimodalSpan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    """One key's data of one request in its message's buffer: a ``dtype`` tensor of ``shape`` from
-    byte ``offset`` on, whose pieces concatenate along ``axis`` (-1: CONCAT_LAST, 0: CONCAT_DIM0).
-    ``tensor`` is that view, filled on the receiving side (never sent)."""
+class MultimodalRegion(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """One key's data for several requests, back to back in the message's buffer from byte
+    ``offset`` on: ``request_ids[i]`` has ``frames[i]`` frames of ``dtype``, shaped ``[*frame, n]``
+    (``axis`` -1: CONCAT_LAST) or ``[n, *frame]`` (``axis`` 0: CONCAT_DIM0)."""
 
     key: str
     dtype: str
-    shape: list[int]
+    frame: list[int]
+    axis: int
     offset: int
-    axis: int = 0
-    tensor: torch.Tensor | None = None
+    request_ids: list[str]
+    frames: list[int]
 
 
 class MultimodalError(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -71,88 +76,78 @@ class OmniEngineCoreOutput(EngineCoreOutput, array_like=True, omit_defaults=True
     ``pooling_output`` keeps vLLM's meaning (pooling tensors only)."""
 
     multimodal_output: dict[str, Any] | None = None
-    multimodal_spans: list[MultimodalSpan] | None = None
     multimodal_error: MultimodalError | None = None
+    multimodal_delivered: dict[str, Any] | None = None  # receiving side only: {key: (axis, tensor)}
 
     @classmethod
     def from_base(cls, base: EngineCoreOutput, multimodal_output: dict[str, Any] | None = None,
-                  spans: list[MultimodalSpan] | None = None,
                   error: MultimodalError | None = None) -> OmniEngineCoreOutput:
         """``base`` with the multimodal fields (every field of ``base`` carried over; empty ones as None)."""
         fields = {name: getattr(base, name) for name in base.__struct_fields__}
-        return cls(**fields, multimodal_output=multimodal_output or None, multimodal_spans=spans or None,
-                   multimodal_error=error)
+        return cls(**fields, multimodal_output=multimodal_output or None, multimodal_error=error)
 
 
 class OmniEngineCoreOutputs(EngineCoreOutputs, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     """``EngineCoreOutputs`` whose outputs decode as ``OmniEngineCoreOutput``, with the step's buffer
-    of worker-accumulated data (uint8, host memory) that their spans point into."""
+    of worker-accumulated data (uint8, host memory) and the regions of it (module docstring)."""
 
     outputs: list[OmniEngineCoreOutput] = []
     multimodal_buffer: torch.Tensor | None = None
+    multimodal_regions: list[MultimodalRegion] | None = None
 
 
-def resolve_spans(outputs: OmniEngineCoreOutputs) -> None:
-    """Fill every span's ``tensor`` with its view of ``outputs.multimodal_buffer``. A span that does
-    not lie inside the buffer, or whose offset does not suit its dtype, fails its request
-    (``multimodal_error``) and the request's spans are dropped.
-
-    The worker lays each key's spans out back to back, so the spans of a key are cut from the
-    buffer with one ``split`` (one call for all of them); spans laid out otherwise are cut one by one.
-    """
+def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
+    """Give every output its pieces of the message's regions (``multimodal_delivered``), views of
+    ``multimodal_buffer`` cut with one ``split`` per region. A region that does not fit the buffer
+    (unknown dtype, frames past its end, an offset its dtype cannot start at) fails the requests it
+    names (``multimodal_error``)."""
+    regions = outputs.multimodal_regions
+    if not regions:
+        return
     buffer = outputs.multimodal_buffer
     if buffer is None:
         buffer = torch.empty(0, dtype=torch.uint8)
-    runs: dict[tuple, list] = {}  # (dtype, frame shape, axis) -> [(span, eco), ...]
-    for eco in outputs.outputs:
-        for span in getattr(eco, "multimodal_spans", None) or ():
-            shape = span.shape
-            frame = tuple(shape[:-1]) if span.axis == -1 else tuple(shape[1:])
-            runs.setdefault((span.dtype, frame, span.axis), []).append((span, eco))
-    failed: dict[int, tuple] = {}
-    for (dtype_name, frame, axis), items in runs.items():
-        dtype = _DTYPES.get(dtype_name)
-        if dtype is None or not all(type(s) is int and s >= 0 for s in frame):
-            for span, eco in items:
-                failed[id(eco)] = (eco, MultimodalError(f"span of unknown dtype {dtype_name!r} or shape {span.shape}",
-                                                       key=span.key))
+    by_id = {eco.request_id: eco for eco in outputs.outputs if isinstance(eco, OmniEngineCoreOutput)}
+    failed = []
+    for region in regions:
+        try:
+            pieces = _cut(buffer, region)
+        except ValueError as exc:
+            for rid in region.request_ids:
+                eco = by_id.get(rid)
+                if eco is not None:
+                    eco.multimodal_error = MultimodalError(str(exc), key=region.key)
+                    failed.append(eco)
             continue
-        _cut(buffer, dtype, frame, axis, items, failed)
-    for eco, error in failed.values():
-        eco.multimodal_spans = None
-        eco.multimodal_error = error
+        axis = region.axis
+        for rid, piece in zip(region.request_ids, pieces):
+            eco = by_id.get(rid)
+            if eco is None:
+                continue  # another client's request
+            if eco.multimodal_delivered is None:
+                eco.multimodal_delivered = {}
+            eco.multimodal_delivered[region.key] = (axis, piece)
+    for eco in failed:  # none of a failed request's data is handed on
+        eco.multimodal_delivered = None
 
 
-def _cut(buffer: torch.Tensor, dtype: torch.dtype, frame: tuple, axis: int, items: list, failed: dict) -> None:
-    """The views of ``items`` (spans of one dtype and frame shape): one ``split`` of the buffer when
-    they lie back to back, else one view each; spans outside the buffer fail their request."""
-    item, per_frame = dtype.itemsize, math.prod(frame)
-    counts = [span.shape[axis] for span, _ in items]
-    start = items[0][0].offset
-    expected, contiguous = start, True
-    for (span, _), n in zip(items, counts):
-        contiguous &= span.offset == expected and len(span.shape) == len(frame) + 1
-        expected += n * per_frame * item
-    if contiguous and start >= 0 and start % item == 0 and expected <= buffer.numel():
-        region = buffer[start:expected].view(dtype)
-        if axis == 0:
-            pieces = region.view(-1, *frame).split(counts)
-        elif not frame:  # mono audio: the pieces are the views
-            pieces = region.split(counts)
-        else:
-            pieces = [p.view(*frame, n) for p, n in zip(region.split([n * per_frame for n in counts]), counts)]
-        for (span, _), piece in zip(items, pieces):
-            span.tensor = piece
-        return
-    for span, eco in items:
-        nbytes = math.prod(span.shape) * item
-        if span.offset < 0 or span.offset % item or span.offset + nbytes > buffer.numel() \
-                or len(span.shape) != len(frame) + 1:
-            failed[id(eco)] = (eco, MultimodalError(
-                f"span of {nbytes} bytes at offset {span.offset} is not inside the step's buffer of "
-                f"{buffer.numel()} bytes on a {item}-byte boundary", key=span.key))
-            continue
-        span.tensor = buffer[span.offset:span.offset + nbytes].view(dtype).view(span.shape)
+def _cut(buffer: torch.Tensor, region: MultimodalRegion) -> list[torch.Tensor]:
+    dtype = _DTYPES.get(region.dtype)
+    frame = region.frame
+    if dtype is None or region.axis not in (0, -1) or not all(type(s) is int and s > 0 for s in frame) \
+            or len(region.frames) != len(region.request_ids) or not all(type(n) is int and n >= 0 for n in region.frames):
+        raise ValueError(f"malformed region of {region.dtype!r}, frame {frame}, axis {region.axis}")
+    per_frame, item = math.prod(frame), dtype.itemsize
+    end = region.offset + sum(region.frames) * per_frame * item
+    if region.offset < 0 or region.offset % item or end > buffer.numel():
+        raise ValueError(f"a region of bytes {region.offset}..{end} does not fit the step's buffer of "
+                         f"{buffer.numel()} bytes on a {item}-byte boundary")
+    data = buffer[region.offset:end].view(dtype)
+    if region.axis == 0:
+        return list(data.view(-1, *frame).split(region.frames))
+    if not frame:  # mono audio: the pieces are the views
+        return list(data.split(region.frames))
+    return [p.view(*frame, n) for p, n in zip(data.split([n * per_frame for n in region.frames]), region.frames)]
 
 
 _DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtype, torch.dtype)}
@@ -189,13 +184,13 @@ class OmniMsgpackDecoder(MsgpackDecoder):
             out = self.decoder.decode(bufs[0])
             t1 = time.perf_counter()
             if isinstance(out, OmniEngineCoreOutputs):
-                for eco in out.outputs:
-                    mm = eco.multimodal_output
-                    if mm:
-                        eco.multimodal_output = {k: self._tensor_or_error(v, eco.request_id, k)
-                                                 if _is_tensor_triple(v) else v for k, v in mm.items()}
-                if out.multimodal_buffer is not None:
-                    resolve_spans(out)
+                with nvtx_range("frontend.decode_multimodal"):
+                    for eco in out.outputs:
+                        mm = eco.multimodal_output
+                        if mm:
+                            eco.multimodal_output = {k: self._tensor_or_error(v, eco.request_id, k)
+                                                     if _is_tensor_triple(v) else v for k, v in mm.items()}
+                    resolve_regions(out)
             t2 = time.perf_counter()
             self.multimodal_seconds += t2 - t1
             self.seconds += t2 - t0
