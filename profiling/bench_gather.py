@@ -29,7 +29,7 @@ Paths (the hooks' and MTP's outputs are prepared tensors: only the data movement
 Launches per step are counted with the CUDA profiler (kernels and memcpys) for every path, in a
 last pass after all timings: a profiler session leaves CUPTI attached to the process, and every
 later launch pays for its callbacks. Medians of ``repeats`` timings of ``steps`` steps, CUDA
-events, after a warm-up. JSON out; PNG with ``plot_gather.py``.
+events, after a warm-up. JSON out; PNG with ``plot.py``.
 
 Usage: python profiling/bench_gather.py [--steps 50] [--repeats 5] [--out out/bench_gather.json]
 """
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuda_timing import backend_variant, backend_variants, graph_us_per_step, host_floor_us, us_per_call  # noqa: E402
 from vllm_omni_kernels import backend  # noqa: E402
-from vllm_omni_kernels.decode_gather import DecodeGather  # noqa: E402
+from vllm_omni_kernels.gather import DecodeGather  # noqa: E402
 from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
 
 Q = 16

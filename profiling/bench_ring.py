@@ -24,7 +24,7 @@ Paths:
                bandwidth the kernel is compared with), plus one large copy for the peak
 
 Each model step's output is a distinct tensor (a model allocates its output), so list baselines
-keep views legitimately. Writes JSON (and a PNG with ``plot_ring.py``).
+keep views legitimately. Writes JSON (and a PNG with ``plot.py``).
 
 Usage: python profiling/bench_ring.py [--steps 200] [--repeats 5] [--out out/bench_ring.json]
        [--workloads 64x1920,256x1920,64x48000,8x48000] [--trace]
@@ -167,10 +167,8 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
     def kernel_only():
         sa.prepare(steps)
         gN.replay()
-        pool._size[sa.slots] = 0  # rewind the host mirrors: the ring wraps, content is not checked here
 
-    reset()
-    record("ours_kernel_ingraph", event_ms(kernel_only, repeats), "append kernels only, in one graph")
+    record("ours_kernel_ingraph", event_ms(kernel_only, repeats, setup=reset), "append kernels only, in one graph")
 
     # Every kernel backend available here, in the same process: eager appends only (metadata upload
     # included; the slot reset before and the finish after are not timed) and the append kernel
@@ -203,10 +201,8 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
             def kernel_only_b(sb=sb, gb=gb):
                 sb.prepare(steps)
                 gb.replay()
-                pool._size[sb.slots] = 0
 
-            reset()
-            record(f"ours_kernel_ingraph[{name}]", event_ms(kernel_only_b, repeats), "append kernels only")
+            record(f"ours_kernel_ingraph[{name}]", event_ms(kernel_only_b, repeats, setup=reset), "append kernels only")
             del gb, sb
     # The copy reference moves the same bytes the same way: one static source, a fresh destination
     # every step (as the ring writes new arena memory every step), so neither is served from L2.
@@ -231,8 +227,8 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
 def trace_kernels(result: dict, steps: int) -> None:
     """The append kernel's device time per backend, from the CUDA profiler, into
     ``result["eager_trace"]``. Run after every timing of the process: a profiler session leaves CUPTI
-    attached when it ends, and each later launch pays for its callbacks (2 to 6 us of host time per
-    launch on the H200 machines: profiling/NSIGHT.md), which would inflate the eager figures."""
+    attached when it ends, and each later launch pays for its callbacks (a few µs of host time per
+    launch: profiling/NSIGHT.md), which would inflate the eager figures."""
     B, T = result["requests"], result["samples"]
     sources = [torch.randn(B, T, device="cuda") for _ in range(steps)]
     lens = np.full(B, T, dtype=np.int64)

@@ -1,4 +1,4 @@
-"""CUDA-event timing shared by the benchmarks and sweeps of ``profiling/``."""
+"""CUDA-event timing shared by ``bench_ring.py`` and ``bench_gather.py``."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def graph_us_per_step(fn, steps: int, repeats: int, check=None) -> list[float]:
     """Microseconds per call of ``fn`` captured ``steps`` times in one CUDA graph, one figure per
     timed run of 3 replays (``us_per_call``). ``fn`` runs once first, outside the capture (Triton
     compiles there); ``check(replay)``, if given, verifies the graph before it is timed."""
-    from vllm_omni_kernels.cuda_graphs import capture
+    from vllm_omni_kernels.ring.graph import capture
 
     graph = capture(fn, steps)
     if check is not None:
@@ -66,20 +66,6 @@ def host_floor_us(calls: int) -> float:
         tiny.zero_()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e6 / calls
-
-
-def profiler_session(teardown: bool | None = None) -> None:
-    """One short CUDA profiler session (one small op): what a benchmark that profiles leaves behind.
-    Kineto finalizes CUPTI at its end only when ``TEARDOWN_CUPTI=1`` is set then; ``teardown`` sets
-    it (None: the environment as it is)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    if teardown is not None:
-        os.environ["TEARDOWN_CUPTI"] = "1" if teardown else "0"
-    with profile(activities=[ProfilerActivity.CUDA]):
-        torch.zeros(1, device="cuda").zero_()
-        torch.cuda.synchronize()
-    time.sleep(0.2)  # Kineto may finish a teardown on its own thread
 
 
 def kernel_device_us(fn, name_part: str) -> list[float]:
@@ -115,11 +101,6 @@ def copy_in_graph_ms(src: torch.Tensor, steps: int, repeats: int) -> list[float]
     runs = event_ms(graph.replay, repeats)
     del graph, dst
     return runs
-
-
-def copy_in_graph_us(src: torch.Tensor, steps: int, repeats: int) -> float:
-    """Median microseconds per copy of ``copy_in_graph_ms``."""
-    return statistics.median(copy_in_graph_ms(src, steps, repeats)) * 1000 / steps
 
 
 NO_PDL = "_no_pdl"  # label suffix: the backend launching without programmatic dependent launch

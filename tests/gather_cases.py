@@ -106,7 +106,7 @@ def check_gather_case(seed, dtype, width, device, backend, monkeypatch):
 def check_far_apart_rows(device, backend, monkeypatch, graph: bool = False):
     """Rows 2**32 elements and more apart (the two ends of 10 GB of address space, touched only
     there) gathered both ways, as float rows, int rows and each-blocks: every offset the table
-    carries keeps its high bits and sign (48-bit records, gather_jobs.py). ``graph``: also through the
+    carries keeps its high bits and sign (int64 records, ops/layout.py). ``graph``: also through the
     resident table a captured step reads (``prepare_static``/``run_static``)."""
     monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", backend)
     width, n = 64, 4
@@ -115,7 +115,7 @@ def check_far_apart_rows(device, backend, monkeypatch, graph: bool = False):
     ints, past = big.view(torch.int32), n * width // 2  # int rows next to the float rows
     ilow, ihigh = ints[past:past + 2 * n].view(n, 2), ints[-past - 2 * n:-past].view(n, 2)
     gather = RowGather(torch.bfloat16, width, device, max_float_rows=3 * n, max_int_rows=3 * n)
-    anchor = gather._anchor.data_ptr()
+    anchor = gather.anchor.data_ptr()
     assert max(abs(t.data_ptr() - anchor) for t in (low, high)) >= 2**33  # offsets past 32 bits
     for step in range(2):
         low.copy_(torch.randn(n, width).to(torch.bfloat16))

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from vllm_omni_kernels.phase import PHASE_KEYS
-from vllm_omni_kernels.phase_runner import OmniPhaseRunnerMixin
+from vllm_omni_kernels.phase.runner import OmniPhaseRunnerMixin
 
 Q = 4  # codes per MTP row
 

@@ -1,6 +1,6 @@
 import pytest
 
-from vllm_omni_kernels.allocator import BuddyAllocator
+from vllm_omni_kernels.ring.allocator import BuddyAllocator
 
 
 def test_alloc_rounds_to_power_of_two_blocks_and_merges_on_free():

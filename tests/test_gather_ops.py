@@ -9,10 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gather_cases import check_far_apart_rows, check_gather_case, make_gather_case, random_each_call
-from vllm_omni_kernels.gather import RowGather
-from vllm_omni_kernels.ops import gather_jobs
-from vllm_omni_kernels.ops.each_records import check_each_numpy
+from gather_cases import check_far_apart_rows, check_gather_case, make_gather_case, random_each_call, record_gather_case
+from vllm_omni_kernels.gather import GatherJobs, RowGather, TableLayout
+from vllm_omni_kernels.ops.layout import GATHER_JOB, INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, JOB_WORDS
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -33,67 +32,93 @@ def test_rows_far_apart_keep_every_bit_of_their_offsets(backend, monkeypatch):
     check_far_apart_rows("cpu", backend, monkeypatch, graph=backend == "triton")
 
 
-def test_int_records_keep_48_signed_bits_of_offset_and_their_count_and_flags():
-    """An int record's two words (offsets in the low 48 bits, flags and count in the top 16) give
-    back offsets of either sign up to 48 bits, counts up to INT_COUNT_MAX and every flag, as the
-    kernels decode them."""
-    from vllm_omni_kernels.ops.gather_jobs import INT_COUNT_MAX, _put_ints, decode_table
-
-    rng = np.random.default_rng(3)
-    src = np.concatenate([rng.integers(-(2**47), 2**47, 200), [-(2**47), 2**47 - 1, -1, 0, 2**32, -(2**32) - 1]])
-    dst = rng.permutation(src)
-    count = rng.integers(0, INT_COUNT_MAX + 1, len(src))
-    count[:2] = INT_COUNT_MAX, 0
-    flags = rng.integers(0, 8, len(src))
-    table = np.zeros(2 + 2 * len(src), np.int64)
-    table[1] = len(src)
-    _put_ints(table, 2, len(table), src, dst, count, flags)
-    floats, ints = decode_table(table, 2)
-    assert len(floats) == 0 and np.array_equal(ints, np.stack([src, dst, count, flags], axis=1))
+def test_the_table_holds_one_plain_record_per_job():
+    """The table is the job count, then ``GATHER_JOB`` records (src, dst, count, kind) with offsets
+    from the base (float elements, int32 words), then the values; read back with the dtype, every
+    record is what was recorded."""
+    j = GatherJobs(torch.bfloat16, 8, "cpu")
+    emb, src = torch.zeros(6, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16)
+    ids, out = torch.arange(4), torch.zeros(10, dtype=torch.int32)
+    flags = torch.zeros(3, dtype=torch.int64)
+    j.rows(emb, [5, 2], src, [1, 3])
+    j.ints(out, [9, 0], ids, [2, 3])
+    j.values(flags, [7, -1, 2])
+    base = emb.data_ptr() - 4096
+    layout = TableLayout(jobs=8, values=4)
+    table = np.zeros(layout.words, np.int64)
+    assert j.encode(table, layout, base, table_address := 1 << 20) == 5 and table[0] == 5
+    rec = table[1:1 + JOB_WORDS * 5].view(GATHER_JOB)
+    e = (emb.data_ptr() - base) // 2, (src.data_ptr() - base) // 2
+    assert rec[:2].tolist() == [(e[1] + 8, e[0] + 40, 8, JOB_FLOAT), (e[1] + 24, e[0] + 16, 8, JOB_FLOAT)]
+    w = (ids.data_ptr() - base) // 4, (out.data_ptr() - base) // 4
+    assert rec[2:4].tolist() == [(w[0] + 4, w[1] + 9, 1, JOB_INT | INT_SRC64), (w[0] + 6, w[1], 1, JOB_INT | INT_SRC64)]
+    values_at = 1 + JOB_WORDS * layout.jobs
+    assert rec[4].tolist() == ((table_address + 8 * values_at - base) // 4, (flags.data_ptr() - base) // 4, 3,
+                               JOB_INT | INT_DST64)
+    assert table[values_at:values_at + 2].view(np.int32)[:3].tolist() == [7, -1, 2]
 
 
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31), dtype=st.sampled_from(FLOATS), width=st.sampled_from([1, 8, 33]))
-def test_many_source_blocks_checked_in_numpy_copy_as_their_sources_one_by_one(seed, dtype, width):
-    """Without the compiled extension, ``rows_each``/``ints_each`` are checked by its numpy twin
-    and recorded as one block of many sources with their records; they copy what the same calls
-    recorded source by source copy, on the reference and on the Triton kernels (interpreter)."""
-    case = make_gather_case(seed, dtype, width)
-    blocks = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gather_jobs, "_check_each", lambda *args: None)  # recorded source by source
-        want = check_gather_case(seed, dtype, width, "cpu", "torch", mp)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gather_jobs.cuda_ext, "_module", None)
-        mp.setattr(gather_jobs, "check_each_numpy", lambda *args: blocks.append(check_each_numpy(*args)) or blocks[-1])
-        for backend in ("torch", "triton"):
-            got = check_gather_case(seed, dtype, width, "cpu", backend, mp)
-            assert all(torch.equal(got[k], want[k]) for k in want), backend
-    each_calls = sum(kind.endswith("_each") for kind, *_ in case[2])
-    assert len(blocks) == 4 * each_calls and all(rows >= 0 for rows, _, _ in blocks)  # twice per backend
+def test_many_source_blocks_copy_as_their_sources_recorded_one_by_one(seed, dtype, width):
+    """``rows_each``/``ints_each`` (one call for many hook outputs) copy what recording each source
+    with ``rows``/``ints`` copies, on the reference and on the Triton kernels (interpreter)."""
+    dsts, srcs, jobs = make_gather_case(seed, dtype, width)
+    one_by_one = []
+    for kind, dst, starts, pieces, _ in jobs:
+        if not kind.endswith("_each"):
+            one_by_one.append((kind, dst, starts, pieces, _))
+            continue
+        for start, (name, first, n) in zip(np.asarray(starts).tolist(), pieces):
+            if n:
+                one_by_one.append((kind.removesuffix("_each"), dst, np.arange(start, start + n), name,
+                                   np.arange(first, first + n)))
+    results = {}
+    for backend in ("torch", "triton"):
+        for name, case_jobs in (("each", jobs), ("one", one_by_one)):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("VLLM_OMNI_KERNELS_BACKEND", backend)
+                got = {k: v.clone() for k, v in dsts.items()}
+                g = RowGather(dtype, width, "cpu", max_float_rows=64, max_int_rows=64, max_values=64)
+                record_gather_case(g.jobs, got, srcs, case_jobs)
+                g.launch()
+                results[backend, name] = got
+    want = results["torch", "one"]
+    for key, got in results.items():
+        assert all(torch.equal(got[k], want[k]) for k in want), key
 
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), floating=st.booleans())
-def test_numpy_check_each_accepts_only_calls_the_element_path_records(seed, floating):
-    """What the numpy ``check_each`` accepts, recording source by source accepts too (the same
-    rows); where that raises for source k, the checker has declined at k or before, so the element
-    path runs and its typed error names the source. It may decline sources the element path takes
-    (a conversion, a 2-D int row into a 1-D destination): those are recorded one by one."""
+def test_a_bad_source_of_a_many_source_call_is_named_and_nothing_is_recorded(seed, floating):
+    """A many-source call with a source that cannot be recorded (another dtype where no conversion
+    applies, another width or rank, not a tensor, rows past the destination) raises the typed error of
+    recording that source alone, naming it (``index``), and records nothing; one without such a
+    source records every row."""
     srcs, starts, dst = random_each_call(seed, floating)
-    rows, _, notes = check_each_numpy(srcs, starts, dst, floating, 0)
-    jobs = gather_jobs.GatherJobs(dst.dtype if floating else torch.float32, dst.shape[1] if floating else 1, "cpu")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gather_jobs, "_check_each", lambda *args: None)  # source by source
+    jobs = GatherJobs(dst.dtype if floating else torch.float32, dst.shape[1] if floating else 1, "cpu")
+    alone = None
+    for k, (start, src) in enumerate(zip(starts.tolist(), srcs)):
+        probe = GatherJobs(jobs.dtype, jobs.width, "cpu")
+        n = src.shape[0] if isinstance(src, torch.Tensor) and src.dim() else 1
         try:
-            (jobs.rows_each if floating else jobs.ints_each)(dst, starts, srcs)
-            failed = None
-        except (TypeError, ValueError, IndexError) as exc:
-            failed = exc.index
-    if rows >= 0:
-        assert failed is None and rows == jobs.n_float + jobs.n_int and len(notes) == 8 + 16 * rows
+            if start < 0 or start + n > dst.shape[0]:
+                raise IndexError("rows out of range")
+            if n:
+                (probe.rows if floating else probe.ints)(dst, np.arange(start, start + n), src)
+        except (TypeError, ValueError, IndexError, AttributeError):
+            alone = k
+            break
+    try:
+        (jobs.rows_each if floating else jobs.ints_each)(dst, starts, srcs)
+        failed = None
+    except (TypeError, ValueError, IndexError) as exc:
+        failed = exc.index
+    assert failed == alone
+    if failed is None:
+        assert jobs.n_float + jobs.n_int == sum(s.shape[0] for s in srcs)
     else:
-        assert notes is None and (failed is None or -rows - 1 <= failed)
+        assert jobs.n_float == jobs.n_int == 0 and not jobs.float_blocks and not jobs.int_blocks
 
 
 @settings(max_examples=20, deadline=None)
@@ -181,38 +206,33 @@ def test_static_launch_replays_the_prepared_table(use_backend):
         assert torch.equal(dst, want)
 
 
-def test_a_block_of_consecutive_int_rows_is_encoded_as_a_run_of_records_of_one_pass_each():
-    """Ids at consecutive offsets (rows end to end on both sides) become records of ``int_run_cap``
-    elements (what an int job's blocks copy in one pass); rows out of order, a gap, rows apart in
-    memory or one-row jobs stay a record per row."""
-    from vllm_omni_kernels.ops.gather_jobs import GatherJobs, TableLayout, decode_table, int_run_cap
-
-    assert int_run_cap(4096, 2) == 256 and int_run_cap(2048, 2) == 128 and int_run_cap(8, 4) == 128
+def test_a_block_of_consecutive_int_rows_is_one_record():
+    """Ids at consecutive offsets (rows end to end on both sides) become one record of all their
+    elements; rows out of order, a gap, source rows not consecutive or one-row jobs stay a record
+    per row."""
     j = GatherJobs(torch.float32, 8, "cpu")
     ids, out = torch.arange(300), torch.zeros(700, dtype=torch.int32)
     codes, code_out = torch.arange(200, dtype=torch.int32).view(40, 5), torch.zeros(90, 5, dtype=torch.int64)
-    j.ints(out, np.arange(50, 350), ids)                      # 300 elements: records of 128, 128, 44
-    j.ints(code_out, np.arange(40), codes)                    # 200 elements: 128, 72
+    j.ints(out, np.arange(50, 350), ids)                      # 300 elements: one record
+    j.ints(code_out, np.arange(40), codes)                    # 200 elements: one record
     j.ints(out, np.array([400, 402]), ids[:2])                # a gap: a record per row
     j.ints(out, np.array([501, 500]), ids[:2])                # reversed: a record per row
     j.ints(code_out, np.arange(40, 43), codes, np.array([0, 1, 3]))   # source rows not consecutive
     j.ints(out, 600, ids, 7)                                  # one-row jobs: a record each
     j.ints(out, 601, ids, 8)
-    layout = TableLayout(0, j.n_int, 0)
+    layout = TableLayout(j.n_int)
     table = np.zeros(layout.words, np.int64)
-    words = j.encode(table, layout, 0, 0)
-    _, rec = decode_table(table[:words], layout.int_off)
-    assert len(rec) == 3 + 2 + 2 + 2 + 3 + 2 and words == layout.int_off + 2 * len(rec)
-    base = out.data_ptr() // 4
-    assert rec[0, :2].tolist() == [ids.data_ptr() // 4, base + 50]
-    assert rec[1, :2].tolist() == [ids.data_ptr() // 4 + 256, base + 178]  # int64 source: 2 words each
-    assert rec[4, :2].tolist() == [codes.data_ptr() // 4 + 128, code_out.data_ptr() // 4 + 256]
-    assert rec[:, 2].tolist() == [128, 128, 44, 128, 72, 1, 1, 1, 1, 5, 5, 5, 1, 1]
+    n = j.encode(table, layout, 0, 0)
+    rec = table[1:1 + JOB_WORDS * n].view(GATHER_JOB)
+    assert n == 1 + 1 + 2 + 2 + 3 + 2
+    assert rec[0].tolist()[:3] == (ids.data_ptr() // 4, out.data_ptr() // 4 + 50, 300)
+    assert rec[1].tolist()[:3] == (codes.data_ptr() // 4, code_out.data_ptr() // 4, 200)
+    assert rec["count"].tolist() == [300, 200, 1, 1, 1, 1, 5, 5, 5, 1, 1]
 
 
 def test_runs_of_int_rows_copy_as_their_rows(use_backend):
-    """A gather whose ids and codes are runs (records of many rows, cut at ``int_run_cap``) copies
-    what the reference copies, on the Triton interpreter and the reference."""
+    """A gather whose ids and codes are runs (one record of many rows each) copies what the
+    reference copies, on the Triton interpreter and the reference."""
     use_backend("triton")
     ids, codes = torch.arange(300) * 7 - 1000, torch.arange(1000, dtype=torch.int32).view(200, 5)
     got = {}

@@ -15,13 +15,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import ALL_DTYPES
 from gather_cases import check_far_apart_rows, check_gather_case
 from phase_fakes import FakeRunner, FakeTalker
-from ring_cases import check_case, check_graph_of_appends
+from ring_cases import check_case, check_graph_of_appends, make_case
 from test_phase_routing import MIXED, PROMPTS, check_step
 from vllm_omni_kernels import backend as _backend
 from vllm_omni_kernels.gather import RowGather
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
-from vllm_omni_kernels.ops import gather_jobs
-from vllm_omni_kernels.ops.each_records import check_each_numpy
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
 pytestmark = pytest.mark.gpu
@@ -90,18 +88,6 @@ def test_gather_rows_far_apart_keep_every_bit_of_their_offsets(kernel_backend, g
     check_far_apart_rows("cuda", kernel_backend, monkeypatch, graph=graph)
 
 
-@pytest.mark.parametrize("width", [8, 300, 4096])
-def test_gather_many_source_blocks_checked_by_the_numpy_twin(kernel_backend, width, monkeypatch):
-    """Many-source blocks checked by the numpy ``check_each`` (what an install without the build
-    uses) and encoded from its records by each backend's encoder: as the reference, near and far
-    apart (offsets past 32 bits, int records shifted to another base)."""
-    monkeypatch.setattr(gather_jobs, "_check_each", check_each_numpy)
-    for seed in range(3):
-        check_gather_case(seed, torch.bfloat16, width, "cuda", kernel_backend, monkeypatch)
-    if width == 8:
-        check_far_apart_rows("cuda", kernel_backend, monkeypatch, graph=True)
-
-
 @pytest.mark.parametrize("lengths", [[0], [0, 3]], ids=["nothing_copied", "one_row_empty"])
 def test_reused_slot_gets_its_head_reset_by_an_empty_first_append(kernel_backend, lengths):
     """A reused slot's device head still holds its last owner's value; the first launch after alloc
@@ -133,7 +119,7 @@ def _backend_for(device: str, kernel_backend: str, monkeypatch) -> None:
 def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, max_len, monkeypatch):
     """The same lifecycle on a CUDA pool (this backend) and a CPU pool (the reference). Rows of up to
     5000 frames run several programs per row: appends, growth copies and reads then copy their
-    metadata to the device first (``UPLOAD_ELEMS``); short rows read it in place."""
+    metadata to the device first (``ring.pool.UPLOAD_ELEMS``); short rows read it in place."""
 
     rng = np.random.default_rng(3)
     last = strategy is S.CONCAT_LAST
@@ -166,12 +152,10 @@ def test_pool_lifecycle_matches_cpu_pool(kernel_backend, strategy, frame, max_le
         assert torch.equal(a, b.cpu())
 
 
-def test_steps_on_either_side_of_the_launch_parameter_size_match_the_reference(kernel_backend, monkeypatch):
-    """The compiled eager steps carry their metadata in the launch's parameters up to 4088 words
-    (kernels/vok_launch.h; entries of 128 to 4088 words) and stage larger steps in pinned memory:
-    ring steps of 20 to 511 rows (8 words each: every parameter size from 256 words) and of 512 or
-    600 rows (staged), gather tables of 700 to 2100 float rows plus an int job and values
-    (parameters of 1536, 3072 and 4088 words, staged). Every backend matches the reference."""
+def test_large_steps_match_the_reference(kernel_backend, monkeypatch):
+    """Steps larger than any fixed buffer a launcher might assume: ring steps of 20 to 600 rows
+    (staged in a grown ring of pinned metadata) and gather tables of 700 to 2100 float rows plus an
+    int job and values. Every backend matches the reference."""
     rng = np.random.default_rng(11)
     for rows in (20, 100, 200, 300, 511, 512, 600):
         pools = {}
@@ -221,7 +205,7 @@ def test_kernels_in_a_graph_read_what_the_kernel_just_before_them_wrote(kernel_b
     complete, also when the compiled and Triton kernels launch with programmatic dependent launch
     (they may start early and must wait before touching memory)."""
     from vllm_omni_kernels import ops
-    from vllm_omni_kernels.cuda_graphs import capture
+    from vllm_omni_kernels.ring.graph import capture
 
     if not programmatic and kernel_backend == "cupy":
         pytest.skip("CuPy launches without programmatic dependent launch")
@@ -278,7 +262,49 @@ def test_backend_report_names_every_op():
         assert set(report[dev]) == set(_backend.OPS)
     assert set(report["availability"]) == {"cuda", "cupy", "triton", "torch"}
     assert report["programmatic_launch"] is (os.environ.get("VLLM_OMNI_KERNELS_PDL") != "0")
-    if report["availability"]["cuda"] == "available":  # the extension follows the one setting
-        from vllm_omni_kernels.ops import cuda_ext
 
-        assert cuda_ext.programmatic_launch() is report["programmatic_launch"]
+
+def _compiled_ops():
+    from vllm_omni_kernels.ops import cuda_ext
+
+    why = cuda_ext.load()
+    if why is not None:
+        if "cuda" in os.environ.get("VLLM_OMNI_KERNELS_REQUIRE", "").split(","):
+            pytest.fail(f"the compiled extension is required here but unavailable: {why}")
+        pytest.skip(why)
+    return torch.ops.vllm_omni_kernels
+
+
+@pytest.mark.parametrize("read", [False, True], ids=["ring_write", "ring_read"])
+@pytest.mark.parametrize("last", [False, True], ids=["dim0", "last"])
+def test_opcheck_ring_ops(read, last):
+    """``torch.library.opcheck`` on the registered ring ops: schema (what they mutate), fake
+    implementation, autograd registration and AOT dispatch."""
+    lib = _compiled_ops()
+    case = make_case(np.random.default_rng(5), dtype=torch.bfloat16, last=last, frame_shape=(3,), rows=5,
+                     max_cap=40, device="cuda", read=read)
+    if read:
+        args = (case.arena, case.meta, case.lin, case.rows, case.frame_elems, case.last, case.max_elems)
+        torch.library.opcheck(lib.ring_read.default, args)
+    else:
+        args = (case.arena, case.state, case.meta, case.lin, case.rows, case.frame_elems, case.last, case.max_elems)
+        torch.library.opcheck(lib.ring_write.default, args)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_opcheck_row_gather(aligned):
+    lib = _compiled_ops()
+    width = 8 if aligned else 7
+    gather = RowGather(torch.bfloat16, width, "cuda", max_float_rows=6, max_int_rows=2, max_values=4)
+    src = torch.randn(6, width, device="cuda").bfloat16()
+    dst = torch.zeros(6, width, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(1, 3, dtype=torch.int64, device="cuda")
+    flags = torch.zeros(4, dtype=torch.int32, device="cuda")
+    gather.jobs.rows(dst, np.arange(6)[::-1].copy(), src)
+    gather.jobs.ints(ids, np.arange(1), torch.arange(3, device="cuda", dtype=torch.int32).view(1, 3))
+    gather.jobs.values(flags, np.arange(4, dtype=np.int32))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_OMNI_KERNELS_BACKEND", "cuda")
+        table, count = gather._encode(resident=True)
+    args = (gather.anchor, table, gather.jobs.outputs(), width, count, gather.jobs.aligned)
+    torch.library.opcheck(lib.row_gather.default, args)

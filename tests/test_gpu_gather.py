@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from gather_cases import check_gather_case
 from phase_fakes import FakeRunner, FakeTalker
 from test_phase_routing import MIXED, PROMPTS, check_step
-from vllm_omni_kernels.cuda_graphs import capture
+from vllm_omni_kernels.ring.graph import capture
 from vllm_omni_kernels.gather import RowGather
 
 pytestmark = pytest.mark.gpu

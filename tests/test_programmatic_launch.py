@@ -53,7 +53,7 @@ kernels = {
     "ring_write": (_ring_write_kernel, {"arena_ptr": "*fp32", "state_ptr": "*i64", "meta_ptr": "*i64",
                                         "src_ptr": "*fp32", "F": "i64"}, ring | {"SINGLE": False}),
     "ring_read": (_ring_read_kernel, {"arena_ptr": "*fp32", "meta_ptr": "*i64", "out_ptr": "*fp32", "F": "i64"}, ring),
-    "gather": (_row_gather_kernel, {"fbase": "*bf16", "ibase": "*i32", "table": "*i64", "W": "i64", "I_OFF": "i64"},
+    "gather": (_row_gather_kernel, {"fbase": "*bf16", "ibase": "*i32", "table": "*i64", "W": "i64"},
                {"BLOCK_F": 2048, "BLOCK_I": 128, "ALIGN": 8, "PDL": on}),
 }
 out = {}

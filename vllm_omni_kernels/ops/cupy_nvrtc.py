@@ -1,9 +1,8 @@
-"""The CuPy backend: ``kernels/vok_kernels.cuh`` compiled at run time with NVRTC (``RawModule``).
-
-For machines without a build of the extension. The kernels are the compiled backend's own source
-(no torch headers in it). They are launched with torch tensors' device pointers on torch's current
-stream (an ``ExternalStream`` per torch stream, cached), so there is no copy and no stream mix-up;
-grids and arguments are those of ``kernels/vok_torch.cu``.
+"""The CuPy backend: ``kernels/vok_kernels.cuh`` compiled at run time with NVRTC, for machines
+without a build of the extension. The kernels are the compiled backend's own source, with the same
+definitions (``layout.cuda_defines``), launched with torch tensors' device pointers on torch's
+current stream (an ``ExternalStream`` per torch stream: no copy, no stream mix-up), with the grids
+of ``kernels/vok_torch.cu``.
 
 Sources: ``$VLLM_OMNI_KERNELS_SOURCES`` (a directory), else ``kernels/`` of the source checkout.
 """
@@ -19,9 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .gather_jobs import GATHER_THREADS, gather_row_blocks
+from .layout import GATHER_THREADS, RING_PER_THREAD, RING_THREADS, cuda_defines, gather_row_blocks
 
-RING_THREADS, RING_PER_THREAD = 256, 8
 _SOURCE = "vok_kernels.cuh"
 
 
@@ -43,16 +41,11 @@ def load() -> str | None:
 
 
 @functools.cache
-def _module():
+def _function(name: str):
     import cupy
 
     code = (_source_dir() / _SOURCE).read_text()
-    return cupy.RawModule(code=code, options=("-std=c++17",))
-
-
-@functools.cache
-def _function(name: str):
-    return _module().get_function(name)
+    return cupy.RawModule(code=code, options=("-std=c++17", *cuda_defines())).get_function(name)
 
 
 _streams: dict[int, object] = {}
@@ -76,35 +69,25 @@ def _ptr(t: torch.Tensor) -> np.uint64:
 
 
 def _ring_grid(rows: int, max_elems: int) -> tuple[int, int]:
-    """The grid of ``kernels/vok_torch.cu`` (at least one block per row: a write with nothing to copy
-    still publishes head overrides)."""
     if max_elems > 2**31 - 1:
         raise ValueError("a row of at most 2**31 - 1 elements per launch (the kernels index rows in 32 bits)")
     return max(1, -(-max_elems // (RING_THREADS * RING_PER_THREAD))), rows
 
 
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:
-    if rows == 0:
-        return
-    grid = _ring_grid(rows, max_elems)
-    name = f"vok_ring_write_e{arena.element_size()}_{'last' if last else 'dim0'}"
-    _launch(name, grid, RING_THREADS, (_ptr(arena), _ptr(state), _ptr(meta), _ptr(src), np.int64(frame_elems),
-                                       np.int32(last and frame_elems == 1)))
+    if rows:
+        _launch(f"vok_ring_write_e{arena.element_size()}", _ring_grid(rows, max_elems), RING_THREADS,
+                (_ptr(arena), _ptr(state), _ptr(meta), _ptr(src), np.int64(frame_elems), np.int32(last)))
 
 
 def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
-    if rows == 0 or max_elems == 0:
-        return
-    grid = _ring_grid(rows, max_elems)
-    name = f"vok_ring_read_e{arena.element_size()}_{'last' if last else 'dim0'}"
-    _launch(name, grid, RING_THREADS, (_ptr(arena), _ptr(meta), _ptr(out), np.int64(frame_elems),
-                                       np.int32(last and frame_elems == 1)))
+    if rows and max_elems:
+        _launch(f"vok_ring_read_e{arena.element_size()}", _ring_grid(rows, max_elems), RING_THREADS,
+                (_ptr(arena), _ptr(meta), _ptr(out), np.int64(frame_elems), np.int32(last)))
 
 
-def row_gather(fbase, ibase, table, *, width, int_off, grid_rows, align) -> None:
-    if grid_rows == 0:
-        return
-    es = fbase.element_size()
-    grid = (grid_rows, gather_row_blocks(width, es))
-    name = f"vok_row_gather_e{es}_a{int(align > 1)}"
-    _launch(name, grid, GATHER_THREADS, (_ptr(fbase), _ptr(table), _ptr(table), np.int64(width), np.int64(int_off)))
+def row_gather(base, table, outputs, *, width, grid_rows, aligned) -> None:
+    if grid_rows:
+        es = base.element_size()
+        _launch(f"vok_row_gather_e{es}_a{int(aligned)}", (grid_rows, gather_row_blocks(width, es)), GATHER_THREADS,
+                (_ptr(base), _ptr(table), np.int64(width)))

@@ -1,32 +1,77 @@
-"""The metadata row layout shared by every backend of the ring copy ops.
+"""What the host and every kernel agree on, written once: the ring's metadata row and head word, the
+gather's job record, and the kernels' block shapes.
 
-A step's metadata is an int64 tensor ``[rows, META_COLS]`` in device memory; one row per request.
-Element offsets (never byte offsets) are int64 so pools larger than 2**31 elements work.
+The Triton kernels and the host code import these names; the CUDA C++ kernels get them as
+``-DVOK_...`` definitions (``cuda_defines()``): CMake asks ``python -m vllm_omni_kernels.ops.layout``
+for them, CuPy passes them to NVRTC, and ``kernels/vok_kernels.cuh`` refuses to compile without them.
 
-Columns:
-    SLOT        slot index into the ``state`` table (one head word per slot)
-    LIN_OFF     element offset of the request's first element in the linear tensor
+Ring metadata: int64 ``[rows, META_COLS]``, one row per request of a launch (element offsets, never
+bytes, so pools larger than 2**31 elements work):
+
+    SLOT        the slot's index in ``state`` (one head word per slot)
+    LIN_OFF     element offset of the request's first element in the linear tensor (source or output)
     N           frames to copy (0 allowed)
     BASE        element offset of the slot's region in the arena
     CAP         the region's capacity in frames
-    POS         first ring frame; for writes, -1 means "the device head of SLOT"
-    LIN_STRIDE  elements between consecutive lead rows (CONCAT_LAST) or frames (CONCAT_DIM0)
-                in the linear tensor
+    POS         first ring frame; for writes -1 means "the device head of SLOT"
+    LIN_STRIDE  elements between consecutive lead rows (CONCAT_LAST) or frames (CONCAT_DIM0) in the
+                linear tensor
+    (column 7 is the host's: the slot's unread frames in the pool's table; the kernels ignore it)
 
-Region layout in the arena, F = elements per frame:
-    CONCAT_DIM0: ``[CAP, F]`` row-major; frame t of the ring at ``BASE + t*F``.
-    CONCAT_LAST: ``[F, CAP]`` row-major (channel-major audio); sample t of channel c at ``BASE + c*CAP + t``.
-Linear layout of a request's chunk:
-    CONCAT_DIM0: frame j, element f at ``LIN_OFF + j*LIN_STRIDE + f``.
-    CONCAT_LAST: channel c, sample j at ``LIN_OFF + c*LIN_STRIDE + j``.
+Region layout in the arena, F = elements per frame: CONCAT_DIM0 ``[CAP, F]`` row-major (frame t at
+``BASE + t*F``); CONCAT_LAST ``[F, CAP]`` (channel c, sample t at ``BASE + c*CAP + t``). A request's
+chunk in the linear tensor: CONCAT_DIM0 frame j, element f at ``LIN_OFF + j*LIN_STRIDE + f``;
+CONCAT_LAST channel c, sample j at ``LIN_OFF + c*LIN_STRIDE + j``.
 
-``state`` is int64 ``[slots]``, one word per slot: ``head << HEAD_SHIFT | ticket``. The head is the
-next frame to write; the ticket counts the programs of a write launch that have read the head: each
-program takes its ticket and reads the head in one atomic add, and the program that takes the last
-ticket stores the new head with ticket 0 (so the word is ``head << HEAD_SHIFT`` between launches).
-No program can read the head after it moved, and nobody waits for the update.
+``state``: int64 ``[slots]``, one word per slot, ``head << HEAD_SHIFT | ticket``. The head is the next
+frame to write; the ticket counts the programs of a write launch that have read the head: each takes
+its ticket and reads the head in one atomic add, and the one with the last ticket stores the new
+head with ticket 0. No program can read the head after it moved, and nobody waits for the update.
+
+Gather table: int64 words. Word 0 is the job count; job j is the ``GATHER_JOB`` record at words
+``1 + 3*j .. 3 + 3*j``; int32 values that value jobs copy follow the records. Every offset counts from
+the launch's one base pointer (the gather's anchor tensor): float jobs in elements of the launch's
+float dtype, int jobs in int32 words (a value job's source is its values in the table, whose
+address the encoder knows). A float job copies ``count`` (the row width) elements; an int job
+``count`` elements, each int32 or int64 on either side (``INT_SRC64``, ``INT_DST64``).
 """
 
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
 META_COLS = 8
-SLOT, LIN_OFF, N, BASE, CAP, POS, LIN_STRIDE = range(7)  # column 7: not read by kernels
+SLOT, LIN_OFF, N, BASE, CAP, POS, LIN_STRIDE, UNREAD = range(META_COLS)
 HEAD_SHIFT = 24  # ticket bits: a row has at most 2**31 / 2048 programs; heads up to 2**39 frames
+
+GATHER_JOB = np.dtype([("src", "<i8"), ("dst", "<i8"), ("count", "<i4"), ("kind", "<i4")])
+JOB_WORDS = GATHER_JOB.itemsize // 8
+JOB_FLOAT, JOB_INT = 0, 1  # kind, plus for int jobs the flags below
+INT_SRC64, INT_DST64 = 2, 4
+
+# Block shapes of the CUDA kernels (the Triton ones choose theirs in triton_ring / triton_gather).
+RING_THREADS, RING_PER_THREAD = 256, 8  # a ring block copies RING_THREADS * RING_PER_THREAD elements
+GATHER_THREADS, GATHER_BLOCK_BYTES = 128, 4096  # a float row is copied in blocks of GATHER_BLOCK_BYTES
+
+
+def gather_row_blocks(width: int, elem_size: int) -> int:
+    """Blocks per float row of ``width`` elements (grid.y of a CUDA gather launch)."""
+    return max(1, -(-width * elem_size // GATHER_BLOCK_BYTES))
+
+
+def cuda_defines() -> list[str]:
+    """The ``-D`` definitions ``kernels/vok_kernels.cuh`` is compiled with."""
+    values = {"META_COLS": META_COLS, "SLOT": SLOT, "LIN_OFF": LIN_OFF, "N": N, "BASE": BASE, "CAP": CAP,
+              "POS": POS, "LIN_STRIDE": LIN_STRIDE, "HEAD_SHIFT": HEAD_SHIFT, "JOB_WORDS": JOB_WORDS,
+              "JOB_INT": JOB_INT, "INT_SRC64": INT_SRC64, "INT_DST64": INT_DST64,
+              "RING_THREADS": RING_THREADS, "RING_PER_THREAD": RING_PER_THREAD, "GATHER_THREADS": GATHER_THREADS,
+              "GATHER_BLOCK_BYTES": GATHER_BLOCK_BYTES}
+    return [f"-DVOK_{k}={v}" for k, v in values.items()]
+
+
+assert GATHER_JOB.itemsize == 24 and GATHER_JOB.fields["count"][1] == 16  # the kernels read words 0, 1, 2
+
+if __name__ == "__main__":  # CMake: the definitions, one per line
+    sys.stdout.write("\n".join(cuda_defines()) + "\n")

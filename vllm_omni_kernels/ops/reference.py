@@ -1,15 +1,15 @@
 """Pure-torch versions of every kernel op: the semantics oracle, and the path for CPU tensors.
 
-The ring copies take exactly what the kernels take (see ``layout.py``) and loop over rows in Python,
-so they read the metadata back to the host; the row gather copies the jobs of a ``GatherJobs``
-directly. That is fine on the CPU and for tests; the GPU paths never do it.
+The ring copies take exactly what the kernels take (``layout.py``) and loop over rows in Python, so
+they read the metadata back to the host, and copy each row's span in at most two runs (the ring
+wraps once at most); the row gather copies the blocks of a ``GatherJobs`` directly. That is fine on
+the CPU and for tests; the GPU paths never do it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .gather_jobs import each_jobs, source_rows
 from .layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, N, POS, SLOT
 
 
@@ -71,13 +71,14 @@ def row_gather(jobs) -> None:
     for blocks in (jobs.float_blocks, jobs.int_blocks):
         for src, src_rows, dst, dst_rows in blocks:
             if type(src) is list:  # rows_each / ints_each: each source's rows from its start row on
-                for s, d, n in each_jobs(src, dst_rows):
-                    dst[d:d + n].copy_(s.reshape(dst[d:d + n].shape))
+                for s, d in zip(src, dst_rows.tolist()):
+                    dst[d:d + s.shape[0]].copy_(s.reshape(dst[d:d + s.shape[0]].shape))
                 continue
             if isinstance(dst_rows, int):
                 dst[dst_rows].copy_(src[src_rows])
                 continue
-            rows_in = torch.tensor(source_rows(src_rows, dst_rows), device=src.device)
-            dst.index_copy_(0, torch.tensor(dst_rows, device=dst.device), src.index_select(0, rows_in).to(dst.dtype))
+            rows_in = torch.arange(len(dst_rows)) if src_rows is None else torch.from_numpy(src_rows)
+            picked = src.index_select(0, rows_in.to(src.device)).to(dst.dtype)
+            dst.index_copy_(0, torch.from_numpy(dst_rows).to(dst.device), picked)
     for dst, values in jobs.value_blocks:
         dst.copy_(torch.from_numpy(values).to(dst.dtype))

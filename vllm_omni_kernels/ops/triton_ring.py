@@ -21,8 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import layout
 from . import pdl
-from .layout import HEAD_SHIFT as _HEAD_SHIFT, META_COLS
 from .triton_gdc import launch_dependents, wait_previous_grid
 
 # Rows of more than SINGLE_MAX elements: BLOCK elements per program, MULTI_WARPS warps, doubled for a
@@ -32,17 +32,20 @@ BLOCK = 1024
 SINGLE_MAX = 4096  # rows up to this many elements are copied by one program each
 MULTI_WARPS = 4
 SMALL_GRID = 1024
-HEAD_SHIFT = tl.constexpr(_HEAD_SHIFT)
-TICKET_MASK = tl.constexpr((1 << _HEAD_SHIFT) - 1)
+HEAD_SHIFT = tl.constexpr(layout.HEAD_SHIFT)
+TICKET_MASK = tl.constexpr((1 << layout.HEAD_SHIFT) - 1)
+COLS = tl.constexpr(layout.META_COLS)
+SLOT, LIN_OFF, N, BASE, CAP, POS, LIN_STRIDE = (tl.constexpr(getattr(layout, c)) for c in
+                                                ("SLOT", "LIN_OFF", "N", "BASE", "CAP", "POS", "LIN_STRIDE"))
 
 
 @triton.jit
 def _lin_offsets(meta_row, e, F, LAST: tl.constexpr, MONO: tl.constexpr):
     """(outer, inner) coordinates of elements ``e`` of a row, their linear-tensor offsets, and the mask;
     none of it depends on the head."""
-    n = tl.load(meta_row + 2)
-    lin_off = tl.load(meta_row + 1)
-    lin_stride = tl.load(meta_row + 6)
+    n = tl.load(meta_row + N)
+    lin_off = tl.load(meta_row + LIN_OFF)
+    lin_stride = tl.load(meta_row + LIN_STRIDE)
     mask = e < n * F
     if LAST:
         if MONO:
@@ -62,8 +65,8 @@ def _lin_offsets(meta_row, e, F, LAST: tl.constexpr, MONO: tl.constexpr):
 @triton.jit
 def _ring_index(meta_row, outer, inner, pos, F, LAST: tl.constexpr):
     """Ring-region offsets of (outer, inner) for a span starting at ring frame ``pos``."""
-    base = tl.load(meta_row + 3)
-    cap = tl.load(meta_row + 4)
+    base = tl.load(meta_row + BASE)
+    cap = tl.load(meta_row + CAP)
     if LAST:
         t = pos + inner
         t = tl.where(t >= cap, t - cap, t)
@@ -87,16 +90,16 @@ def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F, LAST: tl.cons
         wait_previous_grid()
     row = tl.program_id(0)
     blk = tl.program_id(1)
-    meta_row = meta_ptr + row * 8
+    meta_row = meta_ptr + row * COLS
     e = blk * BLOCK + tl.arange(0, BLOCK)
     outer, inner, lin, mask = _lin_offsets(meta_row, e, F, LAST, MONO)
     vals = tl.load(src_ptr + lin, mask=mask)  # issued before the head is read: the round trips overlap
     if PDL:
         launch_dependents()
-    slot = tl.load(meta_row + 0)
-    pos = tl.load(meta_row + 5)
-    n = tl.load(meta_row + 2)
-    cap = tl.load(meta_row + 4)
+    slot = tl.load(meta_row + SLOT)
+    pos = tl.load(meta_row + POS)
+    n = tl.load(meta_row + N)
+    cap = tl.load(meta_row + CAP)
     if SINGLE:
         if pos < 0:
             pos = tl.load(state_ptr + slot) >> HEAD_SHIFT
@@ -121,17 +124,14 @@ def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
         wait_previous_grid()
     row = tl.program_id(0)
     blk = tl.program_id(1)
-    meta_row = meta_ptr + row * 8
-    pos = tl.load(meta_row + 5)
+    meta_row = meta_ptr + row * COLS
+    pos = tl.load(meta_row + POS)
     e = blk * BLOCK + tl.arange(0, BLOCK)
     outer, inner, lin, mask = _lin_offsets(meta_row, e, F, LAST, MONO)
     vals = tl.load(arena_ptr + _ring_index(meta_row, outer, inner, pos, F, LAST), mask=mask)
     if PDL:
         launch_dependents()
     tl.store(out_ptr + lin, vals, mask=mask)
-
-
-assert META_COLS == 8  # the kernels hard-code the row pitch
 
 
 def _shape(max_elems: int, rows: int) -> tuple[int, int, int]:

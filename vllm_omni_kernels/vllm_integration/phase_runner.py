@@ -19,7 +19,7 @@ import numpy as np
 from vllm.forward_context import set_forward_context
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from ..phase_runner import OmniPhaseRunnerMixin
+from ..phase.runner import OmniPhaseRunnerMixin
 
 
 class ModelRunnerV2SelectedError(RuntimeError):

@@ -47,7 +47,7 @@ from ..profiling import nvtx_range
 from ..ring import PaddedBatch
 from ..serving import talker as tk
 from ..serving.worker_accumulator import OutputKey, PackedStep, WorkerAccumulator
-from ..staging import PinnedStaging
+from ..ring.staging import PinnedStaging
 from .outputs import OmniModelRunnerOutput
 from .talker_model import OmniTalkerForTTS
 
@@ -291,6 +291,9 @@ class TalkerWorker:
         for r, rid in zip(reqs, ids):
             if r.produced == 0:
                 self.first_chunk_at[rid.rsplit("-", 1)[0]] = now
+        if len(self.first_chunk_at) > 100_000:  # a long-running server: keep the newest half
+            for old in list(self.first_chunk_at)[:50_000]:
+                del self.first_chunk_at[old]
         i, host = self._index.host()
         host[0, :B] = [r.row for r in reqs]
         rows = self._index.upload(i, 1, self._index_dev, cols=B)[0, :B]

@@ -1,0 +1,375 @@
+"""One launch's worth of row copies for the fused decode gather: ``GatherJobs`` and its table.
+
+A gather step is a set of *jobs*, each copying rows of one tensor into rows of another:
+
+* float rows: ``width`` elements of one float dtype (embeddings, hidden states, text steps);
+* int rows: any width, int32 or int64 on either side, converted exactly (token ids, codes);
+* values: host-known int32 values written into an int tensor (validity flags).
+
+Sources and destinations may be any tensors on the launch's device: the kernels address them by
+offsets from one base pointer (flat device address space), so one launch covers any number of hook
+outputs and runner buffers. The torch reference copies the recorded blocks directly.
+
+``encode`` is the one planner every kernel backend launches from: numpy over each recorded block,
+writing ``layout.GATHER_JOB`` records (``layout.py`` has the table). A block of consecutive int rows
+that lie end to end on both sides (a batch's token ids or codes at consecutive offsets) is one record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..ops.layout import GATHER_JOB, INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, JOB_WORDS
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT_DTYPES = (torch.int32, torch.int64)
+_INTS = (int, np.integer)
+_COUNT_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """The largest table a gather encodes: ``jobs`` records and ``values`` int32 values."""
+
+    jobs: int
+    values: int = 0
+
+    @property
+    def words(self) -> int:
+        return 1 + JOB_WORDS * self.jobs + (self.values + 1) // 2
+
+
+# A recorded block is a tuple (src, src_rows, dst, dst_rows): rows src[src_rows] to dst[dst_rows].
+# Rows are int64 ndarrays, or ints for a single row; ``src_rows`` None means the source's leading rows
+# 0..len(dst_rows)-1. A ``rows_each``/``ints_each`` block is (list of sources, None, dst, start rows):
+# every row of source k goes to dst rows starts[k], starts[k] + 1, ... Sources keep their storage
+# and shape until the launch, as every recorded source must keep its data.
+Block = tuple
+
+
+def each_jobs(srcs, starts):
+    """(source, first destination row, rows) of every source of a ``rows_each`` block."""
+    return ((s, d, s.shape[0]) for s, d in zip(srcs, starts.tolist()) if s.shape[0])
+
+
+def _as_rows(rows) -> np.ndarray:
+    if type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1:
+        return rows
+    return np.asarray(rows, dtype=np.int64).reshape(-1)
+
+
+def _rows(rows, count: int, what: str) -> np.ndarray:
+    r = _as_rows(rows)
+    if r.size and (r.min() < 0 or r.max() >= count):
+        raise IndexError(f"{what} rows {r.tolist()} out of range for {count} rows")
+    return r
+
+
+@dataclass
+class GatherJobs:
+    """The jobs of one launch. Build with ``rows``/``ints``/``values`` (and ``*_each``); ``clear`` to reuse.
+
+    Args:
+        dtype: the float dtype of every float row (fp32, bf16, fp16).
+        width: the element count of every float row (hidden size, up to 16384 and beyond).
+        device: where every tensor lives.
+        check_rows: validate row ranges and that no two jobs write one row (``check_disjoint``);
+            off for callers whose rows are valid and disjoint by construction (the runner's plan).
+
+    Every method validates on the host (device, dtype, width, last-dim contiguity and, with
+    ``check_rows``, row ranges) and raises ``TypeError``/``ValueError``/``IndexError`` before anything
+    is recorded. A float source of another dtype is converted first (one extra copy, outside the
+    fused launch). ``aligned`` stays true while every float row starts on a 16-byte boundary and the
+    width is a multiple of 16 bytes; the kernels then use vector accesses.
+    """
+
+    dtype: torch.dtype
+    width: int
+    device: torch.device
+    check_rows: bool = True
+    float_blocks: list[Block] = field(default_factory=list)
+    int_blocks: list[Block] = field(default_factory=list)
+    value_blocks: list[tuple[torch.Tensor, np.ndarray]] = field(default_factory=list)
+    n_float: int = 0
+    n_int: int = 0
+    n_values: int = 0
+    aligned: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"float rows must be one of {FLOAT_DTYPES}, got {self.dtype}")
+        self.device = torch.device(self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.is_cuda = self.device.type == "cuda"
+        self.elem_size = self.dtype.itemsize
+        self._vector = 16 // self.elem_size
+        self._width_aligned = self.width % self._vector == 0
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def clear(self) -> None:
+        self.float_blocks.clear()
+        self.int_blocks.clear()
+        self.value_blocks.clear()
+        self._outputs.clear()
+        self.n_float = self.n_int = self.n_values = 0
+        self.aligned = True
+
+    def outputs(self) -> list[torch.Tensor]:
+        """The tensors the recorded jobs write (what the launch's schema names as written)."""
+        return list(self._outputs.values())
+
+    # ------------------------------------------------------------------ recording
+
+    def _check(self, t, what: str, dtypes, dims=(2,)) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
+        if t.device != self.device:
+            raise ValueError(f"{what} is on {t.device}, the launch is on {self.device}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{what} has dtype {t.dtype}, expected one of {dtypes}")
+        if t.dim() not in dims:
+            raise ValueError(f"{what} must be {' or '.join(f'{d}-D' for d in dims)}, got shape {tuple(t.shape)}")
+        return t
+
+    def _float_source(self, dst, src) -> torch.Tensor:
+        self._check(dst, "destination", FLOAT_DTYPES)
+        self._check(src, "source", FLOAT_DTYPES)
+        if dst.dtype != self.dtype:
+            raise TypeError(f"destination dtype {dst.dtype} differs from the launch's {self.dtype}")
+        if dst.shape[1] != self.width or src.shape[1] != self.width:
+            raise ValueError(f"rows of width {self.width} expected, got source {tuple(src.shape)} and destination "
+                             f"{tuple(dst.shape)}")
+        if dst.stride(1) != 1:
+            raise ValueError("destination rows must be contiguous")
+        return src.to(self.dtype).contiguous() if src.dtype != self.dtype or src.stride(1) != 1 else src
+
+    def _int_source(self, dst, src) -> torch.Tensor:
+        self._check(dst, "destination", INT_DTYPES, (1, 2))
+        self._check(src, "source", INT_DTYPES, (1, 2))
+        width = dst.shape[1] if dst.dim() == 2 else 1
+        if width != (src.shape[1] if src.dim() == 2 else 1):
+            raise ValueError(f"int rows of different widths: source {tuple(src.shape)}, destination {tuple(dst.shape)}")
+        if dst.dim() == 2 and dst.stride(1) != 1:
+            raise ValueError("destination rows must be contiguous")
+        if dst.dim() != src.dim():  # rows of one element either way
+            return src.reshape(-1) if dst.dim() == 1 else src.reshape(-1, 1)
+        return src if src.dim() == 1 or src.stride(1) == 1 else src.contiguous()
+
+    def _aligned(self, *tensors) -> bool:
+        """Whether every float row of these tensors starts on a 16-byte boundary."""
+        return self._width_aligned and all(t.data_ptr() % 16 == 0 and t.stride(0) % self._vector == 0 for t in tensors)
+
+    def rows(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
+        """Copy ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (float rows of ``width``). Rows are int
+        arrays, or ints for one row; without ``src_rows`` the source's leading rows are read."""
+        src = self._float_source(dst, src)
+        aligned = self._aligned(dst, src)
+        self.n_float += self._add(self.float_blocks, dst, dst_rows, src, src_rows)
+        self.aligned = self.aligned and aligned  # after the job is recorded: a failed one changes nothing
+
+    def ints(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
+        """Copy int rows ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (same width; int32/int64 on
+        either side). 1-D tensors are rows of one element (token ids). Rows as in ``rows``."""
+        src = self._int_source(dst, src)
+        self.n_int += self._add(self.int_blocks, dst, dst_rows, src, src_rows)
+
+    def rows_each(self, dst: torch.Tensor, dst_starts, srcs: list[torch.Tensor]) -> None:
+        """For every k, copy all rows of ``srcs[k]`` (``[n_k, width]``) into ``dst`` rows
+        ``dst_starts[k]``, ``dst_starts[k] + 1``, ...: the outputs of many small hook calls recorded
+        with one call. Errors name the element (``srcs[k]: ...``; their ``index`` attribute is k) and
+        record nothing."""
+        self._record_each(dst, dst_starts, srcs, floating=True)
+
+    def ints_each(self, dst: torch.Tensor, dst_starts, srcs: list[torch.Tensor]) -> None:
+        """``rows_each`` for int rows (``ints``): ``srcs[k]`` is ``[n_k]`` or ``[n_k, w]``."""
+        self._record_each(dst, dst_starts, srcs, floating=False)
+
+    def _record_each(self, dst, dst_starts, srcs, floating: bool) -> None:
+        starts = _as_rows(dst_starts)
+        srcs = list(srcs)
+        if len(starts) != len(srcs):
+            raise ValueError(f"{len(starts)} destination starts for {len(srcs)} sources")
+        checked, rows, aligned = [], 0, True
+        for k, (start, src) in enumerate(zip(starts.tolist(), srcs)):
+            try:
+                src = self._float_source(dst, src) if floating else self._int_source(dst, src)
+                n = src.shape[0]
+                if start < 0 or start + n > dst.shape[0]:
+                    raise IndexError(f"rows {start}..{start + n - 1} out of range for a destination of "
+                                     f"{dst.shape[0]} rows")
+            except (TypeError, ValueError, IndexError, AttributeError) as exc:
+                err = (TypeError if isinstance(exc, AttributeError) else type(exc))(f"srcs[{k}]: {exc}")
+                err.index = k  # which source: a caller maps it back to its request
+                raise err from exc
+            checked.append(src)
+            rows += n
+            if floating and n:
+                aligned = aligned and self._aligned(src)
+        if not rows:
+            return
+        self._outputs.setdefault(id(dst), dst)
+        if floating:
+            self.float_blocks.append((checked, None, dst, starts))
+            self.n_float += rows
+            self.aligned = self.aligned and aligned and self._aligned(dst)
+        else:
+            self.int_blocks.append((checked, None, dst, starts))
+            self.n_int += rows
+
+    def values(self, dst: torch.Tensor, values) -> None:
+        """Write host int32 ``values`` into the 1-D contiguous int tensor ``dst`` (same length)."""
+        if not isinstance(dst, torch.Tensor) or dst.dim() != 1 or not dst.is_contiguous():
+            raise ValueError("values go into a 1-D contiguous tensor")
+        self._check(dst, "destination", INT_DTYPES, (1,))
+        v = np.ascontiguousarray(values, dtype=np.int32).reshape(-1)
+        if v.size != dst.numel():
+            raise ValueError(f"{v.size} values for a destination of {dst.numel()}")
+        if v.size:
+            self.value_blocks.append((dst, v))
+            self._outputs.setdefault(id(dst), dst)
+            self.n_int += 1
+            self.n_values += v.size
+
+    def _add(self, blocks, dst, dst_rows, src, src_rows) -> int:
+        if isinstance(dst_rows, _INTS) and (src_rows is None or isinstance(src_rows, _INTS)):
+            d, s = int(dst_rows), 0 if src_rows is None else int(src_rows)
+            if not (0 <= d < dst.shape[0] and 0 <= s < src.shape[0]):
+                raise IndexError(f"row {s} -> {d} out of range for source {tuple(src.shape)} and destination "
+                                 f"{tuple(dst.shape)}")
+            blocks.append((src, s, dst, d))
+            self._outputs.setdefault(id(dst), dst)
+            return 1
+        if self.check_rows:
+            d = _rows(dst_rows, dst.shape[0], "destination")
+            s = None if src_rows is None else _rows(src_rows, src.shape[0], "source")
+        else:
+            d = _as_rows(dst_rows)
+            s = None if src_rows is None else _as_rows(src_rows)
+        if s is None and len(d) > src.shape[0]:
+            raise IndexError(f"{len(d)} destination rows but the source has {src.shape[0]}")
+        if s is not None and len(s) != len(d):
+            raise ValueError(f"{len(s)} source rows for {len(d)} destination rows")
+        if len(d):
+            blocks.append((src, s, dst, d))
+            self._outputs.setdefault(id(dst), dst)
+        return len(d)
+
+    def check_disjoint(self) -> None:
+        """Raise ``ValueError`` if two jobs write one destination row (a race in one launch). A no-op
+        with ``check_rows=False``."""
+        if not self.check_rows:
+            return
+        for blocks in (self.float_blocks, self.int_blocks):
+            starts = [dst.data_ptr() + np.atleast_1d(rows) * dst.stride(0) * dst.element_size()
+                      for src, _, dst, dst_rows in blocks for rows in _destination_rows(src, dst_rows)]
+            if starts:
+                flat = np.concatenate(starts)
+                if np.unique(flat).size != flat.size:
+                    raise ValueError("two jobs of one launch write the same destination row")
+
+    # ------------------------------------------------------------------ the table
+
+    def encode(self, out: np.ndarray, layout: TableLayout, base: int, table: int) -> int:
+        """Write this launch's table into the flat int64 ``out`` (``layout.py``: the job count, the
+        records, the values) and return the job count. ``base``: the address every offset counts
+        from (the launch's anchor, 16-byte aligned); ``table``: the address the kernel reads ``out``
+        at (where value jobs find their values).
+
+        Raises ``ValueError`` when the jobs or values exceed ``layout``.
+        """
+        if self.n_values > layout.values:
+            raise ValueError(f"{self.n_values} values exceed the table's {layout.values}")
+        parts = [self._float_records(b, base) for b in self.float_blocks]
+        parts += [self._int_records(b, base) for b in self.int_blocks]
+        n = sum(len(p) for p in parts) + len(self.value_blocks)
+        if n > layout.jobs:
+            raise ValueError(f"{n} jobs exceed the table's {layout.jobs}")
+        out[0] = n
+        records = out[1:1 + JOB_WORDS * n].view(GATHER_JOB)
+        pos = 0
+        for p in parts:
+            records[pos:pos + len(p)] = p
+            pos += len(p)
+        values_at = 1 + JOB_WORDS * layout.jobs  # word of the first value
+        payload = out[values_at:values_at + (self.n_values + 1) // 2].view(np.int32)
+        first = 0
+        for dst, v in self.value_blocks:
+            payload[first:first + v.size] = v
+            records[pos] = ((table + 8 * values_at - base) // 4 + first, (dst.data_ptr() - base) // 4, v.size,
+                            JOB_INT | (INT_DST64 if dst.element_size() == 8 else 0))
+            pos += 1
+            first += v.size
+        return n
+
+    def _float_records(self, block: Block, base: int) -> np.ndarray:
+        src, src_rows, dst, dst_rows = block
+        es = self.elem_size
+        if type(src) is list:
+            s_off, d, _ = _each_rows(src, dst_rows, base, es)
+        else:
+            d = np.atleast_1d(dst_rows)
+            s = np.arange(len(d), dtype=np.int64) if src_rows is None else np.atleast_1d(src_rows)
+            s_off = (src.data_ptr() - base) // es + s * src.stride(0)
+        rec = np.empty(len(s_off), GATHER_JOB)
+        rec["src"], rec["dst"] = s_off, (dst.data_ptr() - base) // es + d * dst.stride(0)
+        rec["count"], rec["kind"] = self.width, JOB_FLOAT
+        return rec
+
+    def _int_records(self, block: Block, base: int) -> np.ndarray:
+        src, src_rows, dst, dst_rows = block
+        dw, width = dst.element_size() // 4, (dst.shape[1] if dst.dim() == 2 else 1)
+        d_kind = JOB_INT | (INT_DST64 if dw == 2 else 0)
+        d0 = (dst.data_ptr() - base) // 4
+        if type(src) is list:
+            s_off, d, sw = _each_rows(src, dst_rows, base, 4)
+            rec = np.empty(len(s_off), GATHER_JOB)
+            rec["src"], rec["dst"] = s_off, d0 + d * dst.stride(0) * dw
+            rec["count"], rec["kind"] = width, d_kind | np.where(sw == 2, INT_SRC64, 0)
+            return rec
+        sw = src.element_size() // 4
+        d = np.atleast_1d(dst_rows)
+        s = np.arange(len(d), dtype=np.int64) if src_rows is None else np.atleast_1d(src_rows)
+        kind = d_kind | (INT_SRC64 if sw == 2 else 0)
+        s0 = (src.data_ptr() - base) // 4
+        if (len(d) > 1 and src.stride(0) == width == dst.stride(0) and _consecutive(d) and _consecutive(s)
+                and len(d) * width <= _COUNT_MAX):  # rows end to end on both sides: one record
+            rec = np.empty(1, GATHER_JOB)
+            rec[0] = (s0 + s[0] * width * sw, d0 + d[0] * width * dw, len(d) * width, kind)
+            return rec
+        rec = np.empty(len(d), GATHER_JOB)
+        rec["src"], rec["dst"] = s0 + s * src.stride(0) * sw, d0 + d * dst.stride(0) * dw
+        rec["count"], rec["kind"] = width, kind
+        return rec
+
+
+def _consecutive(rows: np.ndarray) -> bool:
+    return rows.size == 1 or bool((rows[1:] - rows[:-1] == 1).all())
+
+
+def _each_rows(srcs, starts, base: int, unit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every row of a many-source block: its source offset from ``base`` in units of ``unit``
+    bytes, its destination row, and its source's element size in units (one pass over the sources
+    for what only a tensor can tell, numpy for the rest)."""
+    live = [(s.data_ptr(), s.stride(0), s.shape[0], s.element_size(), d)
+            for s, d in zip(srcs, starts.tolist()) if s.shape[0]]
+    ptr, stride, rows, size, first_dst = (np.array(col, np.int64) for col in zip(*live))
+    words = size // unit if unit == 4 else np.ones_like(size)  # int sources: int32 words per element
+    j = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)  # row in its source
+    src_off = np.repeat((ptr - base) // unit, rows) + j * np.repeat(stride * words, rows)
+    return src_off, np.repeat(first_dst, rows) + j, np.repeat(words, rows)
+
+
+def _destination_rows(src, dst_rows):
+    """A block's destination rows: one array or int; for a many-source block, one array per source."""
+    if type(src) is not list:
+        return (np.asarray(dst_rows),)
+    return [d + np.arange(n, dtype=np.int64) for _, d, n in each_jobs(src, dst_rows)]
+
+
+def source_rows(src_rows, dst_rows) -> np.ndarray | int:
+    """A block's source rows with None spelled out."""
+    return np.arange(len(dst_rows), dtype=np.int64) if src_rows is None else src_rows

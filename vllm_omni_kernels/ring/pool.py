@@ -1,0 +1,524 @@
+"""Per-request ring buffers in one preallocated arena: ``RingPool``.
+
+A pool serves one (key, dtype, frame shape, device) and one concatenating strategy. Each request
+owns a slot: a region of the arena (a buddy-allocator block) used as a ring of frames, plus a device
+head. ``append`` writes every request's chunk of a step in one kernel launch; ``drain`` returns the
+unread span and advances the tail (DELTA); ``consolidate`` returns everything retained without
+advancing (FINAL_ONLY / CUMULATIVE); ``read_into`` copies either into a caller's buffer; ``free``
+returns the slot.
+
+Frames: CONCAT_DIM0 chunks are ``[n, *frame_shape]`` (n frames); CONCAT_LAST chunks are
+``[*frame_shape, n]`` (n samples of every channel). Capacity is in frames.
+
+Host mirrors: every head, tail, unread size and capacity lives in numpy arrays on the host, so all
+validation (dtype, shape, device, unknown slot, overflow) and growth decisions happen before a launch
+and never read the device. A launch's metadata rows (``planner.py``) go into a ring of pinned host
+buffers that the kernel reads in place (pinned memory is device-addressable; a buffer is reused only
+after the work that read it has run); a launch of long rows (more than ``UPLOAD_ELEMS`` elements:
+several programs per row, each of which would read its row over the bus) copies its rows to the
+device first. The device heads are written by the kernel itself, so an append with its metadata
+resident on the device (``graph.StaticAppend``) can be captured in a CUDA graph and replayed.
+
+Overflow: when a chunk would overwrite unread data the slot grows to the next size class that fits
+(at least double), copying its unread span on the device; with growth off, or the budget spent, that
+request gets a ``TensorAccumulationError`` and nothing of it is written, while the other requests of
+the step go through.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import ops
+from ..errors import TensorAccumulationError, TensorConsolidationError
+from ..modality import TensorAccumulationStrategy as Strategy
+from ..ops.layout import BASE, CAP, HEAD_SHIFT, LIN_STRIDE, META_COLS, POS, SLOT, UNREAD
+from ..profiling import nvtx_range
+from .allocator import BuddyAllocator
+from .planner import plan_read, plan_write
+from .staging import PinnedStaging
+
+_INT32_MAX = 2**31 - 1
+UPLOAD_ELEMS = 4096  # rows longer than this: several programs per row, metadata copied to the device first
+
+
+@dataclass(slots=True)
+class PaddedBatch:
+    """One step's chunks for a batch of requests as one tensor, with per-request lengths.
+
+    ``data``: CONCAT_DIM0 ``[B, n_max, *frame]``; CONCAT_LAST ``[B, *lead, T_max]``. Row ``b`` holds
+    ``lengths[b]`` valid frames at the start of its append axis; the rest is padding and never read.
+    ``lengths`` must be host values (list, numpy array or CPU tensor): reading device lengths would
+    sync the host with the device every step.
+    """
+
+    data: torch.Tensor
+    lengths: Sequence[int] | np.ndarray | torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """What an append did: rows launched, and one error per request that was skipped."""
+
+    appended: int = 0
+    errors: tuple[TensorAccumulationError, ...] = ()
+
+
+@dataclass
+class PoolStats:
+    slots_used: int
+    slots_capacity: int
+    bytes_used: int
+    bytes_reserved: int
+    high_water_bytes: int
+    unread_bytes: int
+    growths: int
+    rejected: int
+
+
+class RingPool:
+    """Slots of ring buffers for one key/dtype/frame shape/device; see the module docstring.
+
+    Args:
+        key: the output key this pool serves (used in error messages).
+        dtype, frame_shape, device: what every chunk must match.
+        strategy: CONCAT_DIM0 or CONCAT_LAST.
+        budget_bytes: the arena size; preallocated at construction, never exceeded.
+        initial_frames: capacity of a new slot (rounded up to a power of two); also the smallest block.
+        max_slots: how many requests may hold a slot at once.
+        growth: grow a slot on overflow (else raise for that request).
+        max_rows: initial metadata rows (grows, rarely, when a larger step arrives).
+    """
+
+    def __init__(self, key: str, dtype: torch.dtype, frame_shape: Sequence[int], device: torch.device | str,
+                 strategy: Strategy, *, budget_bytes: int, initial_frames: int = 4096, max_slots: int = 1024,
+                 growth: bool = True, max_rows: int = 256):
+        if not strategy.uses_ring:
+            raise ValueError(f"RingPool serves CONCAT_DIM0/CONCAT_LAST, not {strategy}")
+        self.key = key
+        self.dtype = dtype
+        self.frame_shape = tuple(int(s) for s in frame_shape)
+        self.frame_elems = math.prod(self.frame_shape)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.strategy = strategy
+        self.last = strategy is Strategy.CONCAT_LAST
+        self.growth = growth
+        self.max_slots = max_slots
+        self.frame_bytes = self.frame_elems * dtype.itemsize
+        min_frames = 1 << max(0, int(initial_frames) - 1).bit_length()
+        self.allocator = BuddyAllocator(max(budget_bytes // self.frame_bytes, min_frames), min_frames)
+        self.arena = torch.empty(self.allocator.total_frames * self.frame_elems, dtype=dtype, device=self.device)
+        self.state = torch.zeros(max_slots, dtype=torch.int64, device=self.device)  # layout.py: head words
+        self.table = np.zeros((max_slots, META_COLS), np.int64)  # planner.py: one row per slot
+        self.table[:, SLOT] = np.arange(max_slots)
+        self.table[:, POS] = -1
+        self._tail = np.zeros(max_slots, np.int64)   # next frame to read
+        self._drained = np.zeros(max_slots, np.int64)
+        self.layout = np.zeros(max_slots, np.int64)  # bumped when a slot's region or head moves outside a kernel
+        self._owner: dict[str, int] = {}
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._staging = PinnedStaging(max_rows, META_COLS, self.device, device_copy=True)
+        self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
+        self._ids_cache: tuple = ((), np.zeros(0, np.int64), -1)  # (ids, slots, version) of the last step
+        self.growths = 0
+        self.rejected = 0
+        self.high_water_bytes = 0
+        self.version = 0  # bumped by alloc/free/growth: cached slot lookups are stale after it moves
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._owner
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def alloc(self, request_id: str) -> int:
+        """Give ``request_id`` a slot with ``initial_frames`` of capacity; returns the slot index."""
+        if request_id in self._owner:
+            raise TensorAccumulationError("already holds a slot in this pool", request_id=request_id, key=self.key)
+        if not self._free_slots:
+            raise TensorAccumulationError(f"all {self.max_slots} slots of the pool are in use",
+                                          request_id=request_id, key=self.key)
+        region = self.allocator.alloc(self.allocator.min_frames)
+        if region is None:
+            raise TensorAccumulationError(f"pool budget of {self.arena.numel() * self.arena.element_size()} "
+                                          "bytes is spent", request_id=request_id, key=self.key)
+        slot = self._free_slots.pop()
+        self._owner[request_id] = slot
+        offset, frames = region
+        self.table[slot, BASE], self.table[slot, CAP], self.table[slot, UNREAD] = offset * self.frame_elems, frames, 0
+        self.table[slot, POS] = 0  # the device head is overridden until a write has used it
+        self._tail[slot] = self._drained[slot] = 0
+        self.layout[slot] += 1
+        self.version += 1
+        self._note_usage()
+        return slot
+
+    def free(self, request_id: str) -> None:
+        """Return the request's slot and region. Unknown or already freed → TensorAccumulationError."""
+        slot = self._owner.pop(request_id, None)
+        if slot is None:
+            raise TensorAccumulationError("free of a slot that is unknown or already freed",
+                                          request_id=request_id, key=self.key)
+        self.allocator.free(int(self.table[slot, BASE] // self.frame_elems))
+        self.table[slot, CAP] = self.table[slot, UNREAD] = 0
+        self._free_slots.append(slot)
+        self.version += 1
+
+    def slot_of(self, request_id: str) -> int:
+        slot = self._owner.get(request_id)
+        if slot is None:
+            raise TensorAccumulationError("no slot: unknown or already freed", request_id=request_id, key=self.key)
+        return slot
+
+    def slots(self, request_ids: Sequence[str]) -> np.ndarray:
+        """The requests' slots (TensorAccumulationError for one without)."""
+        ids = tuple(request_ids)
+        cached, slots, version = self._ids_cache
+        if version == self.version and cached == ids:
+            return slots
+        return np.fromiter((self.slot_of(r) for r in ids), np.int64, len(ids))
+
+    def unread_frames(self, request_id: str) -> int:
+        return int(self.table[self.slot_of(request_id), UNREAD])
+
+    def capacity_frames(self, request_id: str) -> int:
+        return int(self.table[self.slot_of(request_id), CAP])
+
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            slots_used=len(self._owner), slots_capacity=self.max_slots,
+            bytes_used=self.allocator.used_frames * self.frame_bytes,
+            bytes_reserved=self.arena.numel() * self.arena.element_size(),
+            high_water_bytes=self.high_water_bytes,
+            unread_bytes=int(self.table[:, UNREAD].sum()) * self.frame_bytes,
+            growths=self.growths, rejected=self.rejected)
+
+    def _note_usage(self) -> None:
+        self.high_water_bytes = max(self.high_water_bytes, self.allocator.used_frames * self.frame_bytes)
+
+    # ----------------------------------------------------------------- capacity
+
+    def _chunk_frames(self, t: torch.Tensor, request_id: str) -> int:
+        """Validate one chunk against the pool; return its frame count."""
+        if not isinstance(t, torch.Tensor):
+            raise TensorAccumulationError(f"expected a tensor, got {type(t).__name__}",
+                                          request_id=request_id, key=self.key)
+        if t.device != self.device:
+            raise TensorAccumulationError(f"tensor on {t.device} but the pool is on {self.device}",
+                                          request_id=request_id, key=self.key)
+        if t.dtype != self.dtype:
+            raise TensorAccumulationError(f"dtype {t.dtype} but the slot holds {self.dtype}",
+                                          request_id=request_id, key=self.key)
+        frame = tuple(t.shape[1:]) if not self.last else tuple(t.shape[:-1])
+        if t.dim() != len(self.frame_shape) + 1 or frame != self.frame_shape:
+            axis = "[*frame, n]" if self.last else "[n, *frame]"
+            raise TensorAccumulationError(
+                f"shape {tuple(t.shape)} does not match the slot's frame shape {self.frame_shape} (chunks are {axis})",
+                request_id=request_id, key=self.key)
+        return int(t.shape[-1] if self.last else t.shape[0])
+
+    def make_room(self, request_ids: Sequence[str], slots: np.ndarray, n: np.ndarray,
+                  errors: list | None = None) -> np.ndarray:
+        """Grow the slots that ``n`` more frames would overflow; returns a keep-mask. A request whose
+        slot cannot grow (growth off, budget spent, a chunk past the per-launch limit) gets a
+        ``TensorAccumulationError``: appended to ``errors``, or raised when ``errors`` is None."""
+        keep = np.ones(len(slots), dtype=bool)
+        over = np.flatnonzero(self.table[slots, UNREAD] + n > self.table[slots, CAP])
+        too_big = np.flatnonzero(n * self.frame_elems > _INT32_MAX)
+        failed = []
+        for i in too_big:
+            keep[i] = False
+            failed.append(TensorAccumulationError(
+                f"chunk of {int(n[i])} frames exceeds the per-step limit of {_INT32_MAX // self.frame_elems}",
+                request_id=request_ids[i], key=self.key))
+        for i in over:
+            if keep[i]:
+                error = self._grow(int(slots[i]), int(self.table[slots[i], UNREAD] + n[i]), request_ids[i])
+                if error is not None:
+                    keep[i] = False
+                    failed.append(error)
+        if failed and errors is None:
+            raise failed[0]
+        if errors is not None:
+            errors.extend(failed)
+        return keep
+
+    def _grow(self, slot: int, needed: int, request_id: str) -> TensorAccumulationError | None:
+        cap, unread = int(self.table[slot, CAP]), int(self.table[slot, UNREAD])
+        if not self.growth:
+            return TensorAccumulationError(f"append of {needed - unread} frames would overwrite unread data "
+                                           f"(capacity {cap}, unread {unread}) and growth is off",
+                                           request_id=request_id, key=self.key)
+        region = self.allocator.alloc(max(needed, 2 * cap))
+        if region is None:
+            return TensorAccumulationError(f"cannot grow to {needed} frames: pool budget of "
+                                           f"{self.arena.numel() * self.arena.element_size()} bytes is spent",
+                                           request_id=request_id, key=self.key)
+        offset, frames = region
+        new_base = offset * self.frame_elems
+        if unread:  # copy the unread span, linearized, to the start of the new region
+            self._launch_read(np.array([slot]), self.arena[new_base:new_base + frames * self.frame_elems],
+                              lin_stride=frames if self.last else self.frame_elems)
+        self.allocator.free(int(self.table[slot, BASE] // self.frame_elems))
+        self.table[slot, BASE], self.table[slot, CAP] = new_base, frames
+        self.table[slot, POS] = unread % frames  # the device head is overridden until a write has used it
+        self._tail[slot] = 0
+        self.layout[slot] += 1
+        self.version += 1
+        self.growths += 1
+        self._note_usage()
+        return None
+
+    # ----------------------------------------------------------------- append
+
+    def append(self, request_ids: Sequence[str], chunks: PaddedBatch | Sequence[torch.Tensor | None]) -> AppendResult:
+        """Append one step's chunks for ``request_ids`` (aligned; a None chunk skips that request).
+
+        ``chunks`` is a ``PaddedBatch`` (no copy besides the kernel) or a list of per-request tensors
+        (packed into a persistent scratch buffer with one ``torch.cat`` first). Requests must hold a
+        slot (``alloc``). Invalid requests are skipped with a ``TensorAccumulationError`` each in the
+        result; the valid ones are written by one launch. Chunks that require grad are appended as
+        data (detached).
+        """
+        with nvtx_range(f"ring.append[{self.key}]"):
+            errors: list[TensorAccumulationError] = []
+            if isinstance(chunks, PaddedBatch):
+                data = chunks.data.detach() if chunks.data.requires_grad else chunks.data
+                rows = self._rows_from_batch(request_ids, data, chunks.lengths, errors)
+            else:
+                rows = self._rows_from_list(request_ids, chunks, errors)
+            appended = self._launch_write(*rows) if rows is not None else 0
+            self.rejected += len(errors)
+            return AppendResult(appended, tuple(errors))
+
+    def _lookup(self, request_ids: Sequence[str], errors: list) -> tuple[np.ndarray, np.ndarray]:
+        """Slots of the requests (-1 where unknown) and a keep-mask; an error recorded for each
+        unknown request and each second occurrence of one. A list of known, distinct requests is
+        remembered while no slot is taken, freed or moved (the common step repeats its list)."""
+        ids = tuple(request_ids)
+        cached, slots, version = self._ids_cache
+        if version == self.version and cached == ids:
+            return slots, np.ones(len(ids), dtype=bool)
+        slots = np.fromiter((self._owner.get(r, -1) for r in ids), np.int64, len(ids))
+        keep = slots >= 0
+        for i in np.flatnonzero(~keep):
+            errors.append(TensorAccumulationError("no slot: unknown or already freed request",
+                                                  request_id=ids[i], key=self.key))
+        if len(set(ids)) != len(ids):
+            seen: set[str] = set()
+            for i, r in enumerate(ids):
+                if r in seen and keep[i]:
+                    keep[i] = False
+                    errors.append(TensorAccumulationError("appears twice in one step; second chunk skipped",
+                                                          request_id=r, key=self.key))
+                seen.add(r)
+        if keep.all():
+            self._ids_cache = (ids, slots, self.version)
+        return slots, keep
+
+    def _rows_from_batch(self, request_ids, data: torch.Tensor, lengths, errors: list):
+        B = len(request_ids)
+        if isinstance(lengths, torch.Tensor):
+            if lengths.device.type != "cpu":
+                raise TypeError("PaddedBatch.lengths must be host values; a device tensor would sync every step")
+            lengths = lengths.numpy()
+        n = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if data.dim() < 1 or data.shape[0] != B or n.shape[0] != B:
+            raise ValueError(f"PaddedBatch for key {self.key!r}: data batch {tuple(data.shape[:1])}, "
+                             f"{n.shape[0]} lengths, {B} request ids")
+        if B == 0:
+            return None
+        slots, keep = self._lookup(request_ids, errors)
+        try:
+            axis_len = self._chunk_frames(data[0], "<batch>")
+        except TensorAccumulationError as exc:
+            errors.extend(exc.for_request(request_ids[i]) for i in np.flatnonzero(keep))
+            return None
+        bad = keep & ((n < 0) | (n > axis_len))
+        for i in np.flatnonzero(bad):
+            errors.append(TensorAccumulationError(f"length {int(n[i])} outside [0, {axis_len}] of the padded batch",
+                                                  request_id=request_ids[i], key=self.key))
+        keep &= ~bad
+        # Rows of the batch as [B, L, T] (CONCAT_LAST) or [B, n, F] (CONCAT_DIM0), without copying.
+        view = data.reshape(B, self.frame_elems, axis_len) if self.last else data.reshape(B, axis_len, self.frame_elems)
+        if view.stride(2) != 1 or view.data_ptr() != data.data_ptr():
+            view = view.contiguous()
+        rows = np.arange(B, dtype=np.int64)
+        if not keep.all():
+            rows, slots, n = rows[keep], slots[keep], n[keep]
+            request_ids = [request_ids[i] for i in rows]
+        fit = self.make_room(request_ids, slots, n, errors)
+        if not fit.all():
+            rows, slots, n = rows[fit], slots[fit], n[fit]
+        return view, slots, n, rows * view.stride(0), view.stride(1)
+
+    def _rows_from_list(self, request_ids, chunks, errors: list):
+        if len(chunks) != len(request_ids):
+            raise ValueError(f"{len(chunks)} chunks for {len(request_ids)} request ids (key {self.key!r})")
+        slots, keep = self._lookup(request_ids, errors)
+        n = np.zeros(len(chunks), np.int64)
+        for i, t in enumerate(chunks):
+            if t is None:
+                keep[i] = False
+            elif keep[i]:
+                try:
+                    n[i] = self._chunk_frames(t, request_ids[i])
+                except TensorAccumulationError as exc:
+                    keep[i] = False
+                    errors.append(exc)
+        idx = np.flatnonzero(keep)
+        slots, n = slots[idx], n[idx]
+        fit = self.make_room([request_ids[i] for i in idx], slots, n, errors)
+        idx, slots, n = idx[fit], slots[fit], n[fit]
+        if len(idx) == 0:
+            return None
+        total, F = int(n.sum()), self.frame_elems
+        if self._scratch.numel() < total * F:
+            self._scratch = torch.empty(max(total * F, 2 * self._scratch.numel()), dtype=self.dtype, device=self.device)
+        parts = [chunks[i].detach() for i in idx]
+        starts = np.zeros(len(idx), np.int64)
+        np.cumsum(n[:-1], out=starts[1:])
+        if self.last:
+            packed = self._scratch[: total * F].view(F, total)
+            torch.cat([p.reshape(F, -1) for p in parts], dim=1, out=packed)
+            return packed, slots, n, starts, total
+        packed = self._scratch[: total * F].view(total, F)
+        torch.cat([p.reshape(-1, F) for p in parts], dim=0, out=packed)
+        return packed, slots, n, starts * F, F
+
+    def _staged(self, rows: int) -> tuple[int, np.ndarray]:
+        """The next staging buffer with room for ``rows`` rows (grows, rarely, for a larger step)."""
+        if rows > self._staging.rows:
+            if self._staging.pinned:  # kernels may still be reading the old pinned rows in place
+                torch.cuda.current_stream().synchronize()  # rare: only when a step outgrows the rows
+            self._staging = PinnedStaging(1 << (rows - 1).bit_length(), META_COLS, self.device, device_copy=True)
+        return self._staging.host()
+
+    def _launch_write(self, src, slots, n, lin_off, lin_stride) -> int:
+        """One write launch; the host mirrors advance and head overrides are used up."""
+        if len(slots) == 0:
+            return 0
+        i, host = self._staged(len(slots))
+        max_elems = plan_write(self.table, slots, n, lin_off, lin_stride, host) * self.frame_elems
+        meta = self._staging.for_kernel(i, len(slots), max_elems > UPLOAD_ELEMS)
+        ops.ring_write(self.arena, self.state, meta, src, rows=len(slots), frame_elems=self.frame_elems,
+                       last=self.last, max_elems=max_elems)
+        self.table[slots, UNREAD] += n
+        self.table[slots, POS] = -1
+        return len(slots)
+
+    # ----------------------------------------------------------------- read out
+
+    def drain(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
+        """The unread span of each request (DELTA), as views into one new tensor; advances the tails."""
+        out = torch.empty(self.unread_elements(request_ids), dtype=self.dtype, device=self.device)
+        return self._views(out, *self.read_into(request_ids, out, drain=True))
+
+    def consolidate(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
+        """Everything each request appended, as views into one new tensor; nothing is advanced.
+
+        Raises:
+            TensorConsolidationError: part of a request's data was already drained, so "everything
+                appended" no longer exists (the request mixed DELTA and FINAL_ONLY reads).
+        """
+        out = torch.empty(self.unread_elements(request_ids), dtype=self.dtype, device=self.device)
+        return self._views(out, *self.read_into(request_ids, out, drain=False))
+
+    def unread_elements(self, request_ids: Sequence[str]) -> int:
+        """Elements a read of these requests copies (what ``read_into``'s ``out`` must hold)."""
+        return int(self.table[self.slots(request_ids), UNREAD].sum()) * self.frame_elems
+
+    def check_consolidate(self, request_ids: Sequence[str]) -> None:
+        """Raise what ``consolidate(request_ids)`` would raise, reading nothing (TensorAccumulationError
+        for a request without a slot, TensorConsolidationError for one already drained)."""
+        for r in request_ids:
+            drained = int(self._drained[self.slot_of(r)])
+            if drained:
+                raise TensorConsolidationError(f"{drained} frames were already drained; cannot consolidate",
+                                               request_id=r, key=self.key)
+
+    def read_into(self, request_ids: Sequence[str], out: torch.Tensor, *, drain: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Copy each request's unread span back to back into ``out`` (a contiguous 1-D tensor of the
+        pool's dtype and device, at least ``unread_elements`` long) in one launch: with ``drain`` the
+        tails advance (DELTA), else nothing moves and the spans must be everything appended
+        (``check_consolidate``). Returns each request's element offset in ``out`` and its frames
+        (int64 arrays). A request's span is laid out as its chunks are: ``[*frame, n]`` for
+        CONCAT_LAST, ``[n, *frame]`` for CONCAT_DIM0."""
+        if not drain:
+            self.check_consolidate(request_ids)
+        slots = self.slots(request_ids)
+        if out.dtype != self.dtype or out.device != self.device or out.dim() != 1 or not out.is_contiguous() \
+                or out.numel() < int(self.table[slots, UNREAD].sum()) * self.frame_elems:
+            raise ValueError(f"pool {self.key!r}: out must be a contiguous 1-D {self.dtype} tensor on {self.device} "
+                             "with room for every unread span")
+        with nvtx_range(f"ring.{'drain' if drain else 'consolidate'}[{self.key}]"):
+            starts, n = self._launch_read(slots, out)
+            if drain:
+                self._tail[slots] = (self._tail[slots] + n) % np.maximum(self.table[slots, CAP], 1)
+                self._drained[slots] += n
+                self.table[slots, UNREAD] = 0
+        return starts, n
+
+    def _launch_read(self, slots: np.ndarray, out: torch.Tensor, lin_stride=None) -> tuple[np.ndarray, np.ndarray]:
+        i, host = self._staged(len(slots))
+        starts, n = plan_read(self.table, slots, self._tail[slots], self.frame_elems, self.last, host)
+        if lin_stride is not None:  # a growth: one span into a ring region of its own shape
+            host[0, LIN_STRIDE] = lin_stride
+        max_elems = int(n.max(initial=0)) * self.frame_elems
+        if max_elems:
+            meta = self._staging.for_kernel(i, len(slots), max_elems > UPLOAD_ELEMS)
+            ops.ring_read(self.arena, meta, out, rows=len(slots), frame_elems=self.frame_elems, last=self.last,
+                          max_elems=max_elems)
+        return starts, n
+
+    def _views(self, out: torch.Tensor, starts: np.ndarray, n: np.ndarray) -> list[torch.Tensor]:
+        F = self.frame_elems
+        return [out[s:s + k * F].view(*self.frame_shape, k) if self.last else out[s:s + k * F].view(k, *self.frame_shape)
+                for s, k in zip(starts.tolist(), n.tolist())]
+
+    # ----------------------------------------------------------------- CUDA graphs
+
+    def static_rows(self, slots: np.ndarray, n: np.ndarray, lin_off: np.ndarray, lin_stride) -> np.ndarray:
+        """Metadata rows of a write whose heads come from the device (POS -1): what a captured
+        append keeps resident (``graph.StaticAppend``)."""
+        rows = np.zeros((len(slots), META_COLS), np.int64)
+        plan_write(self.table, slots, n, lin_off, lin_stride, rows)
+        rows[:, POS] = -1
+        return rows
+
+    def publish_heads(self, slots: np.ndarray) -> None:
+        """Write the head overrides of these slots (new or grown slots) into the device state, so a
+        launch with resident metadata reads them; the overrides are then used up."""
+        pending = slots[self.table[slots, POS] >= 0]
+        if len(pending):
+            heads = torch.from_numpy(self.table[pending, POS] << HEAD_SHIFT).to(self.device)
+            self.state[torch.from_numpy(pending).to(self.device)] = heads
+            self.table[pending, POS] = -1
+
+    def advance(self, slots: np.ndarray, n: np.ndarray) -> None:
+        """Count ``n`` more unread frames for each slot: what launches with resident metadata append."""
+        self.table[slots, UNREAD] += n
+
+    def static_append(self, request_ids: Sequence[str], src: torch.Tensor, lengths: Sequence[int]):
+        """A fixed-shape append (same requests, source buffer and lengths every step) for graph capture."""
+        from .graph import StaticAppend
+
+        return StaticAppend(self, request_ids, src, lengths)
+
+    def plan_static(self, request_ids: Sequence[str], src: torch.Tensor, lengths):
+        """The source view, slots, frames, linear offsets and stride of a fixed-shape append of
+        ``src`` (a ``PaddedBatch``'s data) for ``request_ids``. Raises its first error."""
+        errors: list[TensorAccumulationError] = []
+        rows = self._rows_from_batch(list(request_ids), src, lengths, errors)
+        if errors or rows is None:
+            raise errors[0] if errors else ValueError("empty static append")
+        return rows

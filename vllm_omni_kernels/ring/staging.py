@@ -1,0 +1,112 @@
+"""Pinned host buffers for per-step metadata uploads: ``PinnedStaging``.
+
+Every kernel op of the package reads its per-step metadata (offsets, slots, heads) from a persistent
+device buffer that the host fills with one non-blocking copy per step. The host side of that copy
+must be pinned (else the copy is synchronous) and must not be rewritten while an earlier copy from it
+may still be pending; this module owns that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_DEPTH = 64
+_EVENT_EVERY = 16
+
+
+class PinnedStaging:
+    """A ring of pinned int64 host buffers ``[rows, cols]``, each reused once its copy has run.
+
+    Uploads are stream-ordered, so one CUDA event recorded every ``_EVENT_EVERY`` uploads covers all
+    uploads before it; a buffer is reused ``_DEPTH`` uploads later, after waiting on the first event
+    recorded at or after its last use (normally long complete: no per-step sync, and one event record
+    per ``_EVENT_EVERY`` steps on the host). One owner, one stream at a time.
+
+    For a CPU device there is one unpinned buffer and ``upload`` returns it (it is the metadata).
+    """
+
+    def __init__(self, rows: int, cols: int, device: torch.device, device_copy: bool = False):
+        self.device = device
+        self.rows = rows
+        self.cols = cols
+        self.pinned = device.type == "cuda"
+        depth = _DEPTH if self.pinned else 1
+        self._host = [torch.zeros(rows, cols, dtype=torch.int64, pin_memory=self.pinned) for _ in range(depth)]
+        self._np = [h.numpy() for h in self._host]
+        self._rows0 = [h[0] for h in self._host]  # row 0 of each buffer (a flat table), made once
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._count = 0  # uploads so far
+        self._events: list[tuple[int, torch.cuda.Event]] = []  # (upload index, event after it)
+        self._done = 0  # uploads before this index are known to have run (no need to ask the device)
+        # for_kernel's device copy target, made now: a step must not allocate
+        self._device_copy = torch.empty(rows, cols, dtype=torch.int64, device=device) if device_copy and self.pinned else None
+
+    def __del__(self):
+        # Kernels that read these buffers in place may still be queued: wait for them before the
+        # pinned memory goes back to torch's host allocator, which can hand it out again at once.
+        # Not during a graph capture (a sync would break it); at interpreter exit CUDA may be gone.
+        if not (getattr(self, "pinned", False) and getattr(self, "_count", 0)):
+            return
+        try:
+            if not torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize(self.device)
+        except (RuntimeError, AttributeError, TypeError):
+            pass
+
+    def host(self) -> tuple[int, np.ndarray]:
+        """(index, host buffer) of the next buffer to fill; waits only if the GPU is far behind."""
+        depth = len(self._host)
+        i = self._count % depth
+        if self.pinned and self._count - depth >= self._done:
+            last_use = self._count - depth
+            while self._events and self._events[0][0] < last_use:
+                self._events.pop(0)
+            if self._events:
+                k, ev = self._events.pop(0)
+                ev.synchronize()  # at once unless the GPU is far behind (back-pressure); once per event
+                self._done = k + 1
+        return i, self._np[i]
+
+    def _queued(self) -> None:
+        """Count one buffer handed to queued work; every ``_EVENT_EVERY``-th gets an event after it."""
+        self._count += 1
+        if self.pinned and self._count % _EVENT_EVERY == 0:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._events.append((self._count - 1, ev))
+
+    def read_in_place(self, i: int, row0: bool = False) -> torch.Tensor:
+        """Hand host buffer ``i`` to a kernel that reads it directly (pinned memory is addressable
+        from the device): no copy; the buffer is reused only after work queued now has run.
+        Returns the buffer (``row0``: its first row, for flat tables)."""
+        self._queued()
+        return self._rows0[i] if row0 else self._host[i]
+
+    def for_kernel(self, i: int, rows: int, many_programs: bool) -> torch.Tensor:
+        """Hand host buffer ``i`` to the next kernel: read in place (``read_in_place``), or, when
+        ``many_programs`` (the kernel runs several programs per metadata row, each of which would read
+        its row over the bus), first copied into the device copy of this ring (made with ``device_copy=True``;
+        one small copy, then every program reads device memory). Returns what the kernel reads (its
+        first ``rows`` rows)."""
+        if not (many_programs and self._device_copy is not None):
+            return self.read_in_place(i)
+        return self.upload(i, rows, self._device_copy)  # reused every step: ordered on the one stream
+
+    def upload(self, i: int, rows: int, dst: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+        """Copy the first ``rows`` rows (and ``cols`` columns) of host buffer ``i`` into ``dst`` (device).
+
+        Returns ``dst``, or on a CPU device the host buffer itself.
+        """
+        if not self.pinned:
+            self._queued()
+            return self._host[i]
+        key = (i, rows, self.cols if cols is None else cols)
+        views = self._views.get(key)
+        if views is None or views[0].data_ptr() != dst.data_ptr():
+            if len(self._views) > 4096:
+                self._views.clear()
+            views = self._views[key] = (dst[:rows, :key[2]], self._host[i][:rows, :key[2]])
+        views[0].copy_(views[1], non_blocking=True)
+        self._queued()
+        return dst
