@@ -1,4 +1,6 @@
-"""Command line: ``simulate`` (the main job), ``info`` (backends and versions)."""
+"""Command line: ``simulate`` (the main job), ``serve`` (the speech server: vLLM's API server and
+``/v1/audio/speech``; every ``vllm serve`` option applies), ``make-model`` (the talker's model
+directory), ``info`` (backends and versions)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,13 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # vLLM's own parser takes the rest
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's platform; the talker picks its device
+        from .vllm_integration.server import main as serve
+
+        serve(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(prog="vllm-omni-kernels")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sim = sub.add_parser("simulate", help="stream TTS through a real vLLM engine: this package's output path and "
@@ -33,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="every n-th request makes the talker emit a malformed chunk: it must fail alone")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--no-progress", action="store_true")
+    sub.add_parser("serve", help="the speech server (python -m vllm_omni_kernels serve MODEL_DIR --help)")
+    mk = sub.add_parser("make-model", help="write the talker's model directory (config, tokenizer; seeded)")
+    mk.add_argument("path")
+    mk.add_argument("--seed", type=int, default=0)
     sub.add_parser("info", help="versions and which backend each op uses, and why")
     args = parser.parse_args(argv)
 
@@ -50,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             info["triton"] = None
         print(json.dumps(info, indent=2))
+        return 0
+
+    if args.cmd == "make-model":
+        from .vllm_integration.talker_model import make_model_dir
+
+        print(make_model_dir(args.path, seed=args.seed))
         return 0
 
     # vLLM's own platform: the talker's executor puts the model and the rings on --device itself.

@@ -73,3 +73,19 @@ def expected_audio(codes: torch.Tensor) -> torch.Tensor:
     server must deliver, sample for sample. ``[frames * FRAME_SAMPLES]`` float32."""
     frames = torch.arange(codes.shape[0], device=codes.device)
     return decode_frames(codes, frames).reshape(-1)
+
+
+@torch.no_grad()
+def rollout(talker: ToyTalker, prompt_ids, frames: int) -> torch.Tensor:
+    """The codes ``[frames, CODEBOOKS]`` the engine produces for one request, computed alone: the
+    prompt's context, then one forward per frame, each fed the last frame's first code as its token
+    (what ``TalkerWorker`` does for a batch). ``expected_audio`` of them is the request's audio."""
+    device = talker.embed.device
+    ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64, device=device)
+    context = talker.prompt_context(ids)[None]
+    last = ids[-1:].clone()
+    out = torch.empty(frames, CODEBOOKS, dtype=torch.int64, device=device)
+    for f in range(frames):
+        out[f] = talker(last, torch.tensor([f], device=device), context)[0]
+        last = out[f, :1] + TEXT_VOCAB
+    return out

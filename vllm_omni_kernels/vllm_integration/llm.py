@@ -82,6 +82,33 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
                      additional_config=extra, **kwargs)
 
 
+def talker_processor_options(output_path: str = "worker") -> ProcessorOptions:
+    """The frontend for the talker's output: audio CONCAT_LAST, codes CONCAT_DIM0; for the
+    upstream-style path (``output_path="upstream"``) its per-request concatenating processor."""
+    from ..modality import TensorAccumulationStrategy as S
+    from .upstream_style import UpstreamStyleOutputProcessor
+
+    strategies = {"audio": S.CONCAT_LAST, "codes": S.CONCAT_DIM0}
+    if output_path == "upstream":
+        return ProcessorOptions("audio", strategies, processor_cls=UpstreamStyleOutputProcessor)
+    return ProcessorOptions("audio", strategies)
+
+
+async def warm_up(engine: AsyncLLM, requests: int = 4) -> None:
+    """A few short requests through ``engine`` before serving (kernels compile, buffers settle)."""
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+
+    async def one(i: int) -> None:
+        async for _ in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7 + i]), params,
+                                       request_id=f"warm-up-{i}"):
+            pass
+
+    await asyncio.gather(*(one(i) for i in range(requests)))
+
+
 def omni_vllm_config(engine_args: EngineArgs, usage_context: UsageContext) -> VllmConfig:
     """vLLM's config for ``engine_args`` with this package's scheduler class (the async variant when
     async scheduling is on, which it is for ``TalkerExecutor`` unless the arguments say no)."""

@@ -132,17 +132,6 @@ def _engine_args(cfg: SimConfig, path: str, model: Path):
                               additional_config=extra)
 
 
-def _options(path: str):
-    from ..modality import TensorAccumulationStrategy as S
-    from .llm import ProcessorOptions
-    from .upstream_style import UpstreamStyleOutputProcessor
-
-    strategies = {"audio": S.CONCAT_LAST, "codes": S.CONCAT_DIM0}
-    if path == "upstream":
-        return ProcessorOptions("audio", strategies, processor_cls=UpstreamStyleOutputProcessor)
-    return ProcessorOptions("audio", strategies)
-
-
 def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path) -> dict:
     t_start = time.perf_counter()
     if cfg.in_process:
@@ -186,11 +175,12 @@ def _pct(values, q) -> float:
 async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
     from vllm import SamplingParams, TokensPrompt
 
-    from .llm import OmniAsyncLLM
+    from .llm import OmniAsyncLLM, talker_processor_options, warm_up
 
-    engine = OmniAsyncLLM.from_engine_args(_engine_args(cfg, path, model), processor_options=_options(path))
+    engine = OmniAsyncLLM.from_engine_args(_engine_args(cfg, path, model),
+                                           processor_options=talker_processor_options(path))
     try:
-        await _warm_up_async(engine)
+        await warm_up(engine)
         await engine.collective_rpc("reset_output_path_stats")
         decoder, processor = engine.engine_core.decoder, engine.output_processor
         d0 = (decoder.messages, decoder.bytes, decoder.seconds, decoder.multimodal_seconds)
@@ -231,25 +221,13 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         engine.shutdown()
 
 
-async def _warm_up_async(engine) -> None:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(max_tokens=3, output_kind=_kind("final_only"), detokenize=False)
-
-    async def one(i):
-        async for _ in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7 + i]), params, request_id=f"warm-{i}"):
-            pass
-
-    await asyncio.gather(*(one(i) for i in range(4)))
-
-
 def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
     from vllm import SamplingParams, TokensPrompt
 
-    from .llm import OmniLLM
+    from .llm import OmniLLM, talker_processor_options
 
     engine = OmniLLM.from_engine_args(_engine_args(cfg, path, model), enable_multiprocessing=False,
-                                      processor_options=_options(path))
+                                      processor_options=talker_processor_options(path))
     try:
         warm = SamplingParams(max_tokens=3, output_kind=_kind("final_only"), detokenize=False)
         engine.add_request("warm", TokensPrompt(prompt_token_ids=[5, 6, 7]), warm)

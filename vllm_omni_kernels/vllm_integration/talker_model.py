@@ -1,7 +1,8 @@
 """The TTS talker as a vLLM model: ``OmniTalkerForTTS`` and ``make_model_dir``.
 
 ``make_model_dir(path)`` writes what vLLM loads a model from, made in code (no hub): a
-``config.json`` (architecture ``OmniTalkerForTTS``, the talker's vocabulary and its weight seed)
+``config.json`` (architecture ``OmniTalkerForTTS``, the talker's vocabulary, its weight seed and
+its voices)
 and a character-level tokenizer (every printable ASCII character is a token, ids below the
 talker's ``TEXT_VOCAB``). The architecture is registered with vLLM by the project's
 ``vllm.general_plugins`` entry point (``plugin.py``), so every process vLLM starts knows it.
@@ -25,6 +26,9 @@ from ..serving import talker as tk
 
 ARCHITECTURE = "OmniTalkerForTTS"
 _SPECIALS = {"[UNK]": 0, "<s>": 1, "</s>": 2, "[PAD]": 3}
+# A voice is the first token of a speech prompt: an id past the tokenizer's characters, below TEXT_VOCAB.
+VOICES = {name: tk.TEXT_VOCAB - 1 - i for i, name in enumerate(("alloy", "ash", "coral", "echo", "fable", "nova",
+                                                                 "onyx", "sage", "shimmer"))}
 
 
 class OmniTalkerForTTS(nn.Module):
@@ -69,6 +73,6 @@ def make_model_dir(path: str | Path, seed: int = 0) -> Path:
         "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": tk.VOCAB,
         "max_position_embeddings": 16384, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
-        "pad_token_id": 3, "talker_seed": seed, "sample_rate": tk.SAMPLE_RATE,
+        "pad_token_id": 3, "talker_seed": seed, "sample_rate": tk.SAMPLE_RATE, "voices": VOICES,
     }, indent=2))
     return path

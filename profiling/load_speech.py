@@ -1,0 +1,301 @@
+"""Concurrent streaming clients against the speech server (``python -m vllm_omni_kernels serve``).
+
+For each output path (``worker``: this package; ``upstream``: per-request host copies and per-step
+concatenation) a server starts on 127.0.0.1 with the talker on ``--device``, and ``--clients``
+clients each stream ``--requests`` speech requests back to back (seeded texts of ``--chars``
+characters, float32 PCM so every sample can be checked against the talker's own rollout). Bounded
+in count and in time (``--time-limit`` per path). Reported per path (JSON + PNG):
+
+- time to first audio byte (from sending the request), p50 / p99, against the engine step;
+- audio seconds delivered per wall second;
+- gaps: for each stream, each wait between two chunks against the audio the previous chunk covered
+  (worst ratio), and underruns: chunks that arrived after a player started at the first byte would
+  have run out of audio (the target is none);
+- samples lost or altered (every stream compared with ``talker.expected_audio`` of its rollout);
+- 503 answers, and an overload probe: ``max_inflight + 8`` simultaneous requests (the extra ones must
+  get 503 with Retry-After);
+- server memory before and after each of ``--rounds`` repetitions of the load (resident set of the
+  server and its engine process, the worker's pool bytes and slots in use): it must not grow with
+  the number of streams served.
+
+Usage: python profiling/load_speech.py [--clients 64] [--requests 4] [--rounds 2] [--device auto] [--paths worker,upstream]
+       [--url http://127.0.0.1:8000]   (an already running server: one path, no start-up)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_omni_kernels.serving import talker as tk  # noqa: E402
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.!?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, port: int, path: str, device: str, max_seqs: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    cmd = [sys.executable, "-m", "vllm_omni_kernels", "serve", str(model), "--host", "127.0.0.1", "--port",
+           str(port), "--talker-device", device, "--output-path", path, "--max-num-seqs", str(max_seqs),
+           "--disable-uvicorn-access-log"]
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 180.0) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"no healthy server at {url} after {timeout} s")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and its descendants (Linux /proc)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            for t in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (t / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def memory(url: str, pid: int | None) -> dict:
+    s = httpx.get(f"{url}/v1/audio/speech/stats", timeout=30).json()
+    pools = s["worker"]["accumulator"]["pools"]
+    return {"rss_bytes": rss_bytes(pid) if pid else None,
+            "pool_bytes_used": sum(p["bytes_used"] for p in pools.values()),
+            "pool_slots_used": sum(p["slots_used"] for p in pools.values()),
+            "requests_held": s["worker"]["requests_held"], "inflight": s["inflight"],
+            "step_ms": s["worker"]["step_us_median"] / 1e3, "rejected": s["rejected"]}
+
+
+class Stream:
+    def __init__(self, text: str, voice: str):
+        self.text, self.voice = text, voice
+        self.status = None
+        self.t_send = self.t_first = None
+        self.arrivals: list[tuple[float, int]] = []  # (time, bytes) per chunk
+        self.data = bytearray()
+
+
+async def one_stream(client: httpx.AsyncClient, s: Stream) -> None:
+    s.t_send = time.perf_counter()
+    body = {"input": s.text, "voice": s.voice, "response_format": "pcm", "sample_format": "f32", "stream": True}
+    async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+        s.status = r.status_code
+        if r.status_code != 200:
+            await r.aread()
+            return
+        async for chunk in r.aiter_raw():
+            now = time.perf_counter()
+            s.t_first = s.t_first or now
+            s.arrivals.append((now, len(chunk)))
+            s.data += chunk
+
+
+def gaps(s: Stream) -> tuple[float, int]:
+    """(worst wait / audio of the chunk before it, underruns) of one stream; audio is float32."""
+    worst, under, delivered = 0.0, 0, 0.0
+    for (t0, n0), (t1, _) in zip(s.arrivals, s.arrivals[1:]):
+        delivered += n0 / 4 / tk.SAMPLE_RATE
+        worst = max(worst, (t1 - t0) / max(n0 / 4 / tk.SAMPLE_RATE, 1e-9))
+        under += (t1 - s.t_first) > delivered  # a player started at the first byte has run dry
+    return worst, under
+
+
+def check(streams: list[Stream], voices: dict, tokenizer, speed_frames) -> dict:
+    """Every finished stream against the talker's rollout: samples lost, altered."""
+    talker = tk.ToyTalker(0)
+    lost = altered = exact = 0
+    for s in streams:
+        if s.status != 200:
+            continue
+        ids = [voices[s.voice], *tokenizer(s.text, add_special_tokens=False)["input_ids"]]
+        want = tk.expected_audio(tk.rollout(talker, ids, speed_frames(len(ids) - 1))).numpy()
+        got = np.frombuffer(bytes(s.data), "<f4")
+        n = min(want.size, got.size)
+        bad = int((got[:n].view(np.uint32) != want[:n].view(np.uint32)).sum())
+        lost += max(0, want.size - got.size)
+        altered += bad
+        exact += got.size == want.size and bad == 0
+    return {"samples_lost": lost, "samples_altered": altered, "streams_exact": exact}
+
+
+async def overload_probe(url: str, limit: int) -> dict:
+    """``limit + 8`` simultaneous long requests, each closed after its first chunk."""
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=limit + 16)) as c:
+        async def one():
+            body = {"input": "a" * 1500, "response_format": "pcm", "stream": True}
+            async with c.stream("POST", "/v1/audio/speech", json=body) as r:
+                if r.status_code == 200:
+                    async for _ in r.aiter_raw():
+                        await asyncio.sleep(2.0)  # hold the slot while the others arrive
+                        break
+                return r.status_code, r.headers.get("retry-after")
+        codes = await asyncio.gather(*(one() for _ in range(limit + 8)))
+    return {"sent": limit + 8, "ok": sum(c == 200 for c, _ in codes), "rejected_503": sum(c == 503 for c, _ in codes),
+            "retry_after_set": all(r is not None for c, r in codes if c == 503)}
+
+
+async def load(url: str, args, rng: np.random.Generator) -> tuple[list[Stream], float]:
+    voices = ["alloy", "nova", "echo", "sage"]
+    plans = [[Stream("".join(rng.choice(list(ALPHABET), int(rng.integers(args.min_chars, args.chars + 1)))),
+                     voices[(c + k) % len(voices)]) for k in range(args.requests)] for c in range(args.clients)]
+    deadline = time.perf_counter() + args.time_limit
+    async with httpx.AsyncClient(base_url=url, timeout=args.time_limit,
+                                 limits=httpx.Limits(max_connections=args.clients + 8)) as client:
+        async def client_run(streams: list[Stream]):
+            for s in streams:
+                if time.perf_counter() > deadline:
+                    break
+                await one_stream(client, s)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_run(p) for p in plans))
+        wall = time.perf_counter() - t0
+    return [s for p in plans for s in p if s.status is not None], wall
+
+
+def run_path(path: str, args, model: Path, out: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from vllm_omni_kernels.vllm_integration.speech import FRAMES_PER_CHAR
+    from vllm_omni_kernels.vllm_integration.talker_model import VOICES
+
+    proc = None
+    url = args.url
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start_server(model, port, path, args.device, args.clients, out / f"server_{path}.log")
+    try:
+        t_ready = time.perf_counter()
+        wait_ready(url, proc)
+        print(f"[{path}] server ready in {time.perf_counter() - t_ready:.1f} s", flush=True)
+        pid = proc.pid if proc is not None else None
+        before = memory(url, pid)
+        streams, wall, rounds = [], 0.0, []
+        for k in range(args.rounds):  # the same load again: memory must not grow with the streams served
+            got, spent = asyncio.run(load(url, args, np.random.default_rng(args.seed + k)))
+            streams += got
+            wall += spent
+            time.sleep(0.5)
+            rounds.append(memory(url, pid))
+        after_load = rounds[-1]
+        probe = asyncio.run(overload_probe(url, args.clients)) if args.probe else None
+        time.sleep(1.0)
+        after = memory(url, pid)
+        tok = AutoTokenizer.from_pretrained(str(model))
+        checked = check(streams, VOICES, tok, lambda n: max(1, int(np.ceil(n * FRAMES_PER_CHAR))))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    ok = [s for s in streams if s.status == 200 and s.t_first is not None]
+    ttfb = np.array([s.t_first - s.t_send for s in ok]) * 1e3
+    worst, under = zip(*(gaps(s) for s in ok)) if ok else ((0.0,), (0,))
+    audio_s = sum(len(s.data) for s in ok) / 4 / tk.SAMPLE_RATE
+    step_ms = after_load["step_ms"]
+    res = {"path": path, "clients": args.clients, "streams": len(streams), "ok": len(ok),
+           "status_503": sum(s.status == 503 for s in streams), "wall_s": wall, "audio_s": audio_s,
+           "audio_s_per_wall_s": audio_s / wall, "ttfb_ms_p50": float(np.percentile(ttfb, 50)),
+           "ttfb_ms_p99": float(np.percentile(ttfb, 99)), "step_ms": step_ms,
+           "ttfb_p99_target_ms": 2 * step_ms + 50, "worst_gap_ratio": float(max(worst)),
+           "underruns": int(sum(under)), **checked, "memory_before": before, "memory_after_load": after_load,
+           "memory_after": after, "memory_after_rounds": rounds, "overload_probe": probe, "ttfb_ms": ttfb.tolist()}
+    print(f"[{path}] {len(ok)}/{len(streams)} streams, {audio_s:.1f} audio s in {wall:.1f} s "
+          f"({res['audio_s_per_wall_s']:.1f}x real time); TTFB p50 {res['ttfb_ms_p50']:.1f} ms, p99 "
+          f"{res['ttfb_ms_p99']:.1f} ms (target {res['ttfb_p99_target_ms']:.1f}: 2 steps of {step_ms:.2f} ms + 50); "
+          f"worst gap {res['worst_gap_ratio']:.2f}x the previous chunk, {res['underruns']} underruns; "
+          f"{checked['samples_lost']} samples lost, {checked['samples_altered']} altered; 503s {res['status_503']}; "
+          f"probe {probe}; pool bytes {before['pool_bytes_used']} -> {after['pool_bytes_used']}, slots "
+          f"{after['pool_slots_used']}, RSS {before['rss_bytes']} -> {[m['rss_bytes'] for m in rounds]} after each round",
+          flush=True)
+    return res
+
+
+def plot(results: list[dict], dst: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        x = np.sort(r["ttfb_ms"])
+        ax.plot(x, np.linspace(0, 1, len(x)), label=f"{r['path']} (p99 {r['ttfb_ms_p99']:.0f} ms)")
+    ax.set_xlabel("time to first audio byte, ms")
+    ax.set_ylabel("fraction of streams")
+    ax.set_title(f"{results[0]['clients']} concurrent streaming clients")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    names = [r["path"] for r in results]
+    bx.bar(names, [r["audio_s_per_wall_s"] for r in results])
+    bx.set_ylabel("audio seconds per wall second")
+    fig.tight_layout()
+    fig.savefig(dst, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=4, help="requests per client, back to back")
+    ap.add_argument("--rounds", type=int, default=2, help="the whole load this many times (memory after each)")
+    ap.add_argument("--chars", type=int, default=160, help="longest input (one 80 ms frame per character)")
+    ap.add_argument("--min-chars", type=int, default=40)
+    ap.add_argument("--device", default="auto", help="the talker's device: auto, cuda, cpu")
+    ap.add_argument("--paths", default="worker,upstream")
+    ap.add_argument("--time-limit", type=float, default=300.0, help="seconds per path; later requests are not sent")
+    ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the overload probe")
+    ap.add_argument("--url", default=None, help="an already running server (then one path, named 'external')")
+    ap.add_argument("--model", default=None, help="the model directory (default: written to a temporary one)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="out/load_speech")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else None
+    if model is None:
+        from vllm_omni_kernels.vllm_integration.talker_model import make_model_dir
+
+        model = make_model_dir(Path(tempfile.mkdtemp(prefix="talker-")))
+    paths = ["external"] if args.url else [p for p in args.paths.split(",") if p]
+    results = [run_path(p, args, model, out) for p in paths]
+    meta = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device, "clients": args.clients,
+            "requests_per_client": args.requests, "chars": [args.min_chars, args.chars]}
+    (out / "load_speech.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, out / "load_speech.png")
+    print(f"wrote {out / 'load_speech.json'} and load_speech.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The speech server as users run it (marker vllm): ``python -m vllm_omni_kernels serve`` in its own
+process on a free loopback port, its engine core in another, and real HTTP clients (httpx, and
+OpenAI's client). Every sample is checked against the talker's own rollout; a disconnect must
+free the request's slots; the bound must answer 503; bad requests 400 without touching the engine;
+vLLM's own routes stay vLLM's."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+
+from vllm_omni_kernels.serving import talker as tk  # noqa: E402
+from vllm_omni_kernels.serving.wav import pcm16, read_wav  # noqa: E402
+from vllm_omni_kernels.vllm_integration.talker_model import VOICES, make_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+BOUND = 4
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = make_model_dir(tmp_path_factory.mktemp("talker"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_omni_kernels", "serve", str(model), "--host", "127.0.0.1",
+                             "--port", str(port), "--talker-device", "cpu", "--max-num-seqs", str(BOUND),
+                             "--max-input-chars", "3000"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    try:
+        while True:
+            assert proc.poll() is None, f"the server exited: {log.read_text()[-4000:]}"
+            assert time.time() - t0 < 240, f"the server is not ready after 240 s: {log.read_text()[-4000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        from transformers import AutoTokenizer
+
+        yield {"url": url, "model": model, "tokenizer": AutoTokenizer.from_pretrained(str(model)), "log": log}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def expected(server, text: str, voice: str = "alloy", speed: float = 1.0) -> np.ndarray:
+    ids = [VOICES[voice], *server["tokenizer"](text, add_special_tokens=False)["input_ids"]]
+    frames = max(1, int(np.ceil((len(ids) - 1) / speed)))
+    return tk.expected_audio(tk.rollout(tk.ToyTalker(0), ids, frames)).numpy()
+
+
+def stats(server) -> dict:
+    return httpx.get(f"{server['url']}/v1/audio/speech/stats", timeout=30).json()
+
+
+def idle(server, timeout: float = 30.0) -> dict:
+    """The stats once nothing is in flight and the worker holds no request."""
+    t0 = time.time()
+    while True:
+        s = stats(server)
+        pools = s["worker"]["accumulator"]["pools"].values()
+        if s["inflight"] == 0 and s["worker"]["requests_held"] == 0 and all(p["slots_used"] == 0 for p in pools):
+            return s
+        assert time.time() - t0 < timeout, s
+        time.sleep(0.1)
+
+
+def test_vllm_routes_stay_vllms(server):
+    url = server["url"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"][0]["id"] == str(server["model"])
+    r = httpx.post(f"{url}/v1/completions", json={"model": str(server["model"]), "prompt": "hello", "max_tokens": 3},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "vllm:generation_tokens_total" in metrics and "vllm:num_requests_running" in metrics
+
+
+@pytest.mark.parametrize("fmt, sample_format", [("pcm", "f32"), ("pcm", "s16"), ("wav", "f32"), ("wav", "s16")])
+def test_streamed_audio_is_the_talkers_samples(server, fmt, sample_format):
+    text = "Streams arrive as they are spoken."
+    body = {"input": text, "voice": "nova", "response_format": fmt, "sample_format": sample_format, "stream": True}
+    chunks = []
+    with httpx.stream("POST", f"{server['url']}/v1/audio/speech", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["transfer-encoding"] == "chunked" and "content-length" not in r.headers
+        assert r.headers["content-type"] == f"audio/{fmt}"
+        assert r.headers["x-audio-sample-rate"] == str(tk.SAMPLE_RATE)
+        assert r.headers["x-audio-format"] == fmt and r.headers["x-audio-sample-format"] == f"{sample_format}le"
+        chunks = list(r.iter_raw())
+    data = b"".join(chunks)
+    want = expected(server, text, "nova")
+    if fmt == "wav":
+        samples, rate = read_wav(data)
+        assert rate == tk.SAMPLE_RATE
+        data = samples.tobytes()
+    assert data == (want.astype("<f4").tobytes() if sample_format == "f32" else pcm16(want))
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm"])
+def test_whole_file_is_the_talkers_samples(server, fmt):
+    text = "One complete file, at a faster speed."
+    r = httpx.post(f"{server['url']}/v1/audio/speech", timeout=60,
+                   json={"input": text, "voice": "echo", "response_format": fmt, "sample_format": "f32", "speed": 1.5})
+    assert r.status_code == 200
+    assert int(r.headers["content-length"]) == len(r.content)
+    want = expected(server, text, "echo", 1.5)
+    got = read_wav(r.content)[0] if fmt == "wav" else np.frombuffer(r.content, "<f4")
+    assert got.tobytes() == want.astype("<f4").tobytes()
+
+
+def test_openai_client_streams_speech(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server['url']}/v1", api_key="none", max_retries=0)
+    text = "Through the OpenAI client."
+    with client.audio.speech.with_streaming_response.create(model=str(server["model"]), voice="sage", input=text,
+                                                            response_format="pcm") as resp:
+        data = b"".join(resp.iter_bytes())
+    assert data == pcm16(expected(server, text, "sage"))
+
+
+def test_a_disconnect_aborts_the_request_and_frees_its_slots(server):
+    idle(server)
+    before = stats(server)["worker"]["samples"]
+    frames = 2900
+    body = {"input": "a" * frames, "response_format": "pcm", "sample_format": "f32", "stream": True}
+    with httpx.stream("POST", f"{server['url']}/v1/audio/speech", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())
+    after = idle(server)  # the stream closed after its first chunk
+    assert after["worker"]["samples"] - before < frames * tk.FRAME_SAMPLES, "the request ran to its end"
+    assert all(p["bytes_used"] == 0 for p in after["worker"]["accumulator"]["pools"].values())
+
+
+def test_over_the_bound_a_request_gets_503_and_nothing_is_queued(server):
+    idle(server)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=60) as client:
+            body = {"input": "b" * 2900, "response_format": "pcm", "stream": True}
+            held = [client.stream("POST", "/v1/audio/speech", json=body) for _ in range(BOUND)]
+            responses = [await h.__aenter__() for h in held]
+            assert [r.status_code for r in responses] == [200] * BOUND
+            for r in responses:
+                await r.aiter_raw().__anext__()  # each has begun streaming: all BOUND slots taken
+            extra = await client.post("/v1/audio/speech", json={"input": "hello", "response_format": "pcm"})
+            assert extra.status_code == 503, extra.text
+            assert extra.headers["retry-after"] == "1"
+            assert extra.json()["error"]["type"] == "ServiceUnavailableError"
+            for h in held:
+                await h.__aexit__(None, None, None)
+
+    asyncio.run(scenario())
+    s = idle(server)
+    assert s["rejected"] >= 1
+    r = httpx.post(f"{server['url']}/v1/audio/speech", json={"input": "again", "response_format": "pcm"}, timeout=60)
+    assert r.status_code == 200
+
+
+BAD = [
+    ({"input": ""}, "input"),
+    ({"input": "   "}, "input"),
+    ({"input": "x", "voice": "nobody"}, "voice"),
+    ({"input": "x", "response_format": "mp3"}, "response_format"),
+    ({"input": 5}, "body.input"),
+    ({"voice": "alloy"}, "body.input"),
+    ({"input": "x", "speed": 10}, "body.speed"),
+    ({"input": "x", "stream": "sometimes"}, "body.stream"),
+    ({"input": "x", "sample_format": "f64"}, "body.sample_format"),
+    ({"input": "y" * 3001}, "input"),  # over --max-input-chars
+    ({"input": "y" * 2500, "speed": 0.25}, "input"),  # 10000 frames: past max_model_len
+]
+
+
+@pytest.mark.parametrize("body, param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
+def test_bad_requests_get_400_and_leave_the_engine_alone(server, body, param):
+    idle(server)
+    steps = stats(server)["worker"]["steps"]
+    r = httpx.post(f"{server['url']}/v1/audio/speech", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["param"] == param and err["message"]
+    assert stats(server)["worker"]["steps"] == steps
+
+
+def test_unknown_model_is_404_and_non_json_is_400(server):
+    r = httpx.post(f"{server['url']}/v1/audio/speech", json={"input": "x", "model": "nope"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(f"{server['url']}/v1/audio/speech", content=b"input=x", timeout=30,
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400
+
+
+def test_load_script_against_the_server(server, tmp_path):
+    """``profiling/load_speech.py`` against this server: every stream exact, memory back to idle."""
+    run = subprocess.run([sys.executable, str(ROOT / "profiling" / "load_speech.py"), "--url", server["url"],
+                          "--model", str(server["model"]), "--clients", "3", "--requests", "2", "--chars", "30",
+                          "--min-chars", "10", "--rounds", "1", "--no-probe", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import json
+
+    res = json.loads((tmp_path / "load_speech.json").read_text())["results"][0]
+    assert res["ok"] == 6 and res["streams_exact"] == 6 and res["samples_lost"] == res["samples_altered"] == 0
+    assert res["memory_after"]["pool_bytes_used"] == 0 and res["memory_after"]["pool_slots_used"] == 0
+    assert (tmp_path / "load_speech.png").exists()

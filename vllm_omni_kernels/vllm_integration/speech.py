@@ -1,0 +1,298 @@
+"""``POST /v1/audio/speech`` on vLLM's API server: OpenAI's request shape, audio streamed as the
+engine delivers it.
+
+Request (JSON): ``model`` (optional; the served name), ``input`` (text, 1 to ``max_input_chars``
+characters), ``voice`` (one of the model's voices), ``response_format`` (``wav`` or ``pcm``),
+``speed`` (0.25 to 4.0: fewer codec frames per character when faster), ``stream`` (default false),
+and this server's ``sample_format``: ``s16`` (16-bit signed little-endian, what OpenAI's ``pcm`` is;
+the default) or ``f32`` (the talker's float32 samples, bit for bit).
+
+- ``stream: true``: chunked transfer; every DELTA span the engine delivers is written as it arrives
+  (``pcm``: raw samples; ``wav``: a header of unknown length first, then samples).
+- ``stream: false``: one complete file (the engine delivers the audio once, at the end: FINAL_ONLY).
+- A client that disconnects aborts its request in the engine (its worker slots are freed).
+- Over ``max_inflight`` requests in flight: ``503`` with ``Retry-After``; nothing is queued.
+- Bad requests: ``400`` with an OpenAI-style error body naming the parameter; the engine is not touched.
+- Headers: ``Content-Type``, ``X-Audio-Format``, ``X-Audio-Sample-Rate``, ``X-Audio-Sample-Format``,
+  ``X-Audio-Channels``, ``X-Request-Id``.
+
+A stream that fails after its first bytes (a worker error for this request) ends without the final
+chunk of the chunked encoding, so a client sees a truncated response, never a short one that looks
+complete. ``GET /v1/audio/speech/stats`` reports the admission counters and the worker's pools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from http import HTTPStatus
+from typing import Literal
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field
+from vllm import SamplingParams, TokensPrompt
+from vllm.entrypoints.serve import create_error_response
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse, OpenAIBaseModel
+from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_cancellation
+from vllm.exceptions import GenerationError
+from vllm.logger import init_logger
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils import random_uuid
+
+from ..errors import MultimodalOutputError
+from ..serving import talker as tk
+from ..serving.wav import pcm16, wav_header
+
+logger = init_logger("vllm.omni_kernels.speech")  # under "vllm.": vLLM's handler prints it
+
+FRAMES_PER_CHAR = 1.0  # codec frames (80 ms each) per input character at speed 1.0
+MEDIA = {"wav": "audio/wav", "pcm": "audio/pcm"}
+
+
+class SpeechFailedError(Exception):
+    """A speech request failed in the engine (a worker error for this request); names it."""
+
+
+class SpeechRequest(OpenAIBaseModel):
+    model: str | None = None
+    input: str
+    voice: str = "alloy"
+    response_format: str = "wav"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream: bool = False
+    sample_format: Literal["s16", "f32"] = "s16"
+
+
+@dataclasses.dataclass
+class SpeechLimits:
+    """The endpoint's configuration (``server.py``'s options)."""
+
+    max_inflight: int = 64
+    max_input_chars: int = 4096
+    retry_after_s: int = 1
+
+
+class Admission:
+    """At most ``limit`` speech requests in flight; counts what it turned away. Single-threaded (the
+    server's event loop): no lock."""
+
+    def __init__(self, limit: int):
+        self.limit, self.inflight, self.rejected, self.served = limit, 0, 0, 0
+
+    def try_acquire(self) -> bool:
+        if self.inflight >= self.limit:
+            self.rejected += 1
+            return False
+        self.inflight += 1
+        return True
+
+    def release(self) -> None:
+        self.inflight -= 1
+        self.served += 1
+
+
+def samples_bytes(audio, sample_format: str) -> bytes:
+    """Float samples as little-endian bytes: 16-bit PCM (``serving.wav.pcm16``) or float32."""
+    a = np.asarray(audio.numpy() if hasattr(audio, "numpy") else audio, np.float32).reshape(-1)
+    return pcm16(a) if sample_format == "s16" else a.astype("<f4").tobytes()
+
+
+class SpeechStream:
+    """One request's engine stream and the slot it holds in ``Admission``; ``close()`` (idempotent)
+    aborts the engine request if it has not finished and releases the slot, whatever happened to
+    the HTTP response (a client gone before the body started included)."""
+
+    def __init__(self, engine, admission: Admission, request_id: str, gen):
+        self.engine, self.admission, self.request_id, self.gen = engine, admission, request_id, gen
+        self.finished = False
+        self._closed = False
+
+    async def next_audio(self) -> tuple[bytes | None, bool]:
+        """The next output's audio samples (None when it has none) and whether it was the last."""
+        try:
+            out = await anext(self.gen)
+        except (MultimodalOutputError, GenerationError) as exc:
+            self.finished = True  # the engine has let the request go
+            raise SpeechFailedError(f"request {self.request_id} failed in the engine: {exc}") from exc
+        comp = out.outputs[0]
+        if comp.finish_reason == "error":
+            self.finished = True
+            raise SpeechFailedError(f"request {self.request_id} failed in the engine: {comp.stop_reason}")
+        payload = getattr(comp, "multimodal_output", None)
+        audio = None if payload is None else payload.tensors.get("audio")
+        self.finished = out.finished
+        return audio, out.finished
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self.finished:
+                await self.gen.aclose()  # vLLM's generate aborts the request on GeneratorExit
+                await self.engine.abort(self.request_id)
+        finally:
+            self.admission.release()
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that closes its ``SpeechStream`` however the response ends."""
+
+    def __init__(self, stream: SpeechStream, body, **kwargs):
+        super().__init__(body, **kwargs)
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stream.close()
+
+
+def _error(message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+           err_type: str = "BadRequestError", headers: dict | None = None) -> JSONResponse:
+    err: ErrorResponse = create_error_response(message, err_type=err_type, status_code=status, param=param)
+    return JSONResponse(err.model_dump(), status_code=err.error.code, headers=headers)
+
+
+def _voices(engine) -> dict[str, int]:
+    return dict(getattr(engine.model_config.hf_config, "voices", None) or {})
+
+
+def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits) -> JSONResponse | None:
+    state = raw_request.app.state
+    engine = state.engine_client
+    if request.model is not None and not state.openai_serving_models.is_base_model(request.model):
+        return _error(f"The model `{request.model}` does not exist.", "model", HTTPStatus.NOT_FOUND, "NotFoundError")
+    if request.response_format not in MEDIA:
+        return _error(f"response_format {request.response_format!r} is not supported; use one of "
+                      f"{sorted(MEDIA)}", "response_format")
+    voices = _voices(engine)
+    if request.voice not in voices:
+        return _error(f"voice {request.voice!r} is not one of this model's voices {sorted(voices)}", "voice")
+    if not request.input.strip():
+        return _error("input must not be empty", "input")
+    if len(request.input) > limits.max_input_chars:
+        return _error(f"input has {len(request.input)} characters; at most {limits.max_input_chars}", "input")
+    return None
+
+
+def plan_request(engine, request: SpeechRequest) -> tuple[list[int], int]:
+    """The prompt (the voice's token, then the input's) and the number of codec frames to speak."""
+    ids = engine.get_tokenizer()(request.input, add_special_tokens=False)["input_ids"]
+    frames = max(1, math.ceil(len(ids) * FRAMES_PER_CHAR / request.speed))
+    return [_voices(engine)[request.voice], *ids], frames
+
+
+def _headers(request: SpeechRequest, request_id: str) -> dict[str, str]:
+    return {"X-Request-Id": request_id, "X-Audio-Format": request.response_format,
+            "X-Audio-Sample-Rate": str(tk.SAMPLE_RATE), "X-Audio-Sample-Format": f"{request.sample_format}le",
+            "X-Audio-Channels": "1"}
+
+
+router = APIRouter()
+
+
+@router.post("/v1/audio/speech", dependencies=[Depends(validate_json_request)],
+             responses={HTTPStatus.OK.value: {"content": {"audio/wav": {}, "audio/pcm": {}}},
+                        HTTPStatus.BAD_REQUEST.value: {"model": ErrorResponse},
+                        HTTPStatus.SERVICE_UNAVAILABLE.value: {"model": ErrorResponse}})
+@with_cancellation
+async def create_speech(request: SpeechRequest, raw_request: Request):
+    state = raw_request.app.state
+    limits: SpeechLimits = state.omni_speech_limits
+    admission: Admission = state.omni_speech_admission
+    if (bad := _validate(request, raw_request, limits)) is not None:
+        return bad
+    engine = state.engine_client
+    prompt, frames = plan_request(engine, request)
+    if len(prompt) + frames > engine.model_config.max_model_len:
+        return _error(f"input needs {len(prompt) + frames} positions at speed {request.speed}; this model serves "
+                      f"{engine.model_config.max_model_len}", "input")
+    if not admission.try_acquire():
+        return _error(f"{admission.inflight} speech requests in flight, the most this server takes; retry later",
+                      status=HTTPStatus.SERVICE_UNAVAILABLE, err_type="ServiceUnavailableError",
+                      headers={"Retry-After": str(limits.retry_after_s)})
+    request_id = f"speech-{random_uuid()}"
+    kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+    params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False)
+    stream = SpeechStream(engine, admission, request_id,
+                          engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id))
+    handed_over = False
+    try:
+        if request.stream:
+            response = await _streamed(stream, request)
+            handed_over = isinstance(response, _ClosingStreamingResponse)
+            return response
+        return await _whole(stream, request)
+    finally:
+        if not handed_over:
+            await stream.close()
+
+
+async def _whole(stream: SpeechStream, request: SpeechRequest) -> Response:
+    pieces, finished = [], False
+    try:
+        while not finished:
+            audio, finished = await stream.next_audio()
+            if audio is not None and audio.numel():
+                pieces.append(samples_bytes(audio, request.sample_format))
+    except SpeechFailedError as exc:
+        return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
+    data = b"".join(pieces)
+    if request.response_format == "wav":
+        data = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32", data_bytes=len(data)) + data
+    return Response(data, media_type=MEDIA[request.response_format], headers=_headers(request, stream.request_id))
+
+
+async def _streamed(stream: SpeechStream, request: SpeechRequest) -> Response:
+    """Wait for the first audio (an early failure is still a JSON error), then stream the rest."""
+    first, finished = None, False
+    try:
+        while first is None and not finished:
+            audio, finished = await stream.next_audio()
+            if audio is not None and audio.numel():
+                first = samples_bytes(audio, request.sample_format)
+    except SpeechFailedError as exc:
+        return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
+    if request.response_format == "wav":
+        first = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32") + (first or b"")
+
+    async def body():
+        if first:
+            yield first
+        done = finished
+        while not done:
+            try:
+                audio, done = await stream.next_audio()
+            except SpeechFailedError:
+                logger.exception("speech stream %s failed after its first audio; the response is cut", stream.request_id)
+                raise
+            if audio is not None and audio.numel():
+                yield samples_bytes(audio, request.sample_format)
+
+    return _ClosingStreamingResponse(stream, body(), media_type=MEDIA[request.response_format],
+                                     headers=_headers(request, stream.request_id))
+
+
+@router.get("/v1/audio/speech/stats")
+async def speech_stats(raw_request: Request) -> JSONResponse:
+    """Admission counters and the worker's output-path and pool statistics."""
+    state = raw_request.app.state
+    admission: Admission = state.omni_speech_admission
+    worker = (await state.engine_client.collective_rpc("output_path_stats"))[0]
+    worker.pop("first_chunk_at", None)
+    return JSONResponse({"inflight": admission.inflight, "max_inflight": admission.limit,
+                         "rejected": admission.rejected, "served": admission.served, "worker": worker})
+
+
+def install(app, limits: SpeechLimits) -> None:
+    """Add the speech routes to vLLM's app (after ``build_app``) and their state."""
+    app.include_router(router)
+    app.state.omni_speech_limits = limits
+    app.state.omni_speech_admission = Admission(limits.max_inflight)
+
+
+__all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "install", "plan_request", "router", "samples_bytes"]
