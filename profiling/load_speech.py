@@ -95,7 +95,9 @@ def memory(url: str, pid: int | None) -> dict:
             "pool_bytes_used": sum(p["bytes_used"] for p in pools.values()),
             "pool_slots_used": sum(p["slots_used"] for p in pools.values()),
             "requests_held": s["worker"]["requests_held"], "inflight": s["inflight"],
-            "step_ms": s["worker"]["step_us_median"] / 1e3, "rejected": s["rejected"]}
+            "step_ms": s["worker"]["step_us_median"] / 1e3, "rejected": s["rejected"],
+            "output_path_us": s["worker"]["output_path_us_median"],
+            "pinned_allocations": s["worker"]["accumulator"]["pinned_allocations"]}
 
 
 class Stream:

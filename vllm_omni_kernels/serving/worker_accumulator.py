@@ -131,6 +131,7 @@ class _HostBuffers:
 
     def __init__(self):
         self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # (buffer, its last copy)
+        self.allocations = 0  # cudaHostAlloc calls so far (it should stop growing after the first steps)
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, Callable[[torch.cuda.Event], None]]:
         """A pinned uint8 host tensor of ``nbytes``, and the function that records its copy's event."""
@@ -140,6 +141,7 @@ class _HostBuffers:
                 buffer = self._free.pop(i)[0]
                 break
         if buffer is None:
+            self.allocations += 1
             buffer = torch.empty(max(1 << (max(nbytes, 1) - 1).bit_length(), 1 << 20), dtype=torch.uint8,
                                  pin_memory=True)
         host = torch.frombuffer(buffer.numpy()[:nbytes], dtype=torch.uint8) if nbytes else buffer[:0].clone()
@@ -362,6 +364,7 @@ class WorkerAccumulator:
     def stats(self) -> dict:
         """Requests held, copies made, failures, and every pool's statistics."""
         return {"requests": len(self._row), "copies": self.copies, "failed": self.failed,
+                "pinned_allocations": self._host.allocations,
                 "pools": {p.key: p.stats() for p in self.pools}}
 
 

@@ -252,8 +252,9 @@ class TalkerWorker:
             if self.device.type == "cuda":  # an asynchronous copy: the step never waits for the device
                 ids = ids.pin_memory().to(self.device, non_blocking=True)
             self.context[row] = self.model.talker.prompt_context(ids)
-            self.last_token[row] = prompt[-1]
-            self.frame[row] = 0
+            # device-side writes: a Python scalar assigned into a CUDA tensor is a blocking copy
+            self.last_token[row:row + 1].copy_(ids[-1:])
+            self.frame[row:row + 1].zero_()
             if self.options.output_path == "worker":
                 kind = params.output_kind if params is not None else RequestOutputKind.FINAL_ONLY
                 self.acc.add_request(new.req_id, _EMIT[kind])
@@ -354,7 +355,7 @@ class TalkerWorker:
 def _plain(stats: dict) -> dict:
     """Pool statistics as plain values (they cross the RPC as msgpack)."""
     return {"requests": stats["requests"], "copies": stats["copies"], "failed": stats["failed"],
-            "pools": {k: vars(v) for k, v in stats["pools"].items()}}
+            "pinned_allocations": stats["pinned_allocations"], "pools": {k: vars(v) for k, v in stats["pools"].items()}}
 
 
 class TalkerExecutor(UniProcExecutor):
