@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
-httpx = pytest.importorskip("httpx")
+import httpx  # noqa: E402  (the test extra installs it)
 
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.serving.wav import pcm16, read_wav  # noqa: E402
