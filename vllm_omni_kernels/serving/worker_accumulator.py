@@ -29,6 +29,7 @@ and there is no copy.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,13 +80,21 @@ class Region:
 
     def pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Every request's data as a view into the uint8 ``buffer`` (one split)."""
-        per_frame = int(np.prod(self.frame, dtype=np.int64))
-        counts = self.frames.tolist()
-        end = self.offset + sum(counts) * per_frame * self.dtype.itemsize
-        region = buffer[self.offset:end].view(self.dtype)
-        if self.axis == 0:
-            return list(region.view(-1, *self.frame).split(counts))
-        return [p.view(*self.frame, n) for p, n in zip(region.split([n * per_frame for n in counts]), counts)]
+        return split_region(buffer, self.dtype, self.frame, self.axis, self.offset, self.frames.tolist())
+
+
+def split_region(buffer: torch.Tensor, dtype: torch.dtype, frame: Sequence[int], axis: int, offset: int,
+                 frames: list[int]) -> list[torch.Tensor]:
+    """The pieces of a region (``Region``) as views into the uint8 ``buffer``, cut with one split:
+    piece i has ``frames[i]`` frames, ``[n, *frame]`` (``axis`` 0) or ``[*frame, n]`` (``axis`` -1).
+    The caller has checked that the region fits the buffer."""
+    per_frame = math.prod(frame)
+    data = buffer[offset:offset + sum(frames) * per_frame * dtype.itemsize].view(dtype)
+    if axis == 0:
+        return list(data.view(-1, *frame).split(frames))
+    if not frame:  # mono audio: the pieces are the views
+        return list(data.split(frames))
+    return [p.view(*frame, n) for p, n in zip(data.split([n * per_frame for n in frames]), frames)]
 
 
 @dataclass

@@ -45,6 +45,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, bytestr
 
 from ..errors import TensorAccumulationError
 from ..profiling import nvtx_range
+from ..serving.worker_accumulator import split_region
 
 
 class MultimodalRegion(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -137,17 +138,12 @@ def _cut(buffer: torch.Tensor, region: MultimodalRegion) -> list[torch.Tensor]:
     if dtype is None or region.axis not in (0, -1) or not all(type(s) is int and s > 0 for s in frame) \
             or len(region.frames) != len(region.request_ids) or not all(type(n) is int and n >= 0 for n in region.frames):
         raise ValueError(f"malformed region of {region.dtype!r}, frame {frame}, axis {region.axis}")
-    per_frame, item = math.prod(frame), dtype.itemsize
-    end = region.offset + sum(region.frames) * per_frame * item
+    item = dtype.itemsize
+    end = region.offset + sum(region.frames) * math.prod(frame) * item
     if region.offset < 0 or region.offset % item or end > buffer.numel():
         raise ValueError(f"a region of bytes {region.offset}..{end} does not fit the step's buffer of "
                          f"{buffer.numel()} bytes on a {item}-byte boundary")
-    data = buffer[region.offset:end].view(dtype)
-    if region.axis == 0:
-        return list(data.view(-1, *frame).split(region.frames))
-    if not frame:  # mono audio: the pieces are the views
-        return list(data.split(region.frames))
-    return [p.view(*frame, n) for p, n in zip(data.split([n * per_frame for n in region.frames]), region.frames)]
+    return split_region(buffer, dtype, frame, region.axis, region.offset, region.frames)
 
 
 _DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtype, torch.dtype)}
