@@ -31,6 +31,7 @@ makes the talker emit a malformed chunk, for tests of the failure path) and ``sy
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,7 @@ from ..ring.staging import PinnedStaging
 from .outputs import OmniModelRunnerOutput
 from .talker_model import OmniTalkerForTTS
 
+_HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
 _EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE: EmitPolicy.CUMULATIVE,
          RequestOutputKind.FINAL_ONLY: EmitPolicy.FINAL_ONLY}
 
@@ -145,8 +147,8 @@ class TalkerWorker:
         self._pending: _StepOutput | None = None
         self.stats = {"steps": 0, "output_steps": 0, "host_bytes": 0, "samples": 0}
         self._upstream_copies = 0
-        self._output_path_us: list[float] = []
-        self._step_starts: list[float] = []
+        self._output_path_us: deque[float] = deque(maxlen=_HISTORY)  # the latest steps: a server runs for long
+        self._step_starts: deque[float] = deque(maxlen=_HISTORY)
         self.first_chunk_at: dict[str, float] = {}  # request id (without vLLM's suffix) -> time.time()
 
     # ------------------------------------------------------------------ vLLM's worker RPCs
@@ -284,16 +286,14 @@ class TalkerWorker:
         self.stats["steps"] += 1
         now = time.time()
         self._step_starts.append(now)
-        if len(self._step_starts) > 200_000:
-            del self._step_starts[:100_000]
         if B == 0:
             return _StepOutput(req_ids, sampling, None, None, opened, {}, {})
         reqs = [self.requests[r] for r in ids]
         for r, rid in zip(reqs, ids):
             if r.produced == 0:
                 self.first_chunk_at[rid.rsplit("-", 1)[0]] = now
-        if len(self.first_chunk_at) > 100_000:  # a long-running server: keep the newest half
-            for old in list(self.first_chunk_at)[:50_000]:
+        if len(self.first_chunk_at) > _HISTORY:  # a long-running server: keep the newest half
+            for old in list(self.first_chunk_at)[:_HISTORY // 2]:
                 del self.first_chunk_at[old]
         i, host = self._index.host()
         host[0, :B] = [r.row for r in reqs]
@@ -346,16 +346,13 @@ class TalkerWorker:
 
     def _note_output_path(self, t0: float, nbytes: int) -> None:
         self._output_path_us.append((time.perf_counter() - t0) * 1e6)
-        if len(self._output_path_us) > 200_000:
-            del self._output_path_us[:100_000]
         self.stats["output_steps"] += 1
         self.stats["host_bytes"] += nbytes
 
 
 def _plain(stats: dict) -> dict:
     """Pool statistics as plain values (they cross the RPC as msgpack)."""
-    return {"requests": stats["requests"], "copies": stats["copies"], "failed": stats["failed"],
-            "pinned_allocations": stats["pinned_allocations"], "pools": {k: vars(v) for k, v in stats["pools"].items()}}
+    return {**stats, "pools": {k: vars(v) for k, v in stats["pools"].items()}}
 
 
 class TalkerExecutor(UniProcExecutor):
