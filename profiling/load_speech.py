@@ -28,8 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,37 +39,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
+from vllm_omni_kernels.serving.server_process import free_port, start_server, wait_ready  # noqa: E402
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.!?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: Path, port: int, path: str, device: str, max_seqs: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    cmd = [sys.executable, "-m", "vllm_omni_kernels", "serve", str(model), "--host", "127.0.0.1", "--port",
-           str(port), "--talker-device", device, "--output-path", path, "--max-num-seqs", str(max_seqs),
-           "--disable-uvicorn-access-log"]
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 180.0) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"no healthy server at {url} after {timeout} s")
 
 
 def rss_bytes(pid: int) -> int:
@@ -193,15 +163,17 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
     from vllm_omni_kernels.vllm_integration.speech import FRAMES_PER_CHAR
     from vllm_omni_kernels.vllm_integration.talker_model import VOICES
 
-    proc = None
+    proc = log = None
     url = args.url
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start_server(model, port, path, args.device, args.clients, out / f"server_{path}.log")
+        log = out / f"server_{path}.log"
+        proc = start_server(model, port, log, "--talker-device", args.device, "--output-path", path,
+                            "--max-num-seqs", str(args.clients), "--disable-uvicorn-access-log")
     try:
         t_ready = time.perf_counter()
-        wait_ready(url, proc)
+        wait_ready(url, proc, log, timeout=180.0)
         print(f"[{path}] server ready in {time.perf_counter() - t_ready:.1f} s", flush=True)
         pid = proc.pid if proc is not None else None
         before = memory(url, pid)

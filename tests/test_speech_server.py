@@ -7,7 +7,6 @@ vLLM's own routes stay vLLM's."""
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ pytest.importorskip("vllm")
 import httpx  # noqa: E402  (the test extra installs it)
 
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
+from vllm_omni_kernels.serving.server_process import free_port, start_server, wait_ready  # noqa: E402
 from vllm_omni_kernels.serving.wav import pcm16, read_wav  # noqa: E402
 from vllm_omni_kernels.vllm_integration.talker_model import VOICES, make_model_dir  # noqa: E402
 
@@ -31,28 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_model_dir(tmp_path_factory.mktemp("talker"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_omni_kernels", "serve", str(model), "--host", "127.0.0.1",
-                             "--port", str(port), "--talker-device", "cpu", "--max-num-seqs", str(BOUND),
-                             "--max-input-chars", "3000"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    proc = start_server(model, port, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND),
+                        "--max-input-chars", "3000", cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
-    t0 = time.time()
     try:
-        while True:
-            assert proc.poll() is None, f"the server exited: {log.read_text()[-4000:]}"
-            assert time.time() - t0 < 240, f"the server is not ready after 240 s: {log.read_text()[-4000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
+        wait_ready(url, proc, log)
         from transformers import AutoTokenizer
 
         yield {"url": url, "model": model, "tokenizer": AutoTokenizer.from_pretrained(str(model)), "log": log}
