@@ -369,7 +369,3 @@ def _destination_rows(src, dst_rows):
         return (np.asarray(dst_rows),)
     return [d + np.arange(n, dtype=np.int64) for _, d, n in each_jobs(src, dst_rows)]
 
-
-def source_rows(src_rows, dst_rows) -> np.ndarray | int:
-    """A block's source rows with None spelled out."""
-    return np.arange(len(dst_rows), dtype=np.int64) if src_rows is None else src_rows
