@@ -116,22 +116,24 @@ def test_drop_in_matches_vllm_for_text_and_pooling(kind):
     assert stops and stops[0][4] == "fox" and "fox" not in stops[0][1]  # the stop string ended it
 
 
+def abort_error_scenario(kind):
+    """Three requests; "b" fails in the engine at step 1, "a" stops at step 2 ("c" is aborted by the
+    caller)."""
+    words = word_ids(TOK, "one long happy song")
+    reqs = [(core_request(r, words[:2], sampling(kind)), None, 0) for r in ("a", "b", "c")]
+    steps = [[token_output("a", words[2]), token_output("b", words[2]), token_output("c", words[2])],
+             [token_output("a", words[3]),
+              EngineCoreOutput(request_id="b", new_token_ids=[], finish_reason=FinishReason.ERROR,
+                               error=RequestError(code="engine_paused", message="paused"))],
+             [token_output("a", words[0], finish=FinishReason.STOP)]]
+    return reqs, steps
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
 def test_drop_in_matches_vllm_for_aborts_and_errors(kind):
-    words = word_ids(TOK, "one long happy song")
-
-    def scenario():
-        reqs = [(core_request(r, words[:2], sampling(kind)), None, 0) for r in ("a", "b", "c")]
-        steps = [[token_output("a", words[2]), token_output("b", words[2]), token_output("c", words[2])],
-                 [token_output("a", words[3]),
-                  EngineCoreOutput(request_id="b", new_token_ids=[], finish_reason=FinishReason.ERROR,
-                                   error=RequestError(code="engine_paused", message="paused"))],
-                 [token_output("a", words[0], finish=FinishReason.STOP)]]
-        return reqs, steps
-
-    reqs, steps = scenario()
+    reqs, steps = abort_error_scenario(kind)
     ours = drive(MultimodalOutputProcessor(TOK, log_stats=False), reqs, steps, queues=True, aborts=[(0, ["c"])])
-    reqs, steps = scenario()
+    reqs, steps = abort_error_scenario(kind)
     theirs = drive(OutputProcessor(TOK, log_stats=False), reqs, steps, queues=True, aborts=[(0, ["c"])])
     assert ours == theirs
 
@@ -372,13 +374,7 @@ def test_vllm_processor_with_omni_states_behaves_as_stock(kind, monkeypatch):
     def both_scenarios(processor_cls):
         reqs, steps = text_scenario(kind)
         text = drive(processor_cls(TOK, log_stats=True), reqs, steps)
-        words = word_ids(TOK, "one long happy song")
-        reqs = [(core_request(r, words[:2], sampling(kind)), None, 0) for r in ("a", "b", "c")]
-        steps = [[token_output("a", words[2]), token_output("b", words[2]), token_output("c", words[2])],
-                 [token_output("a", words[3]),
-                  EngineCoreOutput(request_id="b", new_token_ids=[], finish_reason=FinishReason.ERROR,
-                                   error=RequestError(code="engine_paused", message="paused"))],
-                 [token_output("a", words[0], finish=FinishReason.STOP)]]
+        reqs, steps = abort_error_scenario(kind)
         aborts = drive(processor_cls(TOK, log_stats=False), reqs, steps, queues=True, aborts=[(0, ["c"])])
         return text, aborts
 
