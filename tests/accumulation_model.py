@@ -106,6 +106,7 @@ def run_episode(seed: int, device: str | torch.device = "cpu", *, max_requests: 
     model: dict[str, _Model] = {}
     live: list[str] = []
     counts = {"steps": 0, "payloads": 0, "aborts": 0}
+    prev = None  # (requests, rng state) of the last step
     longest = int(rng.choice([3, 2 * initial + 3, 40]))
     while arrivals or live:
         for _ in range(len(arrivals) if big_batch else int(rng.integers(0, 4))):
@@ -118,10 +119,19 @@ def run_episode(seed: int, device: str | torch.device = "cpu", *, max_requests: 
                 live.append(rid)
         if not live:
             continue
-        active = list(rng.permutation(live)) if not big_batch else list(live)
-        if not big_batch and rng.random() < 0.3:
-            active = active[: int(rng.integers(1, len(active) + 1))]
-        outputs = _step_outputs(active, model, rng, gen, device, longest)
+        if prev is not None and set(prev[0]) <= set(live) and rng.random() < 0.3:
+            # the last step's requests, keys, lengths and layouts again (new values): the pools'
+            # repeated-step launch
+            active, state = prev
+            step_rng = np.random.default_rng()
+            step_rng.bit_generator.state = state
+        else:
+            active = list(rng.permutation(live)) if not big_batch else list(live)
+            if not big_batch and rng.random() < 0.3:
+                active = active[: int(rng.integers(1, len(active) + 1))]
+            step_rng = np.random.default_rng(rng.integers(2**63))
+            prev = (active, step_rng.bit_generator.state)
+        outputs = _step_outputs(active, model, step_rng, gen, device, longest)
         errors = acc.append_step(active, outputs)
         assert errors == [], f"seed {seed}: unexpected errors {errors}"
         for rid in active:
@@ -143,6 +153,7 @@ def run_episode(seed: int, device: str | torch.device = "cpu", *, max_requests: 
         st = pool.stats()
         assert st.slots_used == 0 and st.bytes_used == 0 and st.unread_bytes == 0, f"seed {seed}: {pool.key} {st}"
         assert pool.allocator.is_merged(), f"seed {seed}: {pool.key} allocator not merged back"
+        counts["repeated_launches"] = counts.get("repeated_launches", 0) + st.repeated_launches
     return counts
 
 

@@ -275,3 +275,53 @@ def test_chunks_that_require_grad_are_accepted_as_data(backend):
     a, b = pool.consolidate(["a", "b"])
     assert not a.requires_grad and torch.equal(a, torch.tensor([2.0] * 3 + [3.0] * 3))
     assert torch.equal(b, torch.tensor([1.0, 1.0, 3.0]))
+
+
+@pytest.mark.parametrize("strategy, frame", [(S.CONCAT_LAST, ()), (S.CONCAT_DIM0, (3,))])
+def test_repeated_steps_launch_from_kept_rows_and_match_concatenation(backend, strategy, frame):
+    """A step that repeats the last one (requests, shape, strides, lengths) launches from the rows
+    kept for it; drains, growth, a changed length, a new slot and a freed one in between all leave
+    every request's data equal to the concatenation of its chunks."""
+    last = strategy is S.CONCAT_LAST
+    pool = make_pool(strategy, frame, initial_frames=16, budget_bytes=1 << 15)
+    g = torch.Generator().manual_seed(7)
+    want: dict[str, list] = {}
+
+    def step(ids, lengths, width=5):
+        shape = (len(ids), *frame, width) if last else (len(ids), width, *frame)
+        data = torch.randn(shape, generator=g)
+        result = pool.append(ids, PaddedBatch(data, lengths))
+        assert result.errors == ()
+        for b, r in enumerate(ids):
+            want.setdefault(r, []).append(data[b][..., :lengths[b]] if last else data[b][:lengths[b]])
+
+    def check(ids):  # drains: everything appended since the last check
+        for r, got in zip(ids, pool.drain(ids)):
+            assert torch.equal(got, cat(want[r], last)), r
+            want[r] = []
+
+    ids = ["a", "b", "c"]
+    for r in ids:
+        pool.alloc(r)
+    for _ in range(6):  # step 1 plans (new heads), 2 repeats it and keeps its rows, 3 to 5 launch from
+        step(ids, [2, 3, 1])  # them, 6 finds "b" full (15 of 16 frames): planned again, "b" grows
+    assert pool.stats().repeated_launches == 3 and pool.stats().growths == 1
+    assert pool.unread_frames("b") == 18
+    check(ids)
+    step(ids, [2, 3, 2])  # another length: planned again
+    step(ids, [2, 3, 2])
+    before = pool.stats().repeated_launches
+    check(["a"])
+    step(ids, [2, 3, 2])  # a drain moves no slot: still a repeat
+    assert pool.stats().repeated_launches == before + 1
+    pool.alloc("d")  # a new slot elsewhere: planned again
+    step(ids, [2, 3, 2])
+    step(ids, [2, 3, 2])
+    pool.free("c")
+    del want["c"]
+    ids = ["a", "b", "d"]
+    for _ in range(3):
+        step(ids, [1, 0, 4])
+    assert pool.stats().unread_bytes == sum(pool.unread_frames(r) for r in ids) * pool.frame_bytes
+    check(ids)
+    assert pool.stats().unread_bytes == 0

@@ -36,7 +36,13 @@ def _impl(is_cuda: bool, op: str = "ring"):
     name = _backend.name_for(is_cuda)
     if name == "torch":
         return None
-    return importlib.import_module(f"{__name__}.{_MODULES[(name, op)]}")
+    module = _LOADED.get((name, op))
+    if module is None:
+        module = _LOADED[(name, op)] = importlib.import_module(f"{__name__}.{_MODULES[(name, op)]}")
+    return module
+
+
+_LOADED: dict[tuple[str, str], object] = {}
 
 
 def set_programmatic_launch(enabled: bool) -> None:

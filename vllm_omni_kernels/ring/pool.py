@@ -19,6 +19,11 @@ several programs per row, each of which would read its row over the bus) copies 
 device first. The device heads are written by the kernel itself, so an append with its metadata
 resident on the device (``graph.StaticAppend``) can be captured in a CUDA graph and replayed.
 
+Repeated steps: a step whose requests, source shape and strides and lengths are those of the last
+planned step (the steady decode step: every request one chunk of the same size) launches from that
+step's rows, kept on the device (``_RepeatPlan``) when a step first repeats it: no planning, no upload,
+and the kernel reads device memory. Its frames are counted in the host table when something reads it (``_settle``).
+
 Overflow: when a chunk would overwrite unread data the slot grows to the next size class that fits
 (at least double), copying its unread span on the device; with growth off, or the budget spent, that
 request gets a ``TensorAccumulationError`` and nothing of it is written, while the other requests of
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import repeat
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +75,27 @@ class AppendResult:
     errors: tuple[TensorAccumulationError, ...] = ()
 
 
+@dataclass(slots=True)
+class _RepeatPlan:
+    """The last step's launch, kept while nothing it depends on changes: a step with the same
+    requests, source shape, strides and lengths (the steady decode step) launches from these rows,
+    resident on the device, without planning again. ``room``: frames every slot can still take
+    (a lower bound); ``pending``: launches whose frames are not yet counted in the table's UNREAD."""
+
+    ids: tuple
+    version: int
+    shape: tuple
+    stride: tuple
+    n_bytes: bytes
+    n: np.ndarray | None = None  # the rest is filled when a step repeats this one: its rows are kept
+    slots: np.ndarray | None = None
+    meta: torch.Tensor | None = None
+    max_elems: int = 0
+    room: int = 0
+    pending: int = 0
+    wanted: bool = False  # a step repeated this one: the planning path keeps its rows
+
+
 @dataclass
 class PoolStats:
     slots_used: int
@@ -79,6 +106,7 @@ class PoolStats:
     unread_bytes: int
     growths: int
     rejected: int
+    repeated_launches: int  # appends launched from the kept rows of the step they repeat
 
 
 class RingPool:
@@ -127,8 +155,13 @@ class RingPool:
         self._staging = PinnedStaging(max_rows, META_COLS, self.device, device_copy=True)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
         self._ids_cache: tuple = ((), np.zeros(0, np.int64), -1)  # (ids, slots, version) of the last step
+        self._repeat: _RepeatPlan | None = None
+        self._rows = np.zeros(0, np.int64)
+        self._resident = torch.empty(max_rows, META_COLS, dtype=torch.int64, device=self.device)
+        self._nvtx_append = f"ring.append[{key}]"
         self.growths = 0
         self.rejected = 0
+        self.repeated_launches = 0
         self.high_water_bytes = 0
         self.version = 0  # bumped by alloc/free/growth: cached slot lookups are stale after it moves
 
@@ -168,6 +201,7 @@ class RingPool:
         if slot is None:
             raise TensorAccumulationError("free of a slot that is unknown or already freed",
                                           request_id=request_id, key=self.key)
+        self._settle()
         self.allocator.free(int(self.table[slot, BASE] // self.frame_elems))
         self.table[slot, CAP] = self.table[slot, UNREAD] = 0
         self._free_slots.append(slot)
@@ -185,22 +219,27 @@ class RingPool:
         cached, slots, version = self._ids_cache
         if version == self.version and cached == ids:
             return slots
-        return np.fromiter((self.slot_of(r) for r in ids), np.int64, len(ids))
+        slots = np.fromiter(map(self._owner.get, ids, repeat(-1)), np.int64, len(ids))
+        if len(slots) and slots.min() < 0:
+            self.slot_of(ids[int(np.argmin(slots))])  # raises, naming the request
+        return slots
 
     def unread_frames(self, request_id: str) -> int:
+        self._settle()
         return int(self.table[self.slot_of(request_id), UNREAD])
 
     def capacity_frames(self, request_id: str) -> int:
         return int(self.table[self.slot_of(request_id), CAP])
 
     def stats(self) -> PoolStats:
+        self._settle()
         return PoolStats(
             slots_used=len(self._owner), slots_capacity=self.max_slots,
             bytes_used=self.allocator.used_frames * self.frame_bytes,
             bytes_reserved=self.arena.numel() * self.arena.element_size(),
             high_water_bytes=self.high_water_bytes,
             unread_bytes=int(self.table[:, UNREAD].sum()) * self.frame_bytes,
-            growths=self.growths, rejected=self.rejected)
+            growths=self.growths, rejected=self.rejected, repeated_launches=self.repeated_launches)
 
     def _note_usage(self) -> None:
         self.high_water_bytes = max(self.high_water_bytes, self.allocator.used_frames * self.frame_bytes)
@@ -231,9 +270,14 @@ class RingPool:
         """Grow the slots that ``n`` more frames would overflow; returns a keep-mask. A request whose
         slot cannot grow (growth off, budget spent, a chunk past the per-launch limit) gets a
         ``TensorAccumulationError``: appended to ``errors``, or raised when ``errors`` is None."""
+        self._settle()
         keep = np.ones(len(slots), dtype=bool)
-        over = np.flatnonzero(self.table[slots, UNREAD] + n > self.table[slots, CAP])
-        too_big = np.flatnonzero(n * self.frame_elems > _INT32_MAX)
+        rows = self.table[slots]
+        over = rows[:, UNREAD] + n > rows[:, CAP]
+        too_big = n * self.frame_elems > _INT32_MAX if len(n) and n.max() * self.frame_elems > _INT32_MAX else ()
+        if not (over.any() or len(too_big)):
+            return keep
+        over, too_big = np.flatnonzero(over), np.flatnonzero(too_big)
         failed = []
         for i in too_big:
             keep[i] = False
@@ -289,16 +333,59 @@ class RingPool:
         result; the valid ones are written by one launch. Chunks that require grad are appended as
         data (detached).
         """
-        with nvtx_range(f"ring.append[{self.key}]"):
+        with nvtx_range(self._nvtx_append):
             errors: list[TensorAccumulationError] = []
             if isinstance(chunks, PaddedBatch):
                 data = chunks.data.detach() if chunks.data.requires_grad else chunks.data
+                if self._launch_repeat(request_ids, data, chunks.lengths):
+                    return AppendResult(len(request_ids))
                 rows = self._rows_from_batch(request_ids, data, chunks.lengths, errors)
+                keep = rows is not None and not errors and rows[0].data_ptr() == data.data_ptr()
+                repeat = (tuple(request_ids), data) if keep else None
             else:
-                rows = self._rows_from_list(request_ids, chunks, errors)
-            appended = self._launch_write(*rows) if rows is not None else 0
+                rows, repeat = self._rows_from_list(request_ids, chunks, errors), None
+            appended = self._launch_write(*rows, repeat=repeat) if rows is not None else 0
             self.rejected += len(errors)
             return AppendResult(appended, tuple(errors))
+
+    def _launch_repeat(self, request_ids, data: torch.Tensor, lengths) -> bool:
+        """Launch a step that repeats the last planned one (``_RepeatPlan``) from its resident rows;
+        False (nothing done) when anything differs or a slot may lack room."""
+        plan = self._repeat
+        if plan is not None:
+            plan.wanted = False  # set again below when this step repeats it
+        if plan is None or plan.version != self.version or data.shape != plan.shape or data.dtype != self.dtype \
+                or data.device != self.device or data.stride() != plan.stride or tuple(request_ids) != plan.ids:
+            return False
+        if isinstance(lengths, torch.Tensor):
+            if lengths.device.type != "cpu":
+                return False  # the planning path raises the typed error
+            lengths = lengths.numpy()
+        if np.asarray(lengths, dtype=np.int64).tobytes() != plan.n_bytes:
+            return False
+        if plan.meta is None:
+            plan.wanted = True
+            return False
+        frames = plan.max_elems // self.frame_elems
+        if plan.room < frames:
+            self._settle()
+            plan.room = int((self.table[plan.slots, CAP] - self.table[plan.slots, UNREAD]).min())
+            if plan.room < frames:
+                return False  # the planning path grows the slots
+        ops.ring_write(self.arena, self.state, plan.meta, data, rows=len(plan.slots), frame_elems=self.frame_elems,
+                       last=self.last, max_elems=plan.max_elems)
+        plan.room -= frames
+        plan.pending += 1
+        self.repeated_launches += 1
+        return True
+
+    def _settle(self) -> None:
+        """Count the frames of the repeated launches in the table's UNREAD column (every reader of
+        UNREAD calls this first; the repeated step itself only counts its launches)."""
+        plan = self._repeat
+        if plan is not None and plan.pending:
+            self.table[plan.slots, UNREAD] += plan.n * plan.pending
+            plan.pending = 0
 
     def _lookup(self, request_ids: Sequence[str], errors: list) -> tuple[np.ndarray, np.ndarray]:
         """Slots of the requests (-1 where unknown) and a keep-mask; an error recorded for each
@@ -308,11 +395,12 @@ class RingPool:
         cached, slots, version = self._ids_cache
         if version == self.version and cached == ids:
             return slots, np.ones(len(ids), dtype=bool)
-        slots = np.fromiter((self._owner.get(r, -1) for r in ids), np.int64, len(ids))
+        slots = np.fromiter(map(self._owner.get, ids, repeat(-1)), np.int64, len(ids))
         keep = slots >= 0
-        for i in np.flatnonzero(~keep):
-            errors.append(TensorAccumulationError("no slot: unknown or already freed request",
-                                                  request_id=ids[i], key=self.key))
+        if not keep.all():
+            for i in np.flatnonzero(~keep):
+                errors.append(TensorAccumulationError("no slot: unknown or already freed request",
+                                                      request_id=ids[i], key=self.key))
         if len(set(ids)) != len(ids):
             seen: set[str] = set()
             for i, r in enumerate(ids):
@@ -343,16 +431,17 @@ class RingPool:
         except TensorAccumulationError as exc:
             errors.extend(exc.for_request(request_ids[i]) for i in np.flatnonzero(keep))
             return None
-        bad = keep & ((n < 0) | (n > axis_len))
-        for i in np.flatnonzero(bad):
-            errors.append(TensorAccumulationError(f"length {int(n[i])} outside [0, {axis_len}] of the padded batch",
-                                                  request_id=request_ids[i], key=self.key))
-        keep &= ~bad
+        if n.min() < 0 or n.max() > axis_len:
+            bad = keep & ((n < 0) | (n > axis_len))
+            for i in np.flatnonzero(bad):
+                errors.append(TensorAccumulationError(f"length {int(n[i])} outside [0, {axis_len}] of the padded "
+                                                      "batch", request_id=request_ids[i], key=self.key))
+            keep &= ~bad
         # Rows of the batch as [B, L, T] (CONCAT_LAST) or [B, n, F] (CONCAT_DIM0), without copying.
         view = data.reshape(B, self.frame_elems, axis_len) if self.last else data.reshape(B, axis_len, self.frame_elems)
         if view.stride(2) != 1 or view.data_ptr() != data.data_ptr():
             view = view.contiguous()
-        rows = np.arange(B, dtype=np.int64)
+        rows = self._row_index(B)
         if not keep.all():
             rows, slots, n = rows[keep], slots[keep], n[keep]
             request_ids = [request_ids[i] for i in rows]
@@ -360,6 +449,13 @@ class RingPool:
         if not fit.all():
             rows, slots, n = rows[fit], slots[fit], n[fit]
         return view, slots, n, rows * view.stride(0), view.stride(1)
+
+    def _row_index(self, rows: int) -> np.ndarray:
+        """0, 1, ..., rows - 1 (read-only; kept, grown when a larger batch arrives)."""
+        if len(self._rows) < rows:
+            self._rows = np.arange(1 << (rows - 1).bit_length(), dtype=np.int64)
+            self._rows.flags.writeable = False
+        return self._rows[:rows]
 
     def _rows_from_list(self, request_ids, chunks, errors: list):
         if len(chunks) != len(request_ids):
@@ -401,20 +497,42 @@ class RingPool:
             if self._staging.pinned:  # kernels may still be reading the old pinned rows in place
                 torch.cuda.current_stream().synchronize()  # rare: only when a step outgrows the rows
             self._staging = PinnedStaging(1 << (rows - 1).bit_length(), META_COLS, self.device, device_copy=True)
+            self._resident = torch.empty(self._staging.rows, META_COLS, dtype=torch.int64, device=self.device)
         return self._staging.host()
 
-    def _launch_write(self, src, slots, n, lin_off, lin_stride) -> int:
-        """One write launch; the host mirrors advance and head overrides are used up."""
+    def _launch_write(self, src, slots, n, lin_off, lin_stride, repeat=None) -> int:
+        """One write launch; the host mirrors advance and head overrides are used up. ``repeat``:
+        (request ids, source) of a step whose every request was launched from a view of the source:
+        when no slot has a head override its rows are kept on the device for the steps that repeat it."""
         if len(slots) == 0:
             return 0
         i, host = self._staged(len(slots))
         max_elems = plan_write(self.table, slots, n, lin_off, lin_stride, host) * self.frame_elems
-        meta = self._staging.for_kernel(i, len(slots), max_elems > UPLOAD_ELEMS)
-        ops.ring_write(self.arena, self.state, meta, src, rows=len(slots), frame_elems=self.frame_elems,
+        rows = len(slots)
+        plan = self._repeat
+        if repeat is not None and plan is not None and plan.wanted and (host[:rows, POS] < 0).all():
+            self._settle()
+            if self._staging.pinned:
+                plan.meta = self._staging.upload(i, rows, self._resident)
+            else:
+                plan.meta = self._resident
+                plan.meta[:rows].copy_(torch.from_numpy(host[:rows]))
+            plan.n, plan.slots, plan.max_elems = n.copy(), slots.copy(), max_elems
+            plan.room = int((self.table[slots, CAP] - self.table[slots, UNREAD] - n).min())
+            meta = plan.meta
+        else:
+            meta = self._staging.for_kernel(i, rows, max_elems > UPLOAD_ELEMS)
+            if repeat is not None:  # what the next step must match to have its rows kept
+                self._settle()
+                ids, data = repeat
+                self._repeat = _RepeatPlan(ids, self.version, data.shape, data.stride(), n.tobytes())
+            elif plan is not None:
+                plan.room = -1  # this write used room the kept plan does not know of
+        ops.ring_write(self.arena, self.state, meta, src, rows=rows, frame_elems=self.frame_elems,
                        last=self.last, max_elems=max_elems)
         self.table[slots, UNREAD] += n
         self.table[slots, POS] = -1
-        return len(slots)
+        return rows
 
     # ----------------------------------------------------------------- read out
 
@@ -435,6 +553,7 @@ class RingPool:
 
     def unread_elements(self, request_ids: Sequence[str]) -> int:
         """Elements a read of these requests copies (what ``read_into``'s ``out`` must hold)."""
+        self._settle()
         return int(self.table[self.slots(request_ids), UNREAD].sum()) * self.frame_elems
 
     def check_consolidate(self, request_ids: Sequence[str]) -> None:
@@ -455,6 +574,7 @@ class RingPool:
         CONCAT_LAST, ``[n, *frame]`` for CONCAT_DIM0."""
         if not drain:
             self.check_consolidate(request_ids)
+        self._settle()
         slots = self.slots(request_ids)
         if out.dtype != self.dtype or out.device != self.device or out.dim() != 1 or not out.is_contiguous() \
                 or out.numel() < int(self.table[slots, UNREAD].sum()) * self.frame_elems:
@@ -469,6 +589,7 @@ class RingPool:
         return starts, n
 
     def _launch_read(self, slots: np.ndarray, out: torch.Tensor, lin_stride=None) -> tuple[np.ndarray, np.ndarray]:
+        self._settle()
         i, host = self._staged(len(slots))
         starts, n = plan_read(self.table, slots, self._tail[slots], self.frame_elems, self.last, host)
         if lin_stride is not None:  # a growth: one span into a ring region of its own shape
@@ -490,6 +611,7 @@ class RingPool:
     def static_rows(self, slots: np.ndarray, n: np.ndarray, lin_off: np.ndarray, lin_stride) -> np.ndarray:
         """Metadata rows of a write whose heads come from the device (POS -1): what a captured
         append keeps resident (``graph.StaticAppend``)."""
+        self._settle()
         rows = np.zeros((len(slots), META_COLS), np.int64)
         plan_write(self.table, slots, n, lin_off, lin_stride, rows)
         rows[:, POS] = -1
@@ -506,6 +628,9 @@ class RingPool:
 
     def advance(self, slots: np.ndarray, n: np.ndarray) -> None:
         """Count ``n`` more unread frames for each slot: what launches with resident metadata append."""
+        self._settle()
+        if self._repeat is not None:
+            self._repeat.room = -1
         self.table[slots, UNREAD] += n
 
     def static_append(self, request_ids: Sequence[str], src: torch.Tensor, lengths: Sequence[int]):
