@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..ops.layout import GATHER_JOB, INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, JOB_WORDS
+from ..ops.layout import INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, JOB_WORDS
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -44,15 +44,21 @@ class TableLayout:
 
 # A recorded block is a tuple (src, src_rows, dst, dst_rows): rows src[src_rows] to dst[dst_rows].
 # Rows are int64 ndarrays, or ints for a single row; ``src_rows`` None means the source's leading rows
-# 0..len(dst_rows)-1. A ``rows_each``/``ints_each`` block is (list of sources, None, dst, start rows):
-# every row of source k goes to dst rows starts[k], starts[k] + 1, ... Sources keep their storage
-# and shape until the launch, as every recorded source must keep its data.
+# 0..len(dst_rows)-1. A ``rows_each``/``ints_each`` block is (list of sources, Sources, dst, start
+# rows): every row of source k goes to dst rows starts[k], starts[k] + 1, ... Sources keep their
+# storage and shape until the launch, as every recorded source must keep its data.
 Block = tuple
 
 
-def each_jobs(srcs, starts):
-    """(source, first destination row, rows) of every source of a ``rows_each`` block."""
-    return ((s, d, s.shape[0]) for s, d in zip(srcs, starts.tolist()) if s.shape[0])
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """What the encoder needs of a many-source block's sources, read once when it is recorded:
+    address, row stride (elements), rows and int32 words per element (int sources; 1 for float)."""
+
+    ptr: np.ndarray
+    stride: np.ndarray
+    rows: np.ndarray
+    words: np.ndarray
 
 
 def _as_rows(rows) -> np.ndarray:
@@ -193,7 +199,59 @@ class GatherJobs:
         srcs = list(srcs)
         if len(starts) != len(srcs):
             raise ValueError(f"{len(starts)} destination starts for {len(srcs)} sources")
-        checked, rows, aligned = [], 0, True
+        # One pass reads what the checks and the encoder need of every source; a source that differs
+        # from the rest (another dtype, device or layout, or not a tensor) sends the block through the
+        # per-source checks, which convert it or raise naming it.
+        try:
+            seen = [(t.dtype, t.get_device(), t.shape, t.stride(), t.data_ptr()) for t in srcs]
+        except AttributeError:
+            seen = None
+        if seen is None or not self._uniform(dst, seen, floating):
+            srcs = self._checked_each(dst, starts, srcs, floating)
+            seen = [(t.dtype, t.get_device(), t.shape, t.stride(), t.data_ptr()) for t in srcs]
+        rows = np.fromiter((m[2][0] for m in seen), np.int64, len(seen))
+        if len(rows) and (starts.min() < 0 or (starts + rows).max() > dst.shape[0]):
+            self._checked_each(dst, starts, srcs, floating)  # raises, naming the source
+        total = int(rows.sum())
+        if not total:
+            return
+        ptr = np.fromiter((m[4] for m in seen), np.int64, len(seen))
+        stride = np.fromiter((m[3][0] for m in seen), np.int64, len(seen))
+        if floating:
+            words = np.ones(len(seen), np.int64)
+        else:
+            words = np.fromiter((m[0].itemsize // 4 for m in seen), np.int64, len(seen))
+        self._outputs.setdefault(id(dst), dst)
+        block = (srcs, Sources(ptr, stride, rows, words), dst, starts)
+        if floating:
+            self.float_blocks.append(block)
+            self.n_float += total
+            live = rows > 0
+            self.aligned = (self.aligned and self._aligned(dst) and self._width_aligned
+                            and not (ptr[live] % 16).any() and not (stride[live] % self._vector).any())
+        else:
+            self.int_blocks.append(block)
+            self.n_int += total
+
+    def _uniform(self, dst, seen, floating: bool) -> bool:
+        """Whether every source has what the block needs (dtype, device, rank, row width and
+        contiguous rows) and the destination is valid: the common case, checked with sets."""
+        dev = self.device.index if self.is_cuda else -1
+        if {m[1] for m in seen} != {dev}:
+            return False
+        if floating:
+            self._float_source(dst, dst)  # the destination's own checks
+            return ({m[0] for m in seen} == {self.dtype} and {len(m[2]) for m in seen} == {2}
+                    and {m[2][1] for m in seen} == {self.width} and {m[3][1] for m in seen} == {1})
+        self._int_source(dst, dst)
+        if not {m[0] for m in seen} <= set(INT_DTYPES) or {len(m[2]) for m in seen} != {dst.dim()}:
+            return False
+        return dst.dim() == 1 or ({m[2][1] for m in seen} == {dst.shape[1]} and {m[3][1] for m in seen} == {1})
+
+    def _checked_each(self, dst, starts, srcs, floating: bool) -> list[torch.Tensor]:
+        """Every source through the one-source checks (converted where they convert); the first that
+        fails raises with its position (``srcs[k]: ...``, ``index`` k)."""
+        checked = []
         for k, (start, src) in enumerate(zip(starts.tolist(), srcs)):
             try:
                 src = self._float_source(dst, src) if floating else self._int_source(dst, src)
@@ -206,19 +264,7 @@ class GatherJobs:
                 err.index = k  # which source: a caller maps it back to its request
                 raise err from exc
             checked.append(src)
-            rows += n
-            if floating and n:
-                aligned = aligned and self._aligned(src)
-        if not rows:
-            return
-        self._outputs.setdefault(id(dst), dst)
-        if floating:
-            self.float_blocks.append((checked, None, dst, starts))
-            self.n_float += rows
-            self.aligned = self.aligned and aligned and self._aligned(dst)
-        else:
-            self.int_blocks.append((checked, None, dst, starts))
-            self.n_int += rows
+        return checked
 
     def values(self, dst: torch.Tensor, values) -> None:
         """Write host int32 ``values`` into the 1-D contiguous int tensor ``dst`` (same length)."""
@@ -283,89 +329,107 @@ class GatherJobs:
         """
         if self.n_values > layout.values:
             raise ValueError(f"{self.n_values} values exceed the table's {layout.values}")
-        parts = [self._float_records(b, base) for b in self.float_blocks]
-        parts += [self._int_records(b, base) for b in self.int_blocks]
-        n = sum(len(p) for p in parts) + len(self.value_blocks)
-        if n > layout.jobs:
-            raise ValueError(f"{n} jobs exceed the table's {layout.jobs}")
-        out[0] = n
-        records = out[1:1 + JOB_WORDS * n].view(GATHER_JOB)
-        pos = 0
-        for p in parts:
-            records[pos:pos + len(p)] = p
-            pos += len(p)
+        # The records as int64 words [job, (src, dst, count | kind << 32)]: GATHER_JOB, written by column.
+        records = out[1:1 + JOB_WORDS * layout.jobs].reshape(-1, JOB_WORDS)
+        n = 0
+        for block in self.float_blocks:
+            n = _put(records, n, *self._float_records(block, base))
+        for block in self.int_blocks:
+            n = _put(records, n, *self._int_records(block, base))
         values_at = 1 + JOB_WORDS * layout.jobs  # word of the first value
         payload = out[values_at:values_at + (self.n_values + 1) // 2].view(np.int32)
         first = 0
         for dst, v in self.value_blocks:
             payload[first:first + v.size] = v
-            records[pos] = ((table + 8 * values_at - base) // 4 + first, (dst.data_ptr() - base) // 4, v.size,
-                            JOB_INT | (INT_DST64 if dst.element_size() == 8 else 0))
-            pos += 1
+            n = _put(records, n, (table + 8 * values_at - base) // 4 + first, (dst.data_ptr() - base) // 4,
+                     v.size | (JOB_INT | (INT_DST64 if dst.element_size() == 8 else 0)) << 32)
             first += v.size
+        out[0] = n
         return n
 
-    def _float_records(self, block: Block, base: int) -> np.ndarray:
+    def _float_records(self, block: Block, base: int):
+        """(source offsets, destination offsets, count word) of a float block, in elements."""
         src, src_rows, dst, dst_rows = block
         es = self.elem_size
+        word = self.width | JOB_FLOAT << 32
+        d0, d_stride = (dst.data_ptr() - base) // es, dst.stride(0)
         if type(src) is list:
-            s_off, d, _ = _each_rows(src, dst_rows, base, es)
-        else:
-            d = np.atleast_1d(dst_rows)
-            s = np.arange(len(d), dtype=np.int64) if src_rows is None else np.atleast_1d(src_rows)
-            s_off = (src.data_ptr() - base) // es + s * src.stride(0)
-        rec = np.empty(len(s_off), GATHER_JOB)
-        rec["src"], rec["dst"] = s_off, (dst.data_ptr() - base) // es + d * dst.stride(0)
-        rec["count"], rec["kind"] = self.width, JOB_FLOAT
-        return rec
+            s_off, d = _each_rows(src_rows, dst_rows, base, es)
+            return s_off, d0 + d * d_stride, word
+        s0, s_stride = (src.data_ptr() - base) // es, src.stride(0)
+        if isinstance(dst_rows, int):
+            return s0 + src_rows * s_stride, d0 + dst_rows * d_stride, word
+        s = _arange(len(dst_rows)) if src_rows is None else src_rows
+        return s0 + s * s_stride, d0 + dst_rows * d_stride, word
 
-    def _int_records(self, block: Block, base: int) -> np.ndarray:
+    def _int_records(self, block: Block, base: int):
+        """(source offsets, destination offsets, count words) of an int block, in int32 words. Rows
+        that lie end to end on both sides are one record."""
         src, src_rows, dst, dst_rows = block
         dw, width = dst.element_size() // 4, (dst.shape[1] if dst.dim() == 2 else 1)
         d_kind = JOB_INT | (INT_DST64 if dw == 2 else 0)
-        d0 = (dst.data_ptr() - base) // 4
+        d0, d_stride = (dst.data_ptr() - base) // 4, dst.stride(0) * dw
         if type(src) is list:
-            s_off, d, sw = _each_rows(src, dst_rows, base, 4)
-            rec = np.empty(len(s_off), GATHER_JOB)
-            rec["src"], rec["dst"] = s_off, d0 + d * dst.stride(0) * dw
-            rec["count"], rec["kind"] = width, d_kind | np.where(sw == 2, INT_SRC64, 0)
-            return rec
+            s_off, d = _each_rows(src_rows, dst_rows, base, 4)
+            kind = d_kind | np.where(np.repeat(src_rows.words, src_rows.rows) == 2, INT_SRC64, 0)
+            return s_off, d0 + d * d_stride, width | kind << 32
         sw = src.element_size() // 4
-        d = np.atleast_1d(dst_rows)
-        s = np.arange(len(d), dtype=np.int64) if src_rows is None else np.atleast_1d(src_rows)
-        kind = d_kind | (INT_SRC64 if sw == 2 else 0)
-        s0 = (src.data_ptr() - base) // 4
-        if (len(d) > 1 and src.stride(0) == width == dst.stride(0) and _consecutive(d) and _consecutive(s)
-                and len(d) * width <= _COUNT_MAX):  # rows end to end on both sides: one record
-            rec = np.empty(1, GATHER_JOB)
-            rec[0] = (s0 + s[0] * width * sw, d0 + d[0] * width * dw, len(d) * width, kind)
-            return rec
-        rec = np.empty(len(d), GATHER_JOB)
-        rec["src"], rec["dst"] = s0 + s * src.stride(0) * sw, d0 + d * dst.stride(0) * dw
-        rec["count"], rec["kind"] = width, kind
-        return rec
+        word = width | (d_kind | (INT_SRC64 if sw == 2 else 0)) << 32
+        s0, s_stride = (src.data_ptr() - base) // 4, src.stride(0) * sw
+        if isinstance(dst_rows, int):
+            return s0 + src_rows * s_stride, d0 + dst_rows * d_stride, word
+        rows = len(dst_rows)
+        if (rows > 1 and src.stride(0) == width == dst.stride(0) and rows * width <= _COUNT_MAX
+                and _consecutive(dst_rows) and (src_rows is None or _consecutive(src_rows))):
+            s = 0 if src_rows is None else int(src_rows[0])  # end to end on both sides: one record
+            return s0 + s * s_stride, d0 + int(dst_rows[0]) * d_stride, rows * width | (word >> 32) << 32
+        s = _arange(rows) if src_rows is None else src_rows
+        return s0 + s * s_stride, d0 + dst_rows * d_stride, word
+
+
+def _put(records: np.ndarray, n: int, src, dst, word) -> int:
+    """Write records (arrays, or scalars for one) at row ``n`` of ``records``; returns the next row."""
+    k = 1 if isinstance(dst, (int, np.integer)) else len(dst)
+    if n + k > len(records):
+        raise ValueError(f"{n + k} jobs exceed the table's {len(records)}")
+    rec = records[n:n + k]
+    rec[:, 0], rec[:, 1], rec[:, 2] = src, dst, word
+    return n + k
+
+
+_ARANGE = np.arange(1024, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """0..n-1 (a read-only view of a kept range while it is long enough)."""
+    global _ARANGE
+    if n > len(_ARANGE):
+        _ARANGE = np.arange(1 << (n - 1).bit_length(), dtype=np.int64)
+    return _ARANGE[:n]
 
 
 def _consecutive(rows: np.ndarray) -> bool:
-    return rows.size == 1 or bool((rows[1:] - rows[:-1] == 1).all())
+    return rows.size == 1 or (int(rows[-1]) - int(rows[0]) == rows.size - 1 and bool((np.diff(rows) == 1).all()))
 
 
-def _each_rows(srcs, starts, base: int, unit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _each_rows(info: Sources, starts: np.ndarray, base: int, unit: int) -> tuple[np.ndarray, np.ndarray]:
     """For every row of a many-source block: its source offset from ``base`` in units of ``unit``
-    bytes, its destination row, and its source's element size in units (one pass over the sources
-    for what only a tensor can tell, numpy for the rest)."""
-    live = [(s.data_ptr(), s.stride(0), s.shape[0], s.element_size(), d)
-            for s, d in zip(srcs, starts.tolist()) if s.shape[0]]
-    ptr, stride, rows, size, first_dst = (np.array(col, np.int64) for col in zip(*live))
-    words = size // unit if unit == 4 else np.ones_like(size)  # int sources: int32 words per element
-    j = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)  # row in its source
-    src_off = np.repeat((ptr - base) // unit, rows) + j * np.repeat(stride * words, rows)
-    return src_off, np.repeat(first_dst, rows) + j, np.repeat(words, rows)
+    bytes, and its destination row."""
+    live = info.rows > 0
+    ptr, stride, rows, words, first = info.ptr[live], info.stride[live], info.rows[live], info.words[live], starts[live]
+    s0 = (ptr - base) // unit
+    if (rows == 1).all():  # one row per source (decode rows): no repeats
+        return s0, first
+    j = _arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)  # row within its source
+    return np.repeat(s0, rows) + j * np.repeat(stride * words, rows), np.repeat(first, rows) + j
 
 
 def _destination_rows(src, dst_rows):
-    """A block's destination rows: one array or int; for a many-source block, one array per source."""
+    """A block's destination rows: one array or int; for a many-source block, one array of them all."""
     if type(src) is not list:
         return (np.asarray(dst_rows),)
-    return [d + np.arange(n, dtype=np.int64) for _, d, n in each_jobs(src, dst_rows)]
-
+    rows = np.array([t.shape[0] for t in src], np.int64)
+    live = rows > 0
+    rows, first = rows[live], np.asarray(dst_rows)[live]
+    j = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
+    return (np.repeat(first, rows) + j,)
