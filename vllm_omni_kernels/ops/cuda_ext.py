@@ -59,12 +59,12 @@ def set_programmatic_launch(enabled: bool) -> None:
 
 
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:
-    torch.ops.vllm_omni_kernels.ring_write(arena, state, meta, src, rows, frame_elems, last, max_elems)
+    torch.ops.vllm_omni_kernels.ring_write.default(arena, state, meta, src, rows, frame_elems, last, max_elems)
 
 
 def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
-    torch.ops.vllm_omni_kernels.ring_read(arena, meta, out, rows, frame_elems, last, max_elems)
+    torch.ops.vllm_omni_kernels.ring_read.default(arena, meta, out, rows, frame_elems, last, max_elems)
 
 
 def row_gather(base, table, outputs, *, width, grid_rows, aligned) -> None:
-    torch.ops.vllm_omni_kernels.row_gather(base, table, outputs, width, grid_rows, aligned)
+    torch.ops.vllm_omni_kernels.row_gather.default(base, table, outputs, width, grid_rows, aligned)

@@ -33,6 +33,7 @@ import math
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -293,7 +294,7 @@ class WorkerAccumulator:
         ids = tuple(request_ids)
         cached_ids, rows, version = self._rows_cache
         if version != self._version or cached_ids != ids:
-            rows = np.fromiter((self._row.get(r, -1) for r in ids), np.int64, len(ids))
+            rows = np.fromiter(map(self._row.get, ids, repeat(-1)), np.int64, len(ids))
             self._rows_cache = (ids, rows, self._version)
         return rows
 
@@ -348,13 +349,14 @@ class WorkerAccumulator:
             self._pack = torch.empty(self._pack.numel(), dtype=torch.uint8)
             return
         host, note_copy = self._host.take(nbytes)
-        ready = torch.cuda.Event()
-        ready.record()
-        self._side.wait_event(ready)
-        with torch.cuda.stream(self._side):
+        step_stream = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(step_stream)  # the copy runs after the step's reads into the pack
+        torch.cuda.set_stream(self._side)
+        try:
             host.copy_(self._pack[:nbytes], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
+        finally:
+            torch.cuda.set_stream(step_stream)
+        done = self._side.record_event()
         note_copy(done)
         step.host, step.event = host, done
         self._last_copy = done
@@ -363,7 +365,9 @@ class WorkerAccumulator:
     def _reserve(self, nbytes: int) -> None:
         """Make the pack hold ``nbytes`` and order this step's writes after the last copy read it."""
         if self._last_copy is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._last_copy)
+            if not self._last_copy.query():  # usually long done: then no stream needs to wait for it
+                torch.cuda.current_stream(self.device).wait_event(self._last_copy)
+            self._last_copy = None  # the step's stream is ordered after it from now on
         if self._pack.numel() < nbytes:  # rare: grows to the largest step seen, keeping the head
             old = self._pack
             self._pack = torch.empty(max(nbytes, 2 * old.numel(), 1 << 16), dtype=torch.uint8, device=self.device)
