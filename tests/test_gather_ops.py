@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from gather_cases import check_far_apart_rows, check_gather_case, make_gather_case, random_each_call, record_gather_case
 from vllm_omni_kernels.gather import GatherJobs, RowGather, TableLayout
+from vllm_omni_kernels.gather.jobs import RUN_ELEMS
 from vllm_omni_kernels.ops.layout import GATHER_JOB, INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, JOB_WORDS
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
@@ -206,10 +207,10 @@ def test_static_launch_replays_the_prepared_table(use_backend):
         assert torch.equal(dst, want)
 
 
-def test_a_block_of_consecutive_int_rows_is_one_record():
-    """Ids at consecutive offsets (rows end to end on both sides) become one record of all their
-    elements; rows out of order, a gap, source rows not consecutive or one-row jobs stay a record
-    per row."""
+def test_a_block_of_consecutive_int_rows_is_one_record_per_run():
+    """Ids at consecutive offsets (rows end to end on both sides) become one record per
+    ``RUN_ELEMS`` elements; rows out of order, a gap, source rows not consecutive or one-row jobs
+    stay a record per row."""
     j = GatherJobs(torch.float32, 8, "cpu")
     ids, out = torch.arange(300), torch.zeros(700, dtype=torch.int32)
     codes, code_out = torch.arange(200, dtype=torch.int32).view(40, 5), torch.zeros(90, 5, dtype=torch.int64)
@@ -228,21 +229,32 @@ def test_a_block_of_consecutive_int_rows_is_one_record():
     assert rec[0].tolist()[:3] == (ids.data_ptr() // 4, out.data_ptr() // 4 + 50, 300)
     assert rec[1].tolist()[:3] == (codes.data_ptr() // 4, code_out.data_ptr() // 4, 200)
     assert rec["count"].tolist() == [300, 200, 1, 1, 1, 1, 5, 5, 5, 1, 1]
+    # A longer run goes as records of RUN_ELEMS elements (whole rows), each carried by its own block.
+    j.clear()
+    many, many_out = torch.arange(2500), torch.zeros(2600, dtype=torch.int64)
+    codes = torch.arange(3000, dtype=torch.int32).view(600, 5)
+    j.ints(many_out, np.arange(100, 2600), many)
+    j.ints(code_out.new_zeros(600, 5), np.arange(600), codes)
+    n = j.encode(table := np.zeros(TableLayout(j.n_int).words, np.int64), TableLayout(j.n_int), 0, 0)
+    rec = table[1:1 + JOB_WORDS * n].view(GATHER_JOB)
+    per = RUN_ELEMS // 5 * 5
+    assert rec["count"].tolist() == [RUN_ELEMS, RUN_ELEMS, 2500 - 2 * RUN_ELEMS, per, per, 3000 - 2 * per]
+    assert rec["src"][1] - rec["src"][0] == 2 * RUN_ELEMS and rec["dst"][1] - rec["dst"][0] == 2 * RUN_ELEMS
 
 
 def test_runs_of_int_rows_copy_as_their_rows(use_backend):
-    """A gather whose ids and codes are runs (one record of many rows each) copies what the
-    reference copies, on the Triton interpreter and the reference."""
+    """A gather whose ids and codes are runs (records of many rows each; the ids three of them)
+    copies what the reference copies, on the Triton interpreter and the reference."""
     use_backend("triton")
-    ids, codes = torch.arange(300) * 7 - 1000, torch.arange(1000, dtype=torch.int32).view(200, 5)
+    ids, codes = torch.arange(2500) * 7 - 1000, torch.arange(1000, dtype=torch.int32).view(200, 5)
     got = {}
     for backend in ("torch", "triton"):
         use_backend(backend)
-        out, code_out = torch.zeros(400, dtype=torch.int32), torch.zeros(210, 5, dtype=torch.int64)
-        g = RowGather(torch.float32, 8, "cpu", max_float_rows=1, max_int_rows=600)
-        g.jobs.ints(out, np.arange(50, 350), ids)
+        out, code_out = torch.zeros(2600, dtype=torch.int32), torch.zeros(210, 5, dtype=torch.int64)
+        g = RowGather(torch.float32, 8, "cpu", max_float_rows=1, max_int_rows=3000)
+        g.jobs.ints(out, np.arange(50, 2550), ids)
         g.jobs.ints(code_out, np.arange(5, 205), codes)
         assert g.launch() == 1
         got[backend] = (out, code_out)
     assert torch.equal(got["torch"][0], got["triton"][0]) and torch.equal(got["torch"][1], got["triton"][1])
-    assert torch.equal(got["triton"][0][50:350], ids.int()) and torch.equal(got["triton"][1][5:205], codes.long())
+    assert torch.equal(got["triton"][0][50:2550], ids.int()) and torch.equal(got["triton"][1][5:205], codes.long())

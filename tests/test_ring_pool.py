@@ -325,3 +325,63 @@ def test_repeated_steps_launch_from_kept_rows_and_match_concatenation(backend, s
     assert pool.stats().unread_bytes == sum(pool.unread_frames(r) for r in ids) * pool.frame_bytes
     check(ids)
     assert pool.stats().unread_bytes == 0
+
+
+def test_static_append_prepares_from_what_changed_and_matches_concatenation(backend):
+    """A fixed-shape append (``StaticAppend``: prepare, then launch from resident rows; what a graph
+    replays) between eager appends of the same slots, drains, growth, another request's slot and a
+    free: every request's data is its chunks concatenated, and prepare grows a slot when its room
+    runs out."""
+    pool = make_pool(initial_frames=8, budget_bytes=1 << 16)
+    ids = ["a", "b"]
+    for r in ids:
+        pool.alloc(r)
+    src = torch.arange(12.0).view(2, 6)
+    lens = [3, 5]
+    sa = pool.static_append(ids, src, lens)
+    want = {r: [] for r in ids}
+
+    def static(times=1):
+        for _ in range(times):
+            sa.prepare(1)
+            sa.launch()
+            for b, r in enumerate(ids):
+                want[r].append(src[b, :lens[b]])
+
+    def eager():
+        data = torch.randn(2, 4)
+        pool.append(ids, PaddedBatch(data, [4, 1]))
+        want["a"].append(data[0, :4])
+        want["b"].append(data[1, :1])
+
+    def check(rids):
+        for r, got in zip(rids, pool.drain(rids)):
+            assert torch.equal(got, torch.cat(want[r])), r
+            want[r] = []
+
+    static(3)  # 15 frames for "b": grown twice by prepare
+    eager()
+    static(2)
+    check(["a"])
+    pool.alloc("c")
+    static(2)
+    eager()
+    pool.free("c")
+    static(4)
+    assert pool.stats().growths >= 2
+    check(ids)
+    assert pool.stats().unread_bytes == 0
+
+
+def test_a_repeated_step_after_another_write_to_its_slots_checks_their_room_again(backend):
+    """Room known to a kept step is a bound only while nothing else writes its slots: after a list
+    append fills the slot, the repeat grows it instead of overwriting unread data."""
+    pool = make_pool(initial_frames=16)
+    pool.alloc("a")
+    chunks = []
+    for width in (4, 4, 6, 4):  # the second 4 keeps its rows; 6 comes as a list; the last 4 repeats
+        data = torch.randn(1, width)
+        pool.append(["a"], PaddedBatch(data, [width]) if width == 4 else [data[0]])
+        chunks.append(data[0])
+    assert pool.stats().growths == 1
+    assert torch.equal(pool.drain(["a"])[0], torch.cat(chunks))

@@ -11,8 +11,9 @@ offsets from one base pointer (flat device address space), so one launch covers 
 outputs and runner buffers. The torch reference copies the recorded blocks directly.
 
 ``encode`` is the one planner every kernel backend launches from: numpy over each recorded block,
-writing ``layout.GATHER_JOB`` records (``layout.py`` has the table). A block of consecutive int rows
-that lie end to end on both sides (a batch's token ids or codes at consecutive offsets) is one record.
+writing ``layout.GATHER_JOB`` records (``layout.py`` has the table). Consecutive int rows that lie end
+to end on both sides (a batch's token ids or codes at consecutive offsets) go as runs of up to
+``RUN_ELEMS`` elements, one record each.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..ops.layout import INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, JOB_WORDS
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
 _INTS = (int, np.integer)
-_COUNT_MAX = 2**31 - 1
+RUN_ELEMS = 1024  # int elements per record of a run of rows (8 per thread of a CUDA gather block)
 
 
 @dataclass(frozen=True)
@@ -379,10 +380,16 @@ class GatherJobs:
         if isinstance(dst_rows, int):
             return s0 + src_rows * s_stride, d0 + dst_rows * d_stride, word
         rows = len(dst_rows)
-        if (rows > 1 and src.stride(0) == width == dst.stride(0) and rows * width <= _COUNT_MAX
+        if (rows > 1 and src.stride(0) == width == dst.stride(0)
                 and _consecutive(dst_rows) and (src_rows is None or _consecutive(src_rows))):
-            s = 0 if src_rows is None else int(src_rows[0])  # end to end on both sides: one record
-            return s0 + s * s_stride, d0 + int(dst_rows[0]) * d_stride, rows * width | (word >> 32) << 32
+            # End to end on both sides: runs of up to RUN_ELEMS elements, whole rows, one record each
+            # (one record per row at most, so the grid's rows cover them).
+            per = max(1, RUN_ELEMS // width)
+            first = _arange(-(-rows // per)) * per
+            s = 0 if src_rows is None else int(src_rows[0])
+            count = np.minimum(per, rows - first) * width
+            return (s0 + (s + first) * s_stride, d0 + (int(dst_rows[0]) + first) * d_stride,
+                    count | (word >> 32) << 32)
         s = _arange(rows) if src_rows is None else src_rows
         return s0 + s * s_stride, d0 + dst_rows * d_stride, word
 

@@ -35,6 +35,9 @@ class StaticAppend:
         self.meta = torch.zeros(len(self.slots), pool.table.shape[1], dtype=torch.int64, device=pool.device)
         self._layout_seen: np.ndarray | None = None
         self.max_elems = int(self.n.max()) * pool.frame_elems
+        self._frames = int(self.n.max())
+        self._room = 0  # frames every slot can still take: a lower bound while the pool is as last seen
+        self._seen = (-1, -1)  # the pool's (version, writes) after the last prepare
 
     def prepare(self, steps: int = 1) -> None:
         """Host work before ``steps`` launches: room for them (growing slots), the resident rows
@@ -44,15 +47,22 @@ class StaticAppend:
             TensorAccumulationError: a request no longer holds a slot, or a slot cannot grow.
         """
         pool = self.pool
-        self.slots = pool.slots(self.request_ids)
-        pool.make_room(self.request_ids, self.slots, self.n * steps)
-        layout = np.concatenate((self.slots, pool.layout[self.slots]))
-        if self._layout_seen is None or not np.array_equal(layout, self._layout_seen):
-            rows = pool.static_rows(self.slots, self.n, self.lin_off, self.lin_stride)
-            self.meta.copy_(torch.from_numpy(rows))
-            self._layout_seen = layout
-        pool.publish_heads(self.slots)
+        need = self._frames * steps
+        if self._seen != (pool.version, pool.writes) or self._room < need:
+            # Something else moved, took, freed or wrote slots since the last prepare (or room ran
+            # out): look everything up again.
+            self.slots = pool.slots(self.request_ids)
+            pool.make_room(self.request_ids, self.slots, self.n * steps)
+            layout = np.concatenate((self.slots, pool.layout[self.slots]))
+            if self._layout_seen is None or not np.array_equal(layout, self._layout_seen):
+                rows = pool.static_rows(self.slots, self.n, self.lin_off, self.lin_stride)
+                self.meta.copy_(torch.from_numpy(rows))
+                self._layout_seen = layout
+            pool.publish_heads(self.slots)
+            self._room = pool.room(self.slots)
         pool.advance(self.slots, self.n * steps)
+        self._room -= need
+        self._seen = (pool.version, pool.writes)
 
     def launch(self) -> None:
         """One kernel: append every request's chunk at its device head and advance the head."""

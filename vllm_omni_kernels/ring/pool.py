@@ -80,7 +80,8 @@ class _RepeatPlan:
     """The last step's launch, kept while nothing it depends on changes: a step with the same
     requests, source shape, strides and lengths (the steady decode step) launches from these rows,
     resident on the device, without planning again. ``room``: frames every slot can still take
-    (a lower bound); ``pending``: launches whose frames are not yet counted in the table's UNREAD."""
+    (a lower bound while ``writes`` is the pool's); ``pending``: launches whose frames are not yet
+    counted in the table's UNREAD."""
 
     ids: tuple
     version: int
@@ -92,6 +93,7 @@ class _RepeatPlan:
     meta: torch.Tensor | None = None
     max_elems: int = 0
     room: int = 0
+    writes: int = -1
     pending: int = 0
     wanted: bool = False  # a step repeated this one: the planning path keeps its rows
 
@@ -162,6 +164,7 @@ class RingPool:
         self.growths = 0
         self.rejected = 0
         self.repeated_launches = 0
+        self.writes = 0  # write launches and advances so far: a room bound stays valid while it is unchanged
         self.high_water_bytes = 0
         self.version = 0  # bumped by alloc/free/growth: cached slot lookups are stale after it moves
 
@@ -223,6 +226,11 @@ class RingPool:
         if len(slots) and slots.min() < 0:
             self.slot_of(ids[int(np.argmin(slots))])  # raises, naming the request
         return slots
+
+    def room(self, slots: np.ndarray) -> int:
+        """Frames every one of these slots can still take without growing."""
+        self._settle()
+        return int((self.table[slots, CAP] - self.table[slots, UNREAD]).min(initial=_INT32_MAX))
 
     def unread_frames(self, request_id: str) -> int:
         self._settle()
@@ -367,15 +375,16 @@ class RingPool:
             plan.wanted = True
             return False
         frames = plan.max_elems // self.frame_elems
-        if plan.room < frames:
-            self._settle()
-            plan.room = int((self.table[plan.slots, CAP] - self.table[plan.slots, UNREAD]).min())
+        if plan.room < frames or plan.writes != self.writes:
+            plan.room = self.room(plan.slots)
             if plan.room < frames:
                 return False  # the planning path grows the slots
         ops.ring_write(self.arena, self.state, plan.meta, data, rows=len(plan.slots), frame_elems=self.frame_elems,
                        last=self.last, max_elems=plan.max_elems)
         plan.room -= frames
         plan.pending += 1
+        self.writes += 1
+        plan.writes = self.writes
         self.repeated_launches += 1
         return True
 
@@ -519,6 +528,7 @@ class RingPool:
                 plan.meta[:rows].copy_(torch.from_numpy(host[:rows]))
             plan.n, plan.slots, plan.max_elems = n.copy(), slots.copy(), max_elems
             plan.room = int((self.table[slots, CAP] - self.table[slots, UNREAD] - n).min())
+            plan.writes = self.writes + 1
             meta = plan.meta
         else:
             meta = self._staging.for_kernel(i, rows, max_elems > UPLOAD_ELEMS)
@@ -526,10 +536,9 @@ class RingPool:
                 self._settle()
                 ids, data = repeat
                 self._repeat = _RepeatPlan(ids, self.version, data.shape, data.stride(), n.tobytes())
-            elif plan is not None:
-                plan.room = -1  # this write used room the kept plan does not know of
         ops.ring_write(self.arena, self.state, meta, src, rows=rows, frame_elems=self.frame_elems,
                        last=self.last, max_elems=max_elems)
+        self.writes += 1
         self.table[slots, UNREAD] += n
         self.table[slots, POS] = -1
         return rows
@@ -629,8 +638,7 @@ class RingPool:
     def advance(self, slots: np.ndarray, n: np.ndarray) -> None:
         """Count ``n`` more unread frames for each slot: what launches with resident metadata append."""
         self._settle()
-        if self._repeat is not None:
-            self._repeat.room = -1
+        self.writes += 1
         self.table[slots, UNREAD] += n
 
     def static_append(self, request_ids: Sequence[str], src: torch.Tensor, lengths: Sequence[int]):
