@@ -94,15 +94,19 @@ def talker_processor_options(output_path: str = "worker") -> ProcessorOptions:
     return ProcessorOptions("audio", strategies)
 
 
-async def warm_up(engine: AsyncLLM, requests: int = 4) -> None:
-    """A few short requests through ``engine`` before serving (kernels compile, buffers settle)."""
+async def warm_up(engine: AsyncLLM, requests: int | None = None, tokens: int = 8) -> None:
+    """Streamed requests through ``engine`` before serving, as many at once as the engine schedules
+    (``max_num_seqs`` by default): kernels compile, the device and pinned host buffers grow to a full
+    batch's size, so the first clients' requests do not pay for it."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+    if requests is None:
+        requests = engine.vllm_config.scheduler_config.max_num_seqs
+    params = SamplingParams(max_tokens=tokens, output_kind=RequestOutputKind.DELTA, detokenize=False)
 
     async def one(i: int) -> None:
-        async for _ in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7 + i]), params,
+        async for _ in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7 + i % 64]), params,
                                        request_id=f"warm-up-{i}"):
             pass
 
