@@ -303,6 +303,15 @@ def _take(res: _Result, out) -> None:
     res.finished = out.finished and not res.plan.abort
 
 
+def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where two sample sequences differ, in words (for the check's error)."""
+    if got.shape != want.shape:
+        return f"{got.numel()} samples where {want.numel()} were expected"
+    bad = torch.nonzero(got != want).flatten()
+    return (f"{bad.numel()} of {want.numel()} samples differ, from sample {int(bad[0])} to {int(bad[-1])} "
+            f"(frame {int(bad[0]) // tk.FRAME_SAMPLES} to {int(bad[-1]) // tk.FRAME_SAMPLES})")
+
+
 def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool) -> dict:
     """Every sample of every request against what its codes decode to; raises on any difference.
     ``bad_fails``: the requests planned with a malformed chunk must have failed with its error (the
@@ -321,8 +330,11 @@ def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool) -> dic
             raise AssertionError(f"{p.rid}: failed: {r.error}")
         codes = torch.cat(r.codes) if r.codes else torch.zeros(0, tk.CODEBOOKS, dtype=torch.int64)
         audio = torch.cat(r.audio) if r.audio else torch.zeros(0)
-        if not torch.equal(audio, tk.expected_audio(codes)):
-            raise AssertionError(f"{p.rid} ({p.kind}): audio differs from what its {codes.shape[0]} frames decode to")
+        expected = tk.expected_audio(codes)
+        if not torch.equal(audio, expected):
+            raise AssertionError(f"{p.rid} ({p.kind}): audio differs from what its {codes.shape[0]} frames decode "
+                                 f"to: {_difference(audio, expected)}; {len(r.audio)} payloads of "
+                                 f"{[a.numel() for a in r.audio][:12]} samples")
         if r.tokens[:codes.shape[0]] != (codes[:, 0] + tk.TEXT_VOCAB).tolist():
             raise AssertionError(f"{p.rid}: codes do not match the request's sampled tokens")
         if p.abort:
