@@ -123,3 +123,43 @@ def test_cuda_one_copy_per_step_and_exact(use_backend):
         assert torch.equal(torch.cat(got[rid]["audio"], -1), torch.cat(sent[rid]["audio"], -1))
         assert torch.equal(torch.cat(got[rid]["codes"]), torch.cat(sent[rid]["codes"]))
     assert acc.copies == 20
+
+
+def test_host_buffers_handed_back_on_other_threads_are_reused_only_when_free():
+    """A step's host tensor often dies on another thread (the engine's output thread, after
+    sending it): buffers come back from there while the step's thread takes new ones, and a buffer
+    is never handed out while a tensor made of it is alive, nor smaller than asked."""
+    import queue
+    import threading
+
+    from vllm_omni_kernels.serving.worker_accumulator import _HostBuffers
+
+    buffers = _HostBuffers(keep=3, pinned=False)
+    handed: queue.Queue = queue.Queue()
+    live: set[int] = set()
+    lock = threading.Lock()
+
+    def output_thread():
+        while (item := handed.get()) is not None:
+            with lock:
+                live.discard(item.data_ptr())
+            del item  # the last reference: the buffer goes back from this thread
+
+    thread = threading.Thread(target=output_thread)
+    thread.start()
+    try:
+        for k in range(3000):
+            nbytes = 1 << (16 + k % 6)  # sizes across the 1 MiB floor, so buffers of several sizes circulate
+            host, note_copy = buffers.take(nbytes)
+            note_copy(None)
+            assert host.numel() == nbytes
+            with lock:
+                assert host.data_ptr() not in live, f"take {k}: a buffer still in use was handed out"
+                live.add(host.data_ptr())
+            host.fill_(k % 251)
+            handed.put(host)
+            del host
+    finally:
+        handed.put(None)
+        thread.join()
+    assert buffers.allocations < 3000

@@ -30,6 +30,7 @@ and there is no copy.
 from __future__ import annotations
 
 import math
+import queue
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -134,17 +135,28 @@ class _HostBuffers:
 
     A step's host tensor is made over a free buffer with ``torch.frombuffer``, so it is a tensor of
     its own (no ``_base``) and every view, numpy array or encoder frame made of it keeps it alive;
-    when the last of them goes, a ``weakref.finalize`` hands the buffer back. Allocating pinned
-    memory (``cudaHostAlloc``) costs about a millisecond: that happens only while the buffers in
-    flight outgrow what was allocated before (a few at the start).
+    when the last of them goes, a ``weakref.finalize`` hands the buffer back. That can happen on any
+    thread (the engine's output thread drops a step after sending it), so a buffer comes back
+    through a thread-safe queue and only ``take`` (the step's thread) looks at the free list.
+    Allocating pinned memory (``cudaHostAlloc``) costs about a millisecond: that happens only while
+    the buffers in flight outgrow what was allocated before (a few at the start).
     """
 
-    def __init__(self):
+    def __init__(self, keep: int = 16, pinned: bool = True):
+        self._pinned = pinned  # (False: ordinary host memory, for tests without a GPU)
         self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # (buffer, its last copy)
+        self._returned: queue.SimpleQueue = queue.SimpleQueue()  # given back on any thread
+        self._keep = keep
         self.allocations = 0  # cudaHostAlloc calls so far (it should stop growing after the first steps)
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, Callable[[torch.cuda.Event], None]]:
         """A pinned uint8 host tensor of ``nbytes``, and the function that records its copy's event."""
+        while not self._returned.empty():
+            buffer, copied = self._returned.get_nowait()
+            self._free.append((buffer, copied[0]))
+        if len(self._free) > self._keep:  # keep the largest few
+            self._free.sort(key=lambda item: item[0].numel())
+            del self._free[:len(self._free) - self._keep]
         buffer = None
         for i, (candidate, event) in enumerate(self._free):
             if candidate.numel() >= nbytes and (event is None or event.query()):
@@ -153,17 +165,11 @@ class _HostBuffers:
         if buffer is None:
             self.allocations += 1
             buffer = torch.empty(max(1 << (max(nbytes, 1) - 1).bit_length(), 1 << 20), dtype=torch.uint8,
-                                 pin_memory=True)
+                                 pin_memory=self._pinned)
         host = torch.frombuffer(buffer.numpy()[:nbytes], dtype=torch.uint8) if nbytes else buffer[:0].clone()
         copied: list[torch.cuda.Event | None] = [None]
-        weakref.finalize(host, self._give_back, buffer, copied)
+        weakref.finalize(host, self._returned.put, (buffer, copied))
         return host, lambda event: copied.__setitem__(0, event)
-
-    def _give_back(self, buffer: torch.Tensor, copied: list) -> None:
-        self._free.append((buffer, copied[0]))
-        if len(self._free) > 16:  # keep the largest few
-            self._free.sort(key=lambda item: item[0].numel())
-            del self._free[0]
 
 
 class WorkerAccumulator:

@@ -94,18 +94,22 @@ def talker_processor_options(output_path: str = "worker") -> ProcessorOptions:
     return ProcessorOptions("audio", strategies)
 
 
-async def warm_up(engine: AsyncLLM, requests: int | None = None, tokens: int = 8) -> None:
+async def warm_up(engine: AsyncLLM, requests: int | None = None) -> None:
     """Streamed requests through ``engine`` before serving, as many at once as the engine schedules
-    (``max_num_seqs`` by default): kernels compile, the device and pinned host buffers grow to a full
-    batch's size, so the first clients' requests do not pay for it."""
+    (``max_num_seqs`` by default), request i producing i + 2 tokens: the batch shrinks by one each
+    step, so every batch size a server will see has run once (kernels load and pick their variants
+    per shape on first use) and the device and pinned host buffers have grown to a full batch's
+    size before the first client arrives."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     if requests is None:
         requests = engine.vllm_config.scheduler_config.max_num_seqs
-    params = SamplingParams(max_tokens=tokens, output_kind=RequestOutputKind.DELTA, detokenize=False)
+    longest = max(2, engine.vllm_config.model_config.max_model_len - 4)
 
     async def one(i: int) -> None:
+        params = SamplingParams(max_tokens=min(i + 2, longest), output_kind=RequestOutputKind.DELTA,
+                                detokenize=False)
         async for _ in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7 + i % 64]), params,
                                        request_id=f"warm-up-{i}"):
             pass
