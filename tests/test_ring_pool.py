@@ -385,3 +385,18 @@ def test_a_repeated_step_after_another_write_to_its_slots_checks_their_room_agai
         chunks.append(data[0])
     assert pool.stats().growths == 1
     assert torch.equal(pool.drain(["a"])[0], torch.cat(chunks))
+
+
+def test_a_staging_buffer_waits_for_an_event_recorded_after_its_last_reader():
+    """A pinned staging buffer read in place by a kernel is handed out before that kernel is
+    launched, so the event recorded at that hand-out does not cover it: reuse must wait for an event
+    recorded at a later hand-out (with the event of the same hand-out, a kernel still queued behind
+    a long one could read metadata the host had already rewritten)."""
+    from vllm_omni_kernels.ring.staging import _free_after
+
+    events = [(16, "a"), (32, "b"), (48, "c"), (64, "d")]
+    assert _free_after(events, 15) == (16, "a")
+    events = [(16, "a"), (32, "b"), (48, "c"), (64, "d")]
+    assert _free_after(events, 16) == (32, "b")  # not the event recorded when buffer 16 was handed out
+    assert events == [(48, "c"), (64, "d")]
+    assert _free_after(events, 70) is None and events == []

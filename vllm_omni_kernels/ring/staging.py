@@ -18,10 +18,13 @@ _EVENT_EVERY = 16
 class PinnedStaging:
     """A ring of pinned int64 host buffers ``[rows, cols]``, each reused once its copy has run.
 
-    Uploads are stream-ordered, so one CUDA event recorded every ``_EVENT_EVERY`` uploads covers all
-    uploads before it; a buffer is reused ``_DEPTH`` uploads later, after waiting on the first event
-    recorded at or after its last use (normally long complete: no per-step sync, and one event record
-    per ``_EVENT_EVERY`` steps on the host). One owner, one stream at a time.
+    Work is stream-ordered. Every ``_EVENT_EVERY``-th hand-out of a buffer first records a CUDA event,
+    which follows all work queued with the buffers handed out before it (a kernel that reads a
+    buffer in place is launched after the hand-out, so the event recorded at a hand-out never covers
+    that buffer's own reader). A buffer is reused ``_DEPTH`` hand-outs later, after waiting on the
+    first event recorded after its last use (``_free_after``; normally long complete: no per-step
+    sync, and one event record per ``_EVENT_EVERY`` steps on the host). One owner, one stream at a
+    time.
 
     For a CPU device there is one unpinned buffer and ``upload`` returns it (it is the metadata).
     """
@@ -36,9 +39,9 @@ class PinnedStaging:
         self._np = [h.numpy() for h in self._host]
         self._rows0 = [h[0] for h in self._host]  # row 0 of each buffer (a flat table), made once
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._count = 0  # uploads so far
-        self._events: list[tuple[int, torch.cuda.Event]] = []  # (upload index, event after it)
-        self._done = 0  # uploads before this index are known to have run (no need to ask the device)
+        self._count = 0  # hand-outs so far
+        self._events: list[tuple[int, torch.cuda.Event]] = []  # (k, event after the work of hand-outs < k)
+        self._done = 0  # the work of hand-outs before this index is known to have run
         # for_kernel's device copy target, made now: a step must not allocate
         self._device_copy = torch.empty(rows, cols, dtype=torch.int64, device=device) if device_copy and self.pinned else None
 
@@ -59,22 +62,21 @@ class PinnedStaging:
         depth = len(self._host)
         i = self._count % depth
         if self.pinned and self._count - depth >= self._done:
-            last_use = self._count - depth
-            while self._events and self._events[0][0] < last_use:
-                self._events.pop(0)
-            if self._events:
-                k, ev = self._events.pop(0)
+            found = _free_after(self._events, self._count - depth)
+            if found is not None:
+                k, ev = found
                 ev.synchronize()  # at once unless the GPU is far behind (back-pressure); once per event
-                self._done = k + 1
+                self._done = k
         return i, self._np[i]
 
     def _queued(self) -> None:
-        """Count one buffer handed to queued work; every ``_EVENT_EVERY``-th gets an event after it."""
-        self._count += 1
-        if self.pinned and self._count % _EVENT_EVERY == 0:
+        """Count one buffer handed to work about to be queued; every ``_EVENT_EVERY``-th hand-out
+        first records an event (after the work of every earlier hand-out, not this one's)."""
+        if self.pinned and self._count and self._count % _EVENT_EVERY == 0:
             ev = torch.cuda.Event()
             ev.record()
-            self._events.append((self._count - 1, ev))
+            self._events.append((self._count, ev))
+        self._count += 1
 
     def read_in_place(self, i: int, row0: bool = False) -> torch.Tensor:
         """Hand host buffer ``i`` to a kernel that reads it directly (pinned memory is addressable
@@ -110,3 +112,12 @@ class PinnedStaging:
         views[0].copy_(views[1], non_blocking=True)
         self._queued()
         return dst
+
+
+def _free_after(events: list, last_use: int):
+    """The first (k, event) whose completion frees the buffer of hand-out ``last_use``: recorded at
+    a later hand-out (k > last_use), so after the work queued with that buffer. Drops the events
+    before it from ``events`` (oldest first) and it too; None when there is none yet."""
+    while events and events[0][0] <= last_use:
+        events.pop(0)
+    return events.pop(0) if events else None
