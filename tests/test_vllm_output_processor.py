@@ -450,3 +450,20 @@ def test_delta_outputs_merged_for_a_slow_consumer_keep_every_chunk():
     assert torch.equal(comp.multimodal_output.tensors["audio"], torch.cat(audio))
     assert torch.equal(comp.multimodal_output.tensors["codes"], torch.cat(codes))
     assert comp.multimodal_output.metadata["sr"] == 16003
+
+
+def test_output_after_an_abort_is_counted_not_an_error_and_a_strangers_output_is():
+    """An abort races the engine's next step: that step's multimodal output for the aborted request
+    is counted as late (no warning, no error); output for a request never seen is an error."""
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    for rid in ("gone", "kept"):
+        p.add_request(core_request(rid, [3], sampling(RequestOutputKind.DELTA, max_tokens=5)), None)
+    p.process_outputs([mm_step(r, 5, {"audio": torch.ones(2)}) for r in ("gone", "kept")])
+    assert p.abort_requests(["gone"], internal=False) == ["gone"]
+    res = p.process_outputs([mm_step("gone", 6, {"audio": torch.ones(3)}),
+                             mm_step("kept", 6, {"audio": torch.full((2,), 2.0)}),
+                             mm_step("stranger", 6, {"audio": torch.ones(1)})])
+    assert p.late_outputs == 1 and p.accumulation_errors == 1
+    assert p.accumulator_stats()["late_outputs"] == 1
+    got = {o.request_id: o.outputs[0] for o in res.request_outputs}
+    assert torch.equal(got["kept"].multimodal_output.tensors["audio"], torch.full((2,), 2.0))

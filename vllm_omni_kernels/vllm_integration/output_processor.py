@@ -22,13 +22,16 @@ in-process) use the ring kernels. A request's slots are freed when it finishes o
 Errors: a bad value (not a tensor where one is expected, dtype or frame shape changing mid-stream,
 an unknown request, a payload that is not a dict) is a ``TensorAccumulationError`` for that request
 and key: logged, counted (``accumulation_errors``), that step's value skipped, every other request
-untouched. A ``TensorConsolidationError`` fails that request visibly: its generate() call raises it
+untouched. Output that arrives for a request after it finished or was aborted (the abort raced the
+engine's next step) is only counted (``late_outputs``). A ``TensorConsolidationError`` fails that
+request visibly: its generate() call raises it
 (AsyncLLM), or its final ``RequestOutput`` (LLMEngine) has finish reason ``"error"`` and the error
 in ``stop_reason``; the engine core is asked to abort it. Anything else propagates.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -54,6 +57,7 @@ from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput, Multim
 
 logger = logging.getLogger(__name__)
 
+_GONE_KEPT = 65536  # finished or aborted request ids remembered, to tell a late output from a stranger
 _EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE: EmitPolicy.CUMULATIVE,
          RequestOutputKind.FINAL_ONLY: EmitPolicy.FINAL_ONLY}
 
@@ -251,6 +255,8 @@ class MultimodalOutputProcessor(OutputProcessor):
         self.stopwatch = Stopwatch()  # time spent on multimodal output (reading it, making payloads)
         self.accumulation_errors = 0
         self.consolidation_errors = 0
+        self.late_outputs = 0  # multimodal outputs that arrived after their request finished or was aborted
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()  # recently, bounded
 
     def add_request(self, request, prompt, parent_req=None, request_index: int = 0, queue=None) -> None:
         new = request.request_id not in self.request_states
@@ -285,8 +291,7 @@ class MultimodalOutputProcessor(OutputProcessor):
             rid = eco.request_id
             state = self.request_states.get(rid)
             if not isinstance(state, OmniRequestState):
-                errors.append(TensorAccumulationError("multimodal output for an unknown or finished request",
-                                                      request_id=rid))
+                self._unknown(rid, errors)
                 continue
             if not isinstance(payload, Mapping):
                 errors.append(TensorAccumulationError(
@@ -312,8 +317,7 @@ class MultimodalOutputProcessor(OutputProcessor):
         request visibly after the step."""
         state = self.request_states.get(eco.request_id)
         if not isinstance(state, OmniRequestState):
-            errors.append(TensorAccumulationError("multimodal output for an unknown or finished request",
-                                                  request_id=eco.request_id))
+            self._unknown(eco.request_id, errors)
             return
         if eco.multimodal_error is not None:
             exc = eco.multimodal_error.to_exception(eco.request_id)
@@ -325,6 +329,20 @@ class MultimodalOutputProcessor(OutputProcessor):
             _give_completion_outputs(state)
         for key, (axis, tensor) in eco.multimodal_delivered.items():
             state.deliver(self._key_aliases.get(key, key), tensor, axis)
+
+    def _unknown(self, request_id: str, errors: list) -> None:
+        """Output for a request without a state: one that finished or was aborted while the step was
+        in flight is counted (``late_outputs``: an abort races the engine's next step, nothing is
+        wrong); one never seen is an error."""
+        if request_id in self._gone:
+            self.late_outputs += 1
+        else:
+            errors.append(TensorAccumulationError("multimodal output for an unknown request", request_id=request_id))
+
+    def _note_gone(self, request_id: str) -> None:
+        self._gone[request_id] = None
+        if len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
 
     def _values(self, rid: str, payload: Mapping[str, Any], errors: list) -> dict[str, Any]:
         """The payload's values under the stage's key names; a key that two payload keys map to (say
@@ -393,6 +411,7 @@ class MultimodalOutputProcessor(OutputProcessor):
 
     def _finish_request(self, req_state: RequestState) -> None:
         super()._finish_request(req_state)
+        self._note_gone(req_state.request_id)
         if isinstance(req_state, OmniRequestState):
             self._release(req_state)
 
@@ -400,6 +419,7 @@ class MultimodalOutputProcessor(OutputProcessor):
         states = dict(self.request_states)
         aborted = super().abort_requests(request_ids, internal)
         for rid in aborted:
+            self._note_gone(rid)
             state = states.get(rid)
             if isinstance(state, OmniRequestState):
                 self._release(state)
@@ -414,5 +434,6 @@ class MultimodalOutputProcessor(OutputProcessor):
     def accumulator_stats(self) -> dict[str, Any]:
         """Pool statistics per device, plus the error counters."""
         return {"accumulation_errors": self.accumulation_errors, "consolidation_errors": self.consolidation_errors,
-                "failed_by_worker": self.failed_by_worker, "multimodal_seconds": self.stopwatch.seconds,
+                "failed_by_worker": self.failed_by_worker, "late_outputs": self.late_outputs,
+                "multimodal_seconds": self.stopwatch.seconds,
                 "devices": {str(d): a.stats() for d, a in self._accumulators.items()}}
