@@ -311,8 +311,8 @@ class GatherJobs:
         if not self.check_rows:
             return
         for blocks in (self.float_blocks, self.int_blocks):
-            starts = [dst.data_ptr() + np.atleast_1d(rows) * dst.stride(0) * dst.element_size()
-                      for src, _, dst, dst_rows in blocks for rows in _destination_rows(src, dst_rows)]
+            starts = [dst.data_ptr() + np.atleast_1d(_destination_rows(src, src_rows, dst_rows)) * dst.stride(0)
+                      * dst.element_size() for src, src_rows, dst, dst_rows in blocks]
             if starts:
                 flat = np.concatenate(starts)
                 if np.unique(flat).size != flat.size:
@@ -365,7 +365,7 @@ class GatherJobs:
 
     def _int_records(self, block: Block, base: int):
         """(source offsets, destination offsets, count words) of an int block, in int32 words. Rows
-        that lie end to end on both sides are one record."""
+        that lie end to end on both sides go as runs of up to ``RUN_ELEMS`` elements."""
         src, src_rows, dst, dst_rows = block
         dw, width = dst.element_size() // 4, (dst.shape[1] if dst.dim() == 2 else 1)
         d_kind = JOB_INT | (INT_DST64 if dw == 2 else 0)
@@ -404,14 +404,20 @@ def _put(records: np.ndarray, n: int, src, dst, word) -> int:
     return n + k
 
 
-_ARANGE = np.arange(1024, dtype=np.int64)
+def _kept_range(n: int) -> np.ndarray:
+    r = np.arange(n, dtype=np.int64)
+    r.flags.writeable = False
+    return r
+
+
+_ARANGE = _kept_range(1024)
 
 
 def _arange(n: int) -> np.ndarray:
     """0..n-1 (a read-only view of a kept range while it is long enough)."""
     global _ARANGE
     if n > len(_ARANGE):
-        _ARANGE = np.arange(1 << (n - 1).bit_length(), dtype=np.int64)
+        _ARANGE = _kept_range(1 << (n - 1).bit_length())
     return _ARANGE[:n]
 
 
@@ -431,12 +437,6 @@ def _each_rows(info: Sources, starts: np.ndarray, base: int, unit: int) -> tuple
     return np.repeat(s0, rows) + j * np.repeat(stride * words, rows), np.repeat(first, rows) + j
 
 
-def _destination_rows(src, dst_rows):
-    """A block's destination rows: one array or int; for a many-source block, one array of them all."""
-    if type(src) is not list:
-        return (np.asarray(dst_rows),)
-    rows = np.array([t.shape[0] for t in src], np.int64)
-    live = rows > 0
-    rows, first = rows[live], np.asarray(dst_rows)[live]
-    j = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
-    return (np.repeat(first, rows) + j,)
+def _destination_rows(src, src_rows, dst_rows):
+    """A block's destination rows (an array, or an int for one row)."""
+    return _each_rows(src_rows, dst_rows, 0, 1)[1] if type(src) is list else dst_rows
