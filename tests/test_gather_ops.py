@@ -180,6 +180,14 @@ def test_two_jobs_writing_one_row_is_rejected():
     with pytest.raises(ValueError, match="same destination row"):
         g.launch()
     assert (dst == 0).all()
+    # a many-source block whose second source's rows run into a row the first one writes
+    g = RowGather(torch.float32, 4, "cpu", max_float_rows=8, max_int_rows=4)
+    g.jobs.rows_each(dst, [0, 1], [torch.ones(2, 4), torch.ones(1, 4)])
+    with pytest.raises(ValueError, match="same destination row"):
+        g.launch()
+    g.jobs.clear()
+    g.jobs.rows_each(dst, [0, 2], [torch.ones(2, 4), torch.ones(2, 4)])
+    assert g.launch() == 1 and (dst == 1).all()
 
 
 def test_capacity_is_checked_before_launch():
