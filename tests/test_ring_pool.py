@@ -370,6 +370,13 @@ def test_static_append_prepares_from_what_changed_and_matches_concatenation(back
     static(4)
     assert pool.stats().growths >= 2
     check(ids)
+    eager()  # a signature, then its rows kept, then repeats around a static launch
+    eager()
+    static(1)
+    eager()
+    eager()
+    assert pool.stats().repeated_launches == 2
+    check(ids)
     assert pool.stats().unread_bytes == 0
 
 
