@@ -34,8 +34,8 @@ class StaticAppend:
         self.src, self.slots, self.n, self.lin_off, self.lin_stride = pool.plan_static(self.request_ids, src, lengths)
         self.meta = torch.zeros(len(self.slots), pool.table.shape[1], dtype=torch.int64, device=pool.device)
         self._layout_seen: np.ndarray | None = None
-        self.max_elems = int(self.n.max()) * pool.frame_elems
         self._frames = int(self.n.max())
+        self.max_elems = self._frames * pool.frame_elems
         self._room = 0  # frames every slot can still take: a lower bound while the pool is as last seen
         self._seen = (-1, -1)  # the pool's (version, writes) after the last prepare
 

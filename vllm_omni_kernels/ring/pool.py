@@ -344,26 +344,27 @@ class RingPool:
         with nvtx_range(self._nvtx_append):
             errors: list[TensorAccumulationError] = []
             if isinstance(chunks, PaddedBatch):
+                ids = tuple(request_ids)  # once: the repeat check, the slot lookup and the kept plan use it
                 data = chunks.data.detach() if chunks.data.requires_grad else chunks.data
-                if self._launch_repeat(request_ids, data, chunks.lengths):
-                    return AppendResult(len(request_ids))
-                rows = self._rows_from_batch(request_ids, data, chunks.lengths, errors)
+                if self._launch_repeat(ids, data, chunks.lengths):
+                    return AppendResult(len(ids))
+                rows = self._rows_from_batch(ids, data, chunks.lengths, errors)
                 keep = rows is not None and not errors and rows[0].data_ptr() == data.data_ptr()
-                repeat = (tuple(request_ids), data) if keep else None
+                repeat = (ids, data) if keep else None
             else:
                 rows, repeat = self._rows_from_list(request_ids, chunks, errors), None
             appended = self._launch_write(*rows, repeat=repeat) if rows is not None else 0
             self.rejected += len(errors)
             return AppendResult(appended, tuple(errors))
 
-    def _launch_repeat(self, request_ids, data: torch.Tensor, lengths) -> bool:
+    def _launch_repeat(self, ids: tuple, data: torch.Tensor, lengths) -> bool:
         """Launch a step that repeats the last planned one (``_RepeatPlan``) from its resident rows;
         False (nothing done) when anything differs or a slot may lack room."""
         plan = self._repeat
         if plan is not None:
             plan.wanted = False  # set again below when this step repeats it
         if plan is None or plan.version != self.version or data.shape != plan.shape or data.dtype != self.dtype \
-                or data.device != self.device or data.stride() != plan.stride or tuple(request_ids) != plan.ids:
+                or data.device != self.device or data.stride() != plan.stride or ids != plan.ids:
             return False
         if isinstance(lengths, torch.Tensor):
             if lengths.device.type != "cpu":
@@ -526,9 +527,7 @@ class RingPool:
             else:
                 plan.meta = self._resident
                 plan.meta[:rows].copy_(torch.from_numpy(host[:rows]))
-            plan.n, plan.slots, plan.max_elems = n.copy(), slots.copy(), max_elems
-            plan.room = int((self.table[slots, CAP] - self.table[slots, UNREAD] - n).min())
-            plan.writes = self.writes + 1
+            plan.n, plan.slots, plan.max_elems = n.copy(), slots.copy(), max_elems  # room: found by the first repeat
             meta = plan.meta
         else:
             meta = self._staging.for_kernel(i, rows, max_elems > UPLOAD_ELEMS)

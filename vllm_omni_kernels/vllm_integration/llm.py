@@ -139,6 +139,21 @@ def _processor(renderer, config: VllmConfig, log_stats: bool, options: Processor
                                      key_aliases=o.key_aliases, accumulator_config=o.accumulator_config, **kwargs)
 
 
+def _take_config(engine, vllm_config: VllmConfig) -> str | None:
+    """What both engines' constructors do first, as vLLM's do: vLLM's logging, the one-engine-core
+    check, the configs on ``engine``, tracing. Returns the tracing endpoint (None: off)."""
+    configure_logging_if_needed(vllm_config.logging_config)
+    if vllm_config.parallel_config.data_parallel_size > 1:
+        raise ValueError(f"{type(engine).__name__} serves one engine core (data_parallel_size 1)")
+    engine.vllm_config = vllm_config
+    engine.model_config = vllm_config.model_config
+    engine.observability_config = vllm_config.observability_config
+    endpoint = engine.observability_config.otlp_traces_endpoint
+    if endpoint is not None:
+        init_tracer("vllm.llm_engine", endpoint)
+    return endpoint
+
+
 class OmniLLM(LLMEngine):
     """vLLM's ``LLMEngine`` with the multimodal channel (module docstring). ``generate`` runs
     prompts to completion and returns one ``OmniRequestOutput`` each."""
@@ -147,15 +162,7 @@ class OmniLLM(LLMEngine):
                  aggregate_engine_logging: bool = False, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
                  stat_loggers=None, mm_registry=MULTIMODAL_REGISTRY, multiprocess_mode: bool = False,
                  processor_options: ProcessorOptions | None = None):
-        configure_logging_if_needed(vllm_config.logging_config)
-        if vllm_config.parallel_config.data_parallel_size > 1:
-            raise ValueError("OmniLLM serves one engine core (data_parallel_size 1)")
-        self.vllm_config = vllm_config
-        self.model_config = vllm_config.model_config
-        self.observability_config = vllm_config.observability_config
-        tracing_endpoint = self.observability_config.otlp_traces_endpoint
-        if tracing_endpoint is not None:
-            init_tracer("vllm.llm_engine", tracing_endpoint)
+        tracing_endpoint = _take_config(self, vllm_config)
         self.log_stats = log_stats
         self.external_launcher_dp = False
         self.dp_group = None
@@ -222,18 +229,10 @@ class OmniAsyncLLM(AsyncLLM):
                  aggregate_engine_logging: bool = False, client_addresses: dict[str, Any] | None = None,
                  client_count: int = 1, client_index: int = 0, profiler=None,
                  processor_options: ProcessorOptions | None = None):
-        configure_logging_if_needed(vllm_config.logging_config)
-        if vllm_config.parallel_config.data_parallel_size > 1:
-            raise ValueError("OmniAsyncLLM serves one engine core (data_parallel_size 1)")
+        tracing_endpoint = _take_config(self, vllm_config)
         maybe_register_config_serialize_by_value()
-        self.vllm_config = vllm_config
         self._elastic_ep_lock = asyncio.Lock()
-        self.model_config = vllm_config.model_config
         self.scheduler_config = vllm_config.scheduler_config
-        self.observability_config = vllm_config.observability_config
-        tracing_endpoint = self.observability_config.otlp_traces_endpoint
-        if tracing_endpoint is not None:
-            init_tracer("vllm.llm_engine", tracing_endpoint)
         self.log_requests = log_requests
         custom_stat_loggers = list(stat_loggers or [])
         custom_stat_loggers.extend(load_stat_logger_plugin_factories())
