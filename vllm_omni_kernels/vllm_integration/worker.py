@@ -311,9 +311,7 @@ class TalkerWorker:
             return self._run_upstream(req_ids, sampling, ids, opened, rows, codes, bad)
         tokens = self.acc.head(B, torch.int64)
         torch.add(codes[:, 0], tk.TEXT_VOCAB, out=tokens)
-        self.last_token[rows] = tokens
-        audio = tk.decode_frames(codes, self.frame[rows])
-        self.frame[rows] += 1
+        audio = self._advance(rows, codes, tokens)
         t0 = time.perf_counter()
         with nvtx_range("worker.output_path"):
             chunks = {"audio": PaddedBatch(audio, np.full(B, tk.FRAME_SAMPLES, np.int64)),
@@ -331,9 +329,7 @@ class TalkerWorker:
         """The comparison path: every key's batched output copied to the host each step (one blocking
         copy per key, as ``tensor.cpu()`` does) and sliced per request into plain per-step chunks."""
         tokens = codes[:, 0] + tk.TEXT_VOCAB
-        self.last_token[rows] = tokens
-        audio = tk.decode_frames(codes, self.frame[rows])
-        self.frame[rows] += 1
+        audio = self._advance(rows, codes, tokens)
         t0 = time.perf_counter()
         with nvtx_range("worker.output_path"):
             tokens_cpu = tokens.cpu()
@@ -343,6 +339,13 @@ class TalkerWorker:
             self._upstream_copies += 3
         self._note_output_path(t0, audio_cpu.numel() * 4 + codes_cpu.numel() * 8 + tokens_cpu.numel() * 8)
         return _StepOutput(req_ids, sampling, None, tokens_cpu, opened, {}, plain)
+
+    def _advance(self, rows: torch.Tensor, codes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The frame's audio, and the requests' state moved past it (last token, frame index)."""
+        self.last_token[rows] = tokens
+        audio = tk.decode_frames(codes, self.frame[rows])
+        self.frame[rows] += 1
+        return audio
 
     def _note_output_path(self, t0: float, nbytes: int) -> None:
         self._output_path_us.append((time.perf_counter() - t0) * 1e6)
