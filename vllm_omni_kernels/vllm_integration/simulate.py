@@ -173,8 +173,6 @@ def _pct(values, q) -> float:
 
 
 async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
-    from vllm import SamplingParams, TokensPrompt
-
     from .llm import OmniAsyncLLM, talker_processor_options, warm_up
 
     engine = OmniAsyncLLM.from_engine_args(_engine_args(cfg, path, model),
@@ -193,8 +191,7 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
             await asyncio.sleep(plan.arrival)
             async with sem:
                 res = _Result(plan, start=time.perf_counter())
-                params = SamplingParams(max_tokens=plan.frames, output_kind=_kind(plan.kind), detokenize=False)
-                prompt = TokensPrompt(prompt_token_ids=plan.prompt + ([1] if plan.bad else []))
+                prompt, params = _request(plan)
                 try:
                     async for out in engine.generate(prompt, params, request_id=plan.rid):
                         _take(res, out)
@@ -242,9 +239,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
         while pending or live:
             while pending and len(live) < cfg.concurrency and pending[0].arrival <= time.perf_counter() - t0:
                 plan = pending.pop(0)
-                params = SamplingParams(max_tokens=plan.frames, output_kind=_kind(plan.kind), detokenize=False)
-                engine.add_request(plan.rid, TokensPrompt(prompt_token_ids=plan.prompt + ([1] if plan.bad else [])),
-                                   params)
+                engine.add_request(plan.rid, *_request(plan))
                 live[plan.rid] = _Result(plan, start=time.perf_counter())
             if not live:
                 time.sleep(min(0.01, max(0.0, pending[0].arrival - (time.perf_counter() - t0))))
@@ -270,6 +265,15 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
         return sorted(results, key=lambda r: r.plan.rid), stats, client, wall
     finally:
         engine.engine_core.shutdown()
+
+
+def _request(plan: _Plan):
+    """The prompt and sampling parameters of a planned request (a malformed one ends its prompt with
+    token 1, the worker's cue)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=plan.frames, output_kind=_kind(plan.kind), detokenize=False)
+    return TokensPrompt(prompt_token_ids=plan.prompt + ([1] if plan.bad else [])), params
 
 
 def _kind(name: str):
