@@ -163,3 +163,33 @@ def test_host_buffers_handed_back_on_other_threads_are_reused_only_when_free():
         handed.put(None)
         thread.join()
     assert buffers.allocations < 3000
+
+
+def test_host_buffer_is_not_reused_while_anything_made_of_it_lives():
+    """What outlives a step's host tensor: the memoryview vLLM's encoder hands zmq (of a
+    ``view(uint8)`` of it), a request's piece (a view of another dtype), a numpy array. While any
+    of them is alive its bytes must not be handed out again; once all are gone the buffer is reused."""
+    from vllm.v1.utils import tensor_data
+
+    from vllm_omni_kernels.serving.worker_accumulator import _HostBuffers, split_region
+
+    makers = {"zmq frame": tensor_data,
+              "piece": lambda h: split_region(h, torch.float32, (), -1, 16, [4, 8])[1],
+              "numpy": lambda h: h.numpy()[16:]}
+    for name, make in makers.items():
+        buffers = _HostBuffers(keep=4, pinned=False)
+        host, note_copy = buffers.take(4096)
+        note_copy(None)
+        host.fill_(7)
+        held = make(host)
+        del host
+        for _ in range(8):  # later steps: none of them may write into the held bytes
+            other, note_other = buffers.take(4096)
+            note_other(None)
+            other.fill_(1)
+            del other
+        assert set(bytes(memoryview(held if not isinstance(held, torch.Tensor) else held.numpy()).cast("B"))) == {7}, name
+        allocated = buffers.allocations
+        del held
+        again, _ = buffers.take(4096)  # now everything made of the first buffer is gone: it is reused
+        assert buffers.allocations == allocated, name

@@ -133,11 +133,15 @@ class PackedStep:
 class _HostBuffers:
     """Pinned host buffers for the steps' copies, each reused once every tensor made of it is gone.
 
-    A step's host tensor is made over a free buffer with ``torch.frombuffer``, so it is a tensor of
-    its own (no ``_base``) and every view, numpy array or encoder frame made of it keeps it alive;
-    when the last of them goes, a ``weakref.finalize`` hands the buffer back. That can happen on any
-    thread (the engine's output thread drops a step after sending it), so a buffer comes back
-    through a thread-safe queue and only ``take`` (the step's thread) looks at the free list.
+    A step's host tensor is made with ``torch.frombuffer`` over a numpy view of a free buffer made
+    for this hand-out. The tensor's storage holds that view until the storage is freed, which is
+    when the last tensor, numpy array or memoryview sharing it goes (vLLM's encoder hands zmq a
+    memoryview of a ``view(uint8)`` of it, which zmq holds until it has sent the frame); a
+    ``weakref.finalize`` on the numpy view then hands the buffer back. The tensor object itself is
+    no witness: a view of another dtype, a numpy array or an encoder frame made of it does not keep
+    it alive. The hand-back can happen on any thread (zmq's, the engine's output thread), so a
+    buffer comes back through a thread-safe queue and only ``take`` (the step's thread) looks at the
+    free list.
     Allocating pinned memory (``cudaHostAlloc``) costs about a millisecond: that happens only while
     the buffers in flight outgrow what was allocated before (a few at the start).
     """
@@ -166,9 +170,13 @@ class _HostBuffers:
             self.allocations += 1
             buffer = torch.empty(max(1 << (max(nbytes, 1) - 1).bit_length(), 1 << 20), dtype=torch.uint8,
                                  pin_memory=self._pinned)
-        host = torch.frombuffer(buffer.numpy()[:nbytes], dtype=torch.uint8) if nbytes else buffer[:0].clone()
         copied: list[torch.cuda.Event | None] = [None]
-        weakref.finalize(host, self._returned.put, (buffer, copied))
+        if not nbytes:  # nothing shares the buffer: it is free again at once
+            self._returned.put((buffer, copied))
+            return buffer[:0].clone(), lambda event: None
+        window = buffer.numpy()[:nbytes]  # held by the storage of every tensor made of it (class docstring)
+        host = torch.frombuffer(window, dtype=torch.uint8)
+        weakref.finalize(window, self._returned.put, (buffer, copied))
         return host, lambda event: copied.__setitem__(0, event)
 
 
