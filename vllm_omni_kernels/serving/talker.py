@@ -5,6 +5,11 @@ each sampling request's last token, frame index and prompt context into one code
 ``CODEBOOKS`` codes; the first code, offset by ``TEXT_VOCAB``, is the step's sampled token (so a
 text id, EOS included, is never sampled: a request runs for its ``max_tokens`` frames).
 
+Weights and activations are small integers held in float32, every sum stays below 2**24, the
+nonlinearity is a remainder and every logit is distinct: each step is exact, whatever the device,
+the batch or the order a matmul sums in (TF32 included), so a request's codes are the same on a
+GPU server as in ``rollout`` on the CPU.
+
 ``decode_frames`` turns codes into ``FRAME_SAMPLES`` samples per frame with integer arithmetic only
 (a sum of sawtooth waves whose steps come from the codes, scaled by a power of two), so the audio of
 a frame is the same bits on every device: a test knows every sample from the codes alone
@@ -25,6 +30,7 @@ VOCAB = TEXT_VOCAB + CODEBOOK_SIZE
 _HIDDEN = 64
 _POSITIONS = 4096
 _SCALE = 2.0 ** -18  # |sum of CODEBOOKS sawtooth values| < 2**18: samples in [-1, 1), exact in float32
+_FOLD = 17  # activations folded into [-8, 8]; weights in [-4, 4]: |a dot product| <= 64 * 8 * 4 = 2**11
 
 
 class ToyTalker(nn.Module):
@@ -37,25 +43,35 @@ class ToyTalker(nn.Module):
     def __init__(self, seed: int = 0):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.embed = nn.Parameter(torch.randn(VOCAB, _HIDDEN, generator=g) * 0.5, requires_grad=False)
-        self.position = nn.Parameter(torch.randn(_POSITIONS, _HIDDEN, generator=g) * 0.5, requires_grad=False)
-        self.mix = nn.Parameter(torch.randn(_HIDDEN, _HIDDEN, generator=g) / _HIDDEN ** 0.5, requires_grad=False)
-        self.heads = nn.Parameter(torch.randn(CODEBOOKS, _HIDDEN, CODEBOOK_SIZE, generator=g) / _HIDDEN ** 0.5,
-                                  requires_grad=False)
+
+        def weights(*shape: int, bound: int) -> nn.Parameter:
+            return nn.Parameter(torch.randint(-bound, bound + 1, shape, generator=g).float(), requires_grad=False)
+
+        self.embed = weights(VOCAB, _HIDDEN, bound=8)
+        self.position = weights(_POSITIONS, _HIDDEN, bound=8)
+        self.mix = weights(_HIDDEN, _HIDDEN, bound=4)
+        self.heads = weights(CODEBOOKS, _HIDDEN, CODEBOOK_SIZE, bound=4)
+        # logit * CODEBOOK_SIZE + a rank of its own per code: no two logits tie (all below 2**22)
+        self.register_buffer("rank", torch.randperm(CODEBOOK_SIZE, generator=g).float(), persistent=False)
 
     @property
     def hidden_size(self) -> int:
         return _HIDDEN
 
     def prompt_context(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed[prompt_ids.clamp(0, VOCAB - 1)].mean(0)
+        return _fold(self.embed[prompt_ids.clamp(0, VOCAB - 1)].sum(0))
 
     @torch.no_grad()
     def forward(self, last_token: torch.Tensor, frame: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.embed[last_token] + self.position[frame % _POSITIONS] + context)
-        h = torch.tanh(h @ self.mix)
+        h = _fold(self.embed[last_token] + self.position[frame % _POSITIONS] + context)
+        h = _fold(h @ self.mix)
         logits = torch.einsum("bh,qhc->bqc", h, self.heads)
-        return logits.argmax(-1)
+        return (logits * CODEBOOK_SIZE + self.rank).argmax(-1)
+
+
+def _fold(x: torch.Tensor) -> torch.Tensor:
+    """The talker's nonlinearity: integers folded into [-8, 8] (exact in float32)."""
+    return torch.remainder(x, _FOLD) - _FOLD // 2
 
 
 def decode_frames(codes: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,9 @@ step, device-to-host copies per step and bytes on the wire per step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import json
 import time
 from pathlib import Path
@@ -138,6 +140,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         results, engine_stats, client, wall = _serve_in_process(cfg, path, model, plans)
     else:
         results, engine_stats, client, wall = asyncio.run(_serve_async(cfg, path, model, plans))
+        gc.collect()  # the shut-down engine, if a cycle holds it, goes while the interpreter is whole
     checked = _check(results, out / "wav" if (path == "worker" and cfg.write_wavs) else None,
                      bad_fails=path == "worker")
     samples = sum(sum(a.numel() for a in r.audio) for r in results)
@@ -193,11 +196,13 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
                 res = _Result(plan, start=time.perf_counter())
                 prompt, params = _request(plan)
                 try:
-                    async for out in engine.generate(prompt, params, request_id=plan.rid):
-                        _take(res, out)
-                        if plan.abort and res.first_audio is not None:
-                            await engine.abort(plan.rid)
-                            break
+                    # closed when left early: its frame (and the engine it holds) goes now, not at exit
+                    async with contextlib.aclosing(engine.generate(prompt, params, request_id=plan.rid)) as stream:
+                        async for out in stream:
+                            _take(res, out)
+                            if plan.abort and res.first_audio is not None:
+                                await engine.abort(plan.rid)
+                                break
                 except TensorAccumulationError as exc:
                     res.error = str(exc)
                 if bar is not None:
