@@ -1,11 +1,16 @@
 """Buddy allocator over a fixed arena, in units of frames.
 
 Regions are powers of two times ``min_frames``; freeing merges buddies back, so a pool that served
-many short requests can still hand one long request a large region. Purely host-side bookkeeping:
-it never touches device memory.
+many short requests can still hand one long request a large region. A freed region of the smallest
+size (every new request's) is kept aside unmerged and handed out first: a serving pool that starts
+and finishes requests every step splits and merges nothing, and the kept regions are merged as soon
+as a larger region cannot be found without them. Purely host-side bookkeeping: it never touches
+device memory.
 """
 
 from __future__ import annotations
+
+import heapq
 
 
 class BuddyAllocator:
@@ -27,7 +32,10 @@ class BuddyAllocator:
         self.max_order = blocks.bit_length() - 1
         self.total_frames = blocks * min_frames
         self._free: list[set[int]] = self._initial_blocks(blocks)
+        self._heaps: list[list[int]] = [sorted(f) for f in self._free]  # the free offsets, lowest first
+        # (lazily: an offset taken out of a set by a merge stays in its heap until popped)
         self._live: dict[int, int] = {}  # offset -> order
+        self._kept: list[int] = []  # freed smallest regions, not merged yet
         self.used_frames = 0
 
     def _initial_blocks(self, blocks: int) -> list[set[int]]:
@@ -40,7 +48,8 @@ class BuddyAllocator:
         return free
 
     def is_merged(self) -> bool:
-        """Whether nothing is handed out and every freed region merged back into the initial blocks."""
+        """Whether nothing is handed out and every freed region merges back into the initial blocks."""
+        self._merge_kept()
         return not self._live and self._free == self._initial_blocks(self.total_frames // self.min_frames)
 
     def order_for(self, frames: int) -> int:
@@ -55,16 +64,23 @@ class BuddyAllocator:
         order = self.order_for(frames)
         if order > self.max_order:
             return None
+        if order == 0 and self._kept:
+            offset = self._kept.pop()
+            self._live[offset] = 0
+            self.used_frames += self.min_frames
+            return offset, self.min_frames
         k = order
         while k <= self.max_order and not self._free[k]:
             k += 1
         if k > self.max_order:
-            return None
-        offset = min(self._free[k])  # lowest address first keeps the arena compact
-        self._free[k].remove(offset)
+            if not self._kept:
+                return None
+            self._merge_kept()
+            return self.alloc(frames)
+        offset = self._pop(k)  # lowest address first keeps the arena compact
         while k > order:  # split, keeping the lower half
             k -= 1
-            self._free[k].add(offset + self.frames_of(k))
+            self._push(k, offset + self.frames_of(k))
         self._live[offset] = order
         self.used_frames += self.frames_of(order)
         return offset, self.frames_of(order)
@@ -72,6 +88,18 @@ class BuddyAllocator:
     def free(self, offset: int) -> None:
         order = self._live.pop(offset)  # KeyError on a region not handed out: a caller bug
         self.used_frames -= self.frames_of(order)
+        if order == 0:
+            self._kept.append(offset)
+        else:
+            self._merge(offset, order)
+
+    def _merge_kept(self) -> None:
+        for offset in self._kept:
+            self._merge(offset, 0)
+        self._kept.clear()
+
+    def _merge(self, offset: int, order: int) -> None:
+        """Return a free region, merged with its free buddies."""
         while order < self.max_order:
             buddy = offset ^ self.frames_of(order)
             if buddy not in self._free[order]:
@@ -79,7 +107,23 @@ class BuddyAllocator:
             self._free[order].remove(buddy)
             offset = min(offset, buddy)
             order += 1
-        self._free[order].add(offset)
+        self._push(order, offset)
+
+    def _push(self, order: int, offset: int) -> None:
+        free, heap = self._free[order], self._heaps[order]
+        free.add(offset)
+        heapq.heappush(heap, offset)
+        if len(heap) > 2 * len(free) + 64:  # mostly offsets merged away since: rebuild
+            heap[:] = sorted(free)
+
+    def _pop(self, order: int) -> int:
+        """The lowest free offset of ``order`` (there is one), taken."""
+        free, heap = self._free[order], self._heaps[order]
+        while True:
+            offset = heapq.heappop(heap)
+            if offset in free:
+                free.remove(offset)
+                return offset
 
     @property
     def live_regions(self) -> int:

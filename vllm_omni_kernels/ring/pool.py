@@ -43,7 +43,7 @@ import torch
 from .. import ops
 from ..errors import TensorAccumulationError, TensorConsolidationError
 from ..modality import TensorAccumulationStrategy as Strategy
-from ..ops.layout import BASE, CAP, HEAD_SHIFT, LIN_STRIDE, META_COLS, POS, SLOT, UNREAD
+from ..ops.layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, META_COLS, POS, SLOT, UNREAD
 from ..profiling import nvtx_range
 from .allocator import BuddyAllocator
 from .planner import plan_read, plan_write
@@ -153,7 +153,8 @@ class RingPool:
         self._drained = np.zeros(max_slots, np.int64)
         self.layout = np.zeros(max_slots, np.int64)  # bumped when a slot's region or head moves outside a kernel
         self._owner: dict[str, int] = {}
-        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._slot_free = np.ones(max_slots, bool)
+        self._overrides = 0  # slots whose POS holds a head override (new or grown slots)
         self._staging = PinnedStaging(max_rows, META_COLS, self.device, device_copy=True)
         self._scratch = torch.empty(0, dtype=dtype, device=self.device)  # packs list inputs
         self._ids_cache: tuple = ((), np.zeros(0, np.int64), -1)  # (ids, slots, version) of the last step
@@ -176,22 +177,33 @@ class RingPool:
     def __len__(self) -> int:
         return len(self._owner)
 
-    def alloc(self, request_id: str) -> int:
-        """Give ``request_id`` a slot with ``initial_frames`` of capacity; returns the slot index."""
+    def alloc(self, request_id: str, slot: int | None = None, frames: int = 0) -> int:
+        """Give ``request_id`` a slot with ``initial_frames`` of capacity (or room for ``frames``, when
+        the caller knows how much the request will hold and a sixteenth of the arena covers it);
+        returns the slot index (``slot``: that one, which must be free; a caller that keeps rows of
+        its own, such as the worker accumulator, uses the same index in every pool and passes it to
+        ``append``/``read_into``)."""
         if request_id in self._owner:
             raise TensorAccumulationError("already holds a slot in this pool", request_id=request_id, key=self.key)
-        if not self._free_slots:
+        if len(self._owner) >= self.max_slots:
             raise TensorAccumulationError(f"all {self.max_slots} slots of the pool are in use",
                                           request_id=request_id, key=self.key)
-        region = self.allocator.alloc(self.allocator.min_frames)
+        if slot is None:
+            slot = int(self._slot_free.argmax())
+        elif not (0 <= slot < self.max_slots and self._slot_free[slot]):
+            raise TensorAccumulationError(f"slot {slot} is not free", request_id=request_id, key=self.key)
+        region = None
+        if frames > self.allocator.min_frames and 16 * frames <= self.allocator.total_frames:
+            region = self.allocator.alloc(frames)  # none free: the smallest one, grown when needed
+        region = region or self.allocator.alloc(self.allocator.min_frames)
         if region is None:
             raise TensorAccumulationError(f"pool budget of {self.arena.numel() * self.arena.element_size()} "
                                           "bytes is spent", request_id=request_id, key=self.key)
-        slot = self._free_slots.pop()
+        self._slot_free[slot] = False
         self._owner[request_id] = slot
         offset, frames = region
         self.table[slot, BASE], self.table[slot, CAP], self.table[slot, UNREAD] = offset * self.frame_elems, frames, 0
-        self.table[slot, POS] = 0  # the device head is overridden until a write has used it
+        self._override_head(slot, 0)
         self._tail[slot] = self._drained[slot] = 0
         self.layout[slot] += 1
         self.version += 1
@@ -207,7 +219,8 @@ class RingPool:
         self._settle()
         self.allocator.free(int(self.table[slot, BASE] // self.frame_elems))
         self.table[slot, CAP] = self.table[slot, UNREAD] = 0
-        self._free_slots.append(slot)
+        self._override_head(slot, -1)
+        self._slot_free[slot] = True
         self.version += 1
 
     def slot_of(self, request_id: str) -> int:
@@ -232,6 +245,13 @@ class RingPool:
         self._settle()
         return int((self.table[slots, CAP] - self.table[slots, UNREAD]).min(initial=_INT32_MAX))
 
+    def unread(self) -> np.ndarray:
+        """Unread frames of every slot (a read-only view of the host mirror, indexed by slot)."""
+        self._settle()
+        view = self.table[:, UNREAD]
+        view.flags.writeable = False
+        return view
+
     def unread_frames(self, request_id: str) -> int:
         self._settle()
         return int(self.table[self.slot_of(request_id), UNREAD])
@@ -252,10 +272,25 @@ class RingPool:
     def _note_usage(self) -> None:
         self.high_water_bytes = max(self.high_water_bytes, self.allocator.used_frames * self.frame_bytes)
 
+    def _override_head(self, slot: int, pos: int) -> None:
+        """Set the slot's head override (``pos`` >= 0: a new or grown slot's head, which its next
+        write uses instead of the device head; -1: none), counting the slots that have one."""
+        self._overrides += (pos >= 0) - (int(self.table[slot, POS]) >= 0)
+        self.table[slot, POS] = pos
+
+    def _clear_overrides(self, slots: np.ndarray) -> None:
+        """The head overrides of ``slots`` are used up (a write launched from them, or the device
+        heads were written)."""
+        if self._overrides:  # (callers check it first where it costs)
+            used = slots[self.table[slots, POS] >= 0]
+            self.table[used, POS] = -1
+            self._overrides -= len(used)
+
     # ----------------------------------------------------------------- capacity
 
-    def _chunk_frames(self, t: torch.Tensor, request_id: str) -> int:
-        """Validate one chunk against the pool; return its frame count."""
+    def _chunk_frames(self, t: torch.Tensor, request_id: str, lead: int = 0) -> int:
+        """Validate one chunk (``lead`` 1: a batch of chunks, ``[B, *chunk]``) against the pool;
+        return its frame count (a batch: its padded length)."""
         if not isinstance(t, torch.Tensor):
             raise TensorAccumulationError(f"expected a tensor, got {type(t).__name__}",
                                           request_id=request_id, key=self.key)
@@ -265,13 +300,14 @@ class RingPool:
         if t.dtype != self.dtype:
             raise TensorAccumulationError(f"dtype {t.dtype} but the slot holds {self.dtype}",
                                           request_id=request_id, key=self.key)
-        frame = tuple(t.shape[1:]) if not self.last else tuple(t.shape[:-1])
-        if t.dim() != len(self.frame_shape) + 1 or frame != self.frame_shape:
+        shape = t.shape[lead:]
+        frame = tuple(shape[1:]) if not self.last else tuple(shape[:-1])
+        if len(shape) != len(self.frame_shape) + 1 or frame != self.frame_shape:
             axis = "[*frame, n]" if self.last else "[n, *frame]"
             raise TensorAccumulationError(
-                f"shape {tuple(t.shape)} does not match the slot's frame shape {self.frame_shape} (chunks are {axis})",
+                f"shape {tuple(shape)} does not match the slot's frame shape {self.frame_shape} (chunks are {axis})",
                 request_id=request_id, key=self.key)
-        return int(t.shape[-1] if self.last else t.shape[0])
+        return int(shape[-1] if self.last else shape[0])
 
     def make_room(self, request_ids: Sequence[str], slots: np.ndarray, n: np.ndarray,
                   errors: list | None = None) -> np.ndarray:
@@ -292,19 +328,27 @@ class RingPool:
             failed.append(TensorAccumulationError(
                 f"chunk of {int(n[i])} frames exceeds the per-step limit of {_INT32_MAX // self.frame_elems}",
                 request_id=request_ids[i], key=self.key))
+        grown: list[tuple[int, int, int]] = []  # (slot, new region's offset, its frames)
         for i in over:
             if keep[i]:
-                error = self._grow(int(slots[i]), int(self.table[slots[i], UNREAD] + n[i]), request_ids[i])
-                if error is not None:
+                slot = int(slots[i])
+                region = self._region_for(slot, int(self.table[slot, UNREAD] + n[i]), request_ids[i])
+                if isinstance(region, TensorAccumulationError):
                     keep[i] = False
-                    failed.append(error)
+                    failed.append(region)
+                else:
+                    grown.append((slot, *region))
+        if grown:
+            self._move(grown)
         if failed and errors is None:
             raise failed[0]
         if errors is not None:
             errors.extend(failed)
         return keep
 
-    def _grow(self, slot: int, needed: int, request_id: str) -> TensorAccumulationError | None:
+    def _region_for(self, slot: int, needed: int, request_id: str) -> tuple[int, int] | TensorAccumulationError:
+        """A new region of at least ``needed`` frames (and twice the slot's capacity) for the slot,
+        or the error that says why there is none."""
         cap, unread = int(self.table[slot, CAP]), int(self.table[slot, UNREAD])
         if not self.growth:
             return TensorAccumulationError(f"append of {needed - unread} frames would overwrite unread data "
@@ -315,45 +359,56 @@ class RingPool:
             return TensorAccumulationError(f"cannot grow to {needed} frames: pool budget of "
                                            f"{self.arena.numel() * self.arena.element_size()} bytes is spent",
                                            request_id=request_id, key=self.key)
-        offset, frames = region
-        new_base = offset * self.frame_elems
-        if unread:  # copy the unread span, linearized, to the start of the new region
-            self._launch_read(np.array([slot]), self.arena[new_base:new_base + frames * self.frame_elems],
-                              lin_stride=frames if self.last else self.frame_elems)
-        self.allocator.free(int(self.table[slot, BASE] // self.frame_elems))
-        self.table[slot, BASE], self.table[slot, CAP] = new_base, frames
-        self.table[slot, POS] = unread % frames  # the device head is overridden until a write has used it
-        self._tail[slot] = 0
-        self.layout[slot] += 1
+        return region
+
+    def _move(self, grown: list[tuple[int, int, int]]) -> None:
+        """Move slots to their new regions: every unread span is copied, linearized, to the start of
+        its new region in one launch (the new regions were all taken before any old one is given
+        back, so none overlaps a span still to be copied); then the old regions are freed."""
+        slots = np.array([g[0] for g in grown], np.int64)
+        frames = np.array([g[2] for g in grown], np.int64)
+        bases = np.array([g[1] for g in grown], np.int64) * self.frame_elems
+        moving = self.table[slots, UNREAD] > 0
+        if moving.any():
+            self._launch_read(slots[moving], self.arena, lin_off=bases[moving],
+                              lin_stride=frames[moving] if self.last else self.frame_elems)
+        for slot, base, cap in zip(slots.tolist(), bases.tolist(), frames.tolist()):
+            unread = int(self.table[slot, UNREAD])
+            self.allocator.free(int(self.table[slot, BASE] // self.frame_elems))
+            self.table[slot, BASE], self.table[slot, CAP] = base, cap
+            self._override_head(slot, unread % cap)
+            self._tail[slot] = 0
+            self.layout[slot] += 1
         self.version += 1
-        self.growths += 1
+        self.growths += len(grown)
         self._note_usage()
-        return None
 
     # ----------------------------------------------------------------- append
 
-    def append(self, request_ids: Sequence[str], chunks: PaddedBatch | Sequence[torch.Tensor | None]) -> AppendResult:
+    def append(self, request_ids: Sequence[str], chunks: PaddedBatch | Sequence[torch.Tensor | None], *,
+               slots: np.ndarray | None = None) -> AppendResult:
         """Append one step's chunks for ``request_ids`` (aligned; a None chunk skips that request).
 
         ``chunks`` is a ``PaddedBatch`` (no copy besides the kernel) or a list of per-request tensors
         (packed into a persistent scratch buffer with one ``torch.cat`` first). Requests must hold a
         slot (``alloc``). Invalid requests are skipped with a ``TensorAccumulationError`` each in the
         result; the valid ones are written by one launch. Chunks that require grad are appended as
-        data (detached).
+        data (detached). ``slots``: the requests' slots (int64, aligned), from a caller that chose
+        them at ``alloc``: no lookup, and the step is planned every time (no repeated launch).
         """
         with nvtx_range(self._nvtx_append):
             errors: list[TensorAccumulationError] = []
             if isinstance(chunks, PaddedBatch):
                 ids = tuple(request_ids)  # once: the repeat check, the slot lookup and the kept plan use it
                 data = chunks.data.detach() if chunks.data.requires_grad else chunks.data
-                if self._launch_repeat(ids, data, chunks.lengths):
+                if slots is None and self._launch_repeat(ids, data, chunks.lengths):
                     return AppendResult(len(ids))
-                rows = self._rows_from_batch(ids, data, chunks.lengths, errors)
-                keep = rows is not None and not errors and rows[0].data_ptr() == data.data_ptr()
+                rows = self._rows_from_batch(ids, data, chunks.lengths, errors, slots)
+                keep = rows is not None and slots is None and not errors and rows[0].data_ptr() == data.data_ptr()
                 repeat = (ids, data) if keep else None
             else:
-                rows, repeat = self._rows_from_list(request_ids, chunks, errors), None
-            appended = self._launch_write(*rows, repeat=repeat) if rows is not None else 0
+                rows, repeat = self._rows_from_list(request_ids, chunks, errors, slots), None
+            appended = self._launch_write(*rows, errors, repeat=repeat) if rows is not None else 0
             self.rejected += len(errors)
             return AppendResult(appended, tuple(errors))
 
@@ -423,7 +478,7 @@ class RingPool:
             self._ids_cache = (ids, slots, self.version)
         return slots, keep
 
-    def _rows_from_batch(self, request_ids, data: torch.Tensor, lengths, errors: list):
+    def _rows_from_batch(self, request_ids, data: torch.Tensor, lengths, errors: list, slots=None):
         B = len(request_ids)
         if isinstance(lengths, torch.Tensor):
             if lengths.device.type != "cpu":
@@ -435,30 +490,30 @@ class RingPool:
                              f"{n.shape[0]} lengths, {B} request ids")
         if B == 0:
             return None
-        slots, keep = self._lookup(request_ids, errors)
+        keep = None  # all
+        if slots is None:
+            slots, keep = self._lookup(request_ids, errors)
+            keep = None if keep.all() else keep
         try:
-            axis_len = self._chunk_frames(data[0], "<batch>")
+            axis_len = self._chunk_frames(data, "<batch>", lead=1)
         except TensorAccumulationError as exc:
-            errors.extend(exc.for_request(request_ids[i]) for i in np.flatnonzero(keep))
+            errors.extend(exc.for_request(request_ids[i]) for i in (range(B) if keep is None else np.flatnonzero(keep)))
             return None
         if n.min() < 0 or n.max() > axis_len:
-            bad = keep & ((n < 0) | (n > axis_len))
+            bad = (n < 0) | (n > axis_len)
+            keep = ~bad if keep is None else keep & ~bad
             for i in np.flatnonzero(bad):
                 errors.append(TensorAccumulationError(f"length {int(n[i])} outside [0, {axis_len}] of the padded "
                                                       "batch", request_id=request_ids[i], key=self.key))
-            keep &= ~bad
         # Rows of the batch as [B, L, T] (CONCAT_LAST) or [B, n, F] (CONCAT_DIM0), without copying.
         view = data.reshape(B, self.frame_elems, axis_len) if self.last else data.reshape(B, axis_len, self.frame_elems)
         if view.stride(2) != 1 or view.data_ptr() != data.data_ptr():
             view = view.contiguous()
         rows = self._row_index(B)
-        if not keep.all():
+        if keep is not None:
             rows, slots, n = rows[keep], slots[keep], n[keep]
             request_ids = [request_ids[i] for i in rows]
-        fit = self.make_room(request_ids, slots, n, errors)
-        if not fit.all():
-            rows, slots, n = rows[fit], slots[fit], n[fit]
-        return view, slots, n, rows * view.stride(0), view.stride(1)
+        return view, slots, n, rows * view.stride(0), view.stride(1), request_ids
 
     def _row_index(self, rows: int) -> np.ndarray:
         """0, 1, ..., rows - 1 (read-only; kept, grown when a larger batch arrives)."""
@@ -467,10 +522,10 @@ class RingPool:
             self._rows.flags.writeable = False
         return self._rows[:rows]
 
-    def _rows_from_list(self, request_ids, chunks, errors: list):
+    def _rows_from_list(self, request_ids, chunks, errors: list, slots=None):
         if len(chunks) != len(request_ids):
             raise ValueError(f"{len(chunks)} chunks for {len(request_ids)} request ids (key {self.key!r})")
-        slots, keep = self._lookup(request_ids, errors)
+        slots, keep = self._lookup(request_ids, errors) if slots is None else (slots, np.ones(len(chunks), bool))
         n = np.zeros(len(chunks), np.int64)
         for i, t in enumerate(chunks):
             if t is None:
@@ -483,7 +538,8 @@ class RingPool:
                     errors.append(exc)
         idx = np.flatnonzero(keep)
         slots, n = slots[idx], n[idx]
-        fit = self.make_room([request_ids[i] for i in idx], slots, n, errors)
+        ids = [request_ids[i] for i in idx]
+        fit = self.make_room(ids, slots, n, errors)  # before packing: only chunks that fit are packed
         idx, slots, n = idx[fit], slots[fit], n[fit]
         if len(idx) == 0:
             return None
@@ -493,13 +549,14 @@ class RingPool:
         parts = [chunks[i].detach() for i in idx]
         starts = np.zeros(len(idx), np.int64)
         np.cumsum(n[:-1], out=starts[1:])
+        ids = [request_ids[i] for i in idx]
         if self.last:
             packed = self._scratch[: total * F].view(F, total)
             torch.cat([p.reshape(F, -1) for p in parts], dim=1, out=packed)
-            return packed, slots, n, starts, total
+            return packed, slots, n, starts, total, ids
         packed = self._scratch[: total * F].view(total, F)
         torch.cat([p.reshape(-1, F) for p in parts], dim=0, out=packed)
-        return packed, slots, n, starts * F, F
+        return packed, slots, n, starts * F, F, ids
 
     def _staged(self, rows: int) -> tuple[int, np.ndarray]:
         """The next staging buffer with room for ``rows`` rows (grows, rarely, for a larger step)."""
@@ -510,15 +567,31 @@ class RingPool:
             self._resident = torch.empty(self._staging.rows, META_COLS, dtype=torch.int64, device=self.device)
         return self._staging.host()
 
-    def _launch_write(self, src, slots, n, lin_off, lin_stride, repeat=None) -> int:
-        """One write launch; the host mirrors advance and head overrides are used up. ``repeat``:
-        (request ids, source) of a step whose every request was launched from a view of the source:
-        when no slot has a head override its rows are kept on the device for the steps that repeat it."""
+    def _launch_write(self, src, slots, n, lin_off, lin_stride, request_ids, errors: list, repeat=None) -> int:
+        """One write launch; the host mirrors advance and head overrides are used up. Slots that
+        the chunks would overflow grow first (``make_room``; one that cannot is left out with its
+        error in ``errors``). ``repeat``: (request ids, source) of a step whose every request was
+        launched from a view of the source: when no slot has a head override its rows are kept on
+        the device for the steps that repeat it."""
         if len(slots) == 0:
             return 0
+        self._settle()
         i, host = self._staged(len(slots))
-        max_elems = plan_write(self.table, slots, n, lin_off, lin_stride, host) * self.frame_elems
         rows = len(slots)
+        frames = plan_write(self.table, slots, n, lin_off, lin_stride, host)
+        unread = host[:rows, UNREAD] + n
+        if frames * self.frame_elems > _INT32_MAX or (unread > host[:rows, CAP]).any():
+            # Grow the slots (rare): their rows move, and a growth's copy takes a staging buffer.
+            fit = self.make_room(request_ids, slots, n, errors)
+            if not fit.all():
+                slots, n, lin_off, repeat = slots[fit], n[fit], np.asarray(lin_off)[fit], None
+                rows = len(slots)
+                if not rows:
+                    return 0
+            i, host = self._staged(rows)
+            frames = plan_write(self.table, slots, n, lin_off, lin_stride, host)
+            unread = host[:rows, UNREAD] + n
+        max_elems = frames * self.frame_elems
         plan = self._repeat
         if repeat is not None and plan is not None and plan.wanted and (host[:rows, POS] < 0).all():
             self._settle()
@@ -538,8 +611,9 @@ class RingPool:
         ops.ring_write(self.arena, self.state, meta, src, rows=rows, frame_elems=self.frame_elems,
                        last=self.last, max_elems=max_elems)
         self.writes += 1
-        self.table[slots, UNREAD] += n
-        self.table[slots, POS] = -1
+        self.table[slots, UNREAD] = unread
+        if self._overrides:
+            self._clear_overrides(slots)
         return rows
 
     # ----------------------------------------------------------------- read out
@@ -573,41 +647,50 @@ class RingPool:
                 raise TensorConsolidationError(f"{drained} frames were already drained; cannot consolidate",
                                                request_id=r, key=self.key)
 
-    def read_into(self, request_ids: Sequence[str], out: torch.Tensor, *, drain: bool) -> tuple[np.ndarray, np.ndarray]:
+    def read_into(self, request_ids: Sequence[str], out: torch.Tensor, *, drain: bool,
+                  slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Copy each request's unread span back to back into ``out`` (a contiguous 1-D tensor of the
         pool's dtype and device, at least ``unread_elements`` long) in one launch: with ``drain`` the
         tails advance (DELTA), else nothing moves and the spans must be everything appended
         (``check_consolidate``). Returns each request's element offset in ``out`` and its frames
         (int64 arrays). A request's span is laid out as its chunks are: ``[*frame, n]`` for
-        CONCAT_LAST, ``[n, *frame]`` for CONCAT_DIM0."""
+        CONCAT_LAST, ``[n, *frame]`` for CONCAT_DIM0. ``slots``: the requests' slots, as for ``append``."""
         if not drain:
             self.check_consolidate(request_ids)
         self._settle()
-        slots = self.slots(request_ids)
-        if out.dtype != self.dtype or out.device != self.device or out.dim() != 1 or not out.is_contiguous() \
-                or out.numel() < int(self.table[slots, UNREAD].sum()) * self.frame_elems:
-            raise ValueError(f"pool {self.key!r}: out must be a contiguous 1-D {self.dtype} tensor on {self.device} "
-                             "with room for every unread span")
+        if slots is None:
+            slots = self.slots(request_ids)
+        if out.dtype != self.dtype or out.device != self.device or out.dim() != 1 or not out.is_contiguous():
+            raise ValueError(f"pool {self.key!r}: out must be a contiguous 1-D {self.dtype} tensor on {self.device}")
         with nvtx_range(f"ring.{'drain' if drain else 'consolidate'}[{self.key}]"):
-            starts, n = self._launch_read(slots, out)
-            if drain:
-                self._tail[slots] = (self._tail[slots] + n) % np.maximum(self.table[slots, CAP], 1)
+            starts, n, rows = self._launch_read(slots, out)
+            if drain:  # the planned rows hold each slot's capacity and tail (POS)
+                self._tail[slots] = (rows[:, POS] + n) % np.maximum(rows[:, CAP], 1)
                 self._drained[slots] += n
                 self.table[slots, UNREAD] = 0
         return starts, n
 
-    def _launch_read(self, slots: np.ndarray, out: torch.Tensor, lin_stride=None) -> tuple[np.ndarray, np.ndarray]:
+    def _launch_read(self, slots: np.ndarray, out: torch.Tensor, lin_off=None, lin_stride=None):
+        """One read launch of every slot's unread span into ``out``, back to back (or, for a growth,
+        each at its ``lin_off`` with its ``lin_stride``: into ring regions of their own shape);
+        returns the spans' element offsets, their frames and the planned rows. ValueError (nothing
+        launched) when ``out`` is too short for them."""
         self._settle()
         i, host = self._staged(len(slots))
         starts, n = plan_read(self.table, slots, self._tail[slots], self.frame_elems, self.last, host)
-        if lin_stride is not None:  # a growth: one span into a ring region of its own shape
-            host[0, LIN_STRIDE] = lin_stride
+        rows = host[:len(slots)]
+        if lin_off is not None:
+            rows[:, LIN_OFF], rows[:, LIN_STRIDE] = lin_off, lin_stride
+            starts = rows[:, LIN_OFF].copy()
+        elif len(slots) and starts[-1] + n[-1] * self.frame_elems > out.numel():
+            raise ValueError(f"pool {self.key!r}: out of {out.numel()} elements has no room for every unread span "
+                             f"({starts[-1] + n[-1] * self.frame_elems} elements)")
         max_elems = int(n.max(initial=0)) * self.frame_elems
         if max_elems:
             meta = self._staging.for_kernel(i, len(slots), max_elems > UPLOAD_ELEMS)
             ops.ring_read(self.arena, meta, out, rows=len(slots), frame_elems=self.frame_elems, last=self.last,
                           max_elems=max_elems)
-        return starts, n
+        return starts, n, rows
 
     def _views(self, out: torch.Tensor, starts: np.ndarray, n: np.ndarray) -> list[torch.Tensor]:
         F = self.frame_elems
@@ -632,7 +715,7 @@ class RingPool:
         if len(pending):
             heads = torch.from_numpy(self.table[pending, POS] << HEAD_SHIFT).to(self.device)
             self.state[torch.from_numpy(pending).to(self.device)] = heads
-            self.table[pending, POS] = -1
+            self._clear_overrides(pending)
 
     def advance(self, slots: np.ndarray, n: np.ndarray) -> None:
         """Count ``n`` more unread frames for each slot: what launches with resident metadata append."""
@@ -653,4 +736,4 @@ class RingPool:
         rows = self._rows_from_batch(list(request_ids), src, lengths, errors)
         if errors or rows is None:
             raise errors[0] if errors else ValueError("empty static append")
-        return rows
+        return rows[:5]
