@@ -87,6 +87,25 @@ def test_nothing_due_means_no_step_and_no_copy():
     assert torch.equal(packed.tensors("f")["audio"], torch.ones(4)) and "f" not in acc
 
 
+def test_rows_given_by_the_caller_and_slots_sized_for_what_a_request_will_hold():
+    acc = WorkerAccumulator(KEYS, "cpu", budget_bytes=1 << 16, max_requests=8)
+    assert acc.add_request("f", EmitPolicy.FINAL_ONLY, row=5, frames={"audio": 100, "codes": 9}) == 5
+    assert acc.add_request("d", EmitPolicy.DELTA, row=2) == 2 and acc.row_of("f") == 5
+    with pytest.raises(TensorAccumulationError, match="row 5 is not free"):
+        acc.add_request("g", EmitPolicy.DELTA, row=5)
+    audio, codes = acc.pools[0], acc.pools[1]
+    assert audio.capacity_frames("f") >= 100 and codes.capacity_frames("f") >= 9  # at once, no growth later
+    assert audio.capacity_frames("d") == 8
+    for step in range(10):
+        assert acc.append(["f"], {"audio": PaddedBatch(torch.full((1, 10), float(step)), [10]),
+                                  "codes": PaddedBatch(torch.full((1, 1, 3), step, dtype=torch.int64), [1])},
+                          np.array([5], np.int64)) == {}
+        packed = acc.collect(["f"] if step == 9 else [])
+    assert audio.growths == 0 and codes.growths == 0
+    assert torch.equal(packed.tensors("f")["audio"], torch.arange(10.0).repeat_interleave(10))
+    assert torch.equal(packed.tensors("f")["codes"][:, 0], torch.arange(10))
+
+
 def test_a_malformed_chunk_fails_only_its_request():
     acc = WorkerAccumulator(KEYS, "cpu")
     for rid in "abc":

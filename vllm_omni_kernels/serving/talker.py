@@ -37,7 +37,8 @@ class ToyTalker(nn.Module):
     """The talker's weights and one step's forward; see the module docstring.
 
     ``forward(last_token [B] int64, frame [B] int64, context [B, H]) -> codes [B, CODEBOOKS] int64``
-    and ``prompt_context(prompt_ids [n] int64) -> [H]``: the mean embedding of the prompt.
+    and ``prompt_context(prompt_ids [B, L] int64, lengths [B]) -> [B, H]``: each prompt's summed
+    embedding, folded.
     """
 
     def __init__(self, seed: int = 0):
@@ -58,8 +59,11 @@ class ToyTalker(nn.Module):
     def hidden_size(self) -> int:
         return _HIDDEN
 
-    def prompt_context(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        return _fold(self.embed[prompt_ids.clamp(0, VOCAB - 1)].sum(0))
+    def prompt_context(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Contexts of a batch of prompts: ``prompt_ids`` ``[B, L]`` int64 (row b's first
+        ``lengths[b]`` are its prompt, the rest padding) -> ``[B, H]``."""
+        valid = torch.arange(prompt_ids.shape[1], device=prompt_ids.device) < lengths[:, None]
+        return _fold((self.embed[prompt_ids.clamp(0, VOCAB - 1)] * valid[..., None]).sum(1))
 
     @torch.no_grad()
     def forward(self, last_token: torch.Tensor, frame: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
@@ -98,7 +102,7 @@ def rollout(talker: ToyTalker, prompt_ids, frames: int) -> torch.Tensor:
     (what ``TalkerWorker`` does for a batch). ``expected_audio`` of them is the request's audio."""
     device = talker.embed.device
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64, device=device)
-    context = talker.prompt_context(ids)[None]
+    context = talker.prompt_context(ids[None], torch.tensor([len(ids)], device=device))
     last = ids[-1:].clone()
     out = torch.empty(frames, CODEBOOKS, dtype=torch.int64, device=device)
     for f in range(frames):

@@ -110,6 +110,7 @@ class PackedStep:
     regions: list[Region] = field(default_factory=list)
     final: set[str] = field(default_factory=set)
     event: torch.cuda.Event | None = None
+    _requests: set[str] | None = field(default=None, repr=False)
 
     def wait(self) -> torch.Tensor:
         """Block until the copy has landed (at once on CPU); returns ``host``."""
@@ -118,8 +119,10 @@ class PackedStep:
         return self.host
 
     def requests(self) -> set[str]:
-        """The requests with data in this step."""
-        return {rid for region in self.regions for rid in region.request_ids}
+        """The requests with data in this step (made once, after the step's regions are in)."""
+        if self._requests is None:
+            self._requests = {rid for region in self.regions for rid in region.request_ids}
+        return self._requests
 
     def tensors(self, request_id: str) -> dict[str, torch.Tensor]:
         """The request's data as views into ``host`` (after ``wait``)."""
@@ -183,11 +186,15 @@ class _HostBuffers:
 class WorkerAccumulator:
     """Per-request rings of every output key in the worker; see the module docstring.
 
+    A request holds one row, the same slot index in every key's pool, so a step is planned from
+    integer rows with numpy: the caller that keeps rows of its own (the model runner's persistent
+    batch) passes them to ``add_request`` and ``append`` and nothing is looked up by id.
+
     Args:
         keys: what the model produces each step.
         device: where the chunks are (and the rings).
         budget_bytes: each key's ring arena (preallocated, never exceeded).
-        max_requests: requests that can hold slots at once.
+        max_requests: requests that can hold slots at once (rows ``0 .. max_requests - 1``).
         growth: grow a slot that would overflow (else that request fails).
     """
 
@@ -201,20 +208,16 @@ class WorkerAccumulator:
                                initial_frames=k.initial_frames, max_slots=max_requests, growth=growth)
                       for k in self.keys]
         big = np.iinfo(np.int64).max  # a key that does not set the pace is never due by itself
-        self._cadence = np.array([[big if k.cadence is None else k.cadence] for k in self.keys], np.int64)
+        self._cadence = [big if k.cadence is None else k.cadence for k in self.keys]
         self._row: dict[str, int] = {}
         self._id_of: list[str | None] = [None] * max_requests
-        self._free_rows = list(range(max_requests - 1, -1, -1))
         self._held = np.zeros(max_requests, bool)
         self._streaming = np.zeros(max_requests, bool)  # DELTA or CUMULATIVE
         self._delivered = np.zeros(max_requests, bool)
-        self._unread = np.zeros((len(self.keys), max_requests), np.int64)  # frames, per key
         self._pack = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._head_bytes = 0  # of this step's pack, handed out by head()
-        self._rows_cache: tuple = ((), np.zeros(0, np.int64), -1)  # (ids, rows, version) of the last append
-        self._version = 0  # bumped when a request comes or goes
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._host = _HostBuffers()
+        self._host = _HostBuffers(pinned=self.device.type == "cuda")
         self._last_copy: torch.cuda.Event | None = None  # the pack is rewritten only after it ran
         self.copies = 0  # device-to-host copies so far (one per step with anything due)
         self.failed = 0
@@ -227,34 +230,44 @@ class WorkerAccumulator:
     def __len__(self) -> int:
         return len(self._row)
 
-    def add_request(self, request_id: str, emit: EmitPolicy) -> None:
-        """Give the request a slot of every key.
+    def row_of(self, request_id: str) -> int:
+        """The request's row (KeyError for one not held)."""
+        return self._row[request_id]
+
+    def add_request(self, request_id: str, emit: EmitPolicy, row: int | None = None,
+                    frames: Mapping[str, int] | None = None) -> int:
+        """Give the request a row (``row``, which must be free, or the lowest free one) and a slot of
+        every key there; returns the row. ``frames``: per key, what the request will produce, when
+        known (a FINAL_ONLY request holds all of it until it finishes: its slots are sized for it at
+        once where the pool has room, instead of growing on the way).
 
         Raises:
-            TensorAccumulationError: it already holds slots, or no slot or budget is left (nothing
-                is held then).
+            TensorAccumulationError: it already holds slots, the row is taken, or no row or budget is
+                left (nothing is held then).
         """
         if request_id in self._row:
             raise TensorAccumulationError("request added twice", request_id=request_id)
-        if not self._free_rows:
-            raise TensorAccumulationError(f"all {len(self._id_of)} request rows are in use", request_id=request_id)
+        if row is None:
+            if self._held.all():
+                raise TensorAccumulationError(f"all {len(self._id_of)} request rows are in use", request_id=request_id)
+            row = int(self._held.argmin())
+        elif not 0 <= row < len(self._id_of) or self._held[row]:
+            raise TensorAccumulationError(f"row {row} is not free", request_id=request_id)
         taken = []
         try:
             for pool in self.pools:
-                pool.alloc(request_id)
+                pool.alloc(request_id, slot=row, frames=(frames or {}).get(pool.key, 0))
                 taken.append(pool)
         except TensorAccumulationError:
             for pool in taken:
                 pool.free(request_id)
             raise
-        row = self._free_rows.pop()
         self._row[request_id] = row
         self._id_of[row] = request_id
         self._held[row] = True
-        self._version += 1
         self._streaming[row] = emit is not EmitPolicy.FINAL_ONLY
         self._delivered[row] = False
-        self._unread[:, row] = 0
+        return row
 
     def abort(self, request_id: str) -> None:
         """Free the request's slots; its unread data is dropped. Unknown ids are ignored (a request
@@ -266,8 +279,6 @@ class WorkerAccumulator:
             pool.free(request_id)
         self._id_of[row] = None
         self._held[row] = False
-        self._version += 1
-        self._free_rows.append(row)
 
     # ------------------------------------------------------------------ the step
 
@@ -280,37 +291,29 @@ class WorkerAccumulator:
         self._head_bytes = nbytes
         return self._pack[:nbytes].view(dtype)
 
-    def append(self, request_ids: Sequence[str], outputs: Mapping[str, PaddedBatch | Sequence]) \
-            -> dict[str, TensorAccumulationError]:
+    def append(self, request_ids: Sequence[str], outputs: Mapping[str, PaddedBatch | Sequence],
+               rows: np.ndarray | None = None) -> dict[str, TensorAccumulationError]:
         """Append one step: ``outputs[key]`` is a ``PaddedBatch`` aligned with ``request_ids`` or a
-        per-request list (None: nothing this step). One launch per key. Returns the requests that
-        failed (their slots are freed; every other request's chunk was appended)."""
+        per-request list (None: nothing this step). ``rows``: the requests' rows (int64, as
+        ``add_request`` gave them), else looked up. One launch per key. Returns the requests that
+        failed (their slots are freed; every other request's chunk was appended), a request that
+        holds no row among them.
+        """
         failed: dict[str, TensorAccumulationError] = {}
         with nvtx_range("worker.append"):
-            rows = self._rows_of(request_ids)
-            for k, (key, pool) in enumerate(zip(self.keys, self.pools)):
+            if rows is None:
+                rows = np.fromiter(map(self._row.get, request_ids, repeat(-1)), np.int64, len(request_ids))
+            if len(rows) and (rows.min() < 0 or not self._held[rows].all()):
+                rows = None  # a request without a row: the pools look every request up and name it
+            for key, pool in zip(self.keys, self.pools):
                 chunks = outputs.get(key.name)
-                if chunks is None:
-                    continue
-                result = pool.append(request_ids, chunks)
-                ok = rows >= 0
-                for err in result.errors:
-                    failed.setdefault(err.request_id, err)
-                    ok &= np.array([r != err.request_id for r in request_ids])
-                self._unread[k, rows[ok]] += _lengths(chunks, key.strategy)[ok]
+                if chunks is not None:
+                    for err in pool.append(request_ids, chunks, slots=rows).errors:
+                        failed.setdefault(err.request_id, err)
             for rid in failed:
                 self.abort(rid)
         self.failed += len(failed)
         return failed
-
-    def _rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
-        """Each request's row (-1 for one not held), cached for the last list while nobody came or went."""
-        ids = tuple(request_ids)
-        cached_ids, rows, version = self._rows_cache
-        if version != self._version or cached_ids != ids:
-            rows = np.fromiter(map(self._row.get, ids, repeat(-1)), np.int64, len(ids))
-            self._rows_cache = (ids, rows, self._version)
-        return rows
 
     def collect(self, finishing: Collection[str] = (), head_bytes: int = 0) -> PackedStep | None:
         """Read what is due into the step's buffer and start its one copy to the host.
@@ -320,37 +323,33 @@ class WorkerAccumulator:
         is due and there is no head.
         """
         with nvtx_range("worker.collect"):
-            live = np.flatnonzero(self._held)
-            unread = self._unread[:, live]
-            due_mask = self._streaming[live] & (((unread >= self._cadence) & (unread > 0)).any(0)
-                                                | (~self._delivered[live] & (unread > 0).any(0)))
-            due = [self._id_of[r] for r in live[due_mask]]
+            any_unread = np.zeros(len(self._held), bool)
+            paced = np.zeros(len(self._held), bool)
+            for cadence, pool in zip(self._cadence, self.pools):
+                unread = pool.unread()
+                any_unread |= unread > 0
+                paced |= unread >= cadence
+            due = self._streaming & any_unread & (paced | ~self._delivered)  # rows not held have nothing unread
             ending = [r for r in finishing if r in self._row]
-            streamed_end = [r for r in ending if self._streaming[self._row[r]]]
-            final_only = [r for r in ending if not self._streaming[self._row[r]]]
-            drain_ids = list(dict.fromkeys(due + streamed_end))
-            if not drain_ids and not final_only and not head_bytes:
-                for rid in ending:
-                    self.abort(rid)
+            if ending:
+                due[[self._row[r] for r in ending]] = True  # everything left, whatever the output kind
+            rows = np.flatnonzero(due)
+            if not len(rows) and not head_bytes:
                 return None
+            ids = [self._id_of[r] for r in rows.tolist()]
             step = PackedStep(host=self._pack, head_bytes=head_bytes, final=set(ending))
             offset = _aligned(head_bytes)
-            plans = []
-            for k, pool in enumerate(self.pools):
-                for ids, drain in ((drain_ids, True), (final_only, False)):
-                    if ids:
-                        nbytes = pool.unread_elements(ids) * pool.dtype.itemsize
-                        plans.append((k, ids, drain, offset, nbytes))
-                        offset += _aligned(nbytes)
+            starts = []
+            for pool in self.pools:
+                starts.append(offset)
+                offset += _aligned(int(pool.unread()[rows].sum()) * pool.frame_bytes)
             self._reserve(offset)
-            for k, ids, drain, start, nbytes in plans:
-                key, pool = self.keys[k], self.pools[k]
-                _, frames = pool.read_into(ids, self._pack[start:start + nbytes].view(pool.dtype), drain=drain)
-                step.regions.append(Region(key.name, pool.dtype, key.frame_shape,
-                                           -1 if key.strategy is Strategy.CONCAT_LAST else 0, start, ids, frames))
-            rows = [self._row[r] for r in drain_ids + final_only]
-            self._unread[:, rows] = 0
-            self._delivered[rows] = True
+            if len(rows):
+                for key, pool, start, end in zip(self.keys, self.pools, starts, starts[1:] + [offset]):
+                    _, frames = pool.read_into(ids, self._pack[start:end].view(pool.dtype), drain=True, slots=rows)
+                    step.regions.append(Region(key.name, pool.dtype, key.frame_shape,
+                                               -1 if key.strategy is Strategy.CONCAT_LAST else 0, start, ids, frames))
+                self._delivered[rows] = True
             self._copy_to_host(step, offset)
             self._head_bytes = 0
             for rid in ending:
@@ -358,9 +357,9 @@ class WorkerAccumulator:
         return step
 
     def _copy_to_host(self, step: PackedStep, nbytes: int) -> None:
-        if self._side is None:  # CPU: the buffer is the host memory; the next step gets a new one
+        if self._side is None:  # CPU: the buffer is the host memory; the next step takes another one
             step.host = self._pack[:nbytes]
-            self._pack = torch.empty(self._pack.numel(), dtype=torch.uint8)
+            self._pack = self._host.take(self._pack.numel())[0]
             return
         host, note_copy = self._host.take(nbytes)
         step_stream = torch.cuda.current_stream(self.device)
@@ -383,8 +382,9 @@ class WorkerAccumulator:
                 torch.cuda.current_stream(self.device).wait_event(self._last_copy)
             self._last_copy = None  # the step's stream is ordered after it from now on
         if self._pack.numel() < nbytes:  # rare: grows to the largest step seen, keeping the head
-            old = self._pack
-            self._pack = torch.empty(max(nbytes, 2 * old.numel(), 1 << 16), dtype=torch.uint8, device=self.device)
+            old, size = self._pack, max(nbytes, 2 * self._pack.numel(), 1 << 16)
+            self._pack = torch.empty(size, dtype=torch.uint8, device=self.device) if self._side is not None else \
+                self._host.take(size)[0]
             if self._head_bytes:
                 self._pack[:self._head_bytes].copy_(old[:self._head_bytes])
 
@@ -397,15 +397,3 @@ class WorkerAccumulator:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _lengths(chunks, strategy: Strategy) -> np.ndarray:
-    """Frames of each request's chunk (0 for None), from host values only."""
-    if isinstance(chunks, PaddedBatch):
-        lengths = chunks.lengths
-        if isinstance(lengths, torch.Tensor):
-            lengths = lengths.numpy()
-        return np.asarray(lengths, np.int64).reshape(-1)
-    axis = -1 if strategy is Strategy.CONCAT_LAST else 0
-    return np.array([0 if c is None or not isinstance(c, torch.Tensor) or c.dim() == 0 else c.shape[axis]
-                     for c in chunks], np.int64)

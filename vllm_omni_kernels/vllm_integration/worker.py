@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ from ..serving.worker_accumulator import OutputKey, PackedStep, WorkerAccumulato
 from ..ring.staging import PinnedStaging
 from .outputs import OmniModelRunnerOutput
 from .talker_model import OmniTalkerForTTS
+from .upstream_style import upstream_worker_outputs
 
 _HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
 _EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE: EmitPolicy.CUMULATIVE,
@@ -82,17 +84,6 @@ class WorkerOptions:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
-
-
-@dataclass
-class _Request:
-    row: int
-    prompt_len: int
-    max_tokens: int
-    computed: int = 0  # tokens computed, by this worker's count
-    produced: int = 0  # frames (sampled tokens) produced
-    done: bool = False  # the last frame was produced
-    bad: bool = False
 
 
 class _StepOutput(AsyncModelRunnerOutput):
@@ -137,12 +128,17 @@ class TalkerWorker:
         self.frame = torch.zeros(self.max_requests, dtype=torch.int64, device=self.device)
         self._index = PinnedStaging(1, self.max_requests, self.device)
         self._index_dev = torch.zeros(1, self.max_requests, dtype=torch.int64, device=self.device)
-        self.acc = WorkerAccumulator([
-            OutputKey("audio", Strategy.CONCAT_LAST, torch.float32, (), cadence=self.options.cadence,
-                      initial_frames=16 * tk.FRAME_SAMPLES),
-            OutputKey("codes", Strategy.CONCAT_DIM0, torch.int64, (tk.CODEBOOKS,), cadence=None, initial_frames=16),
-        ], self.device, budget_bytes=self.options.pool_budget_bytes, max_requests=self.max_requests)
-        self.requests: dict[str, _Request] = {}
+        # Every request's state by row (as vLLM's persistent batch keeps it): the step is numpy over these.
+        R = self.max_requests
+        self._row: dict[str, int] = {}
+        self._prompt_len = np.zeros(R, np.int64)
+        self._max_tokens = np.zeros(R, np.int64)
+        self._computed = np.zeros(R, np.int64)  # tokens computed, by this worker's count
+        self._produced = np.zeros(R, np.int64)  # frames (sampled tokens) produced
+        self._done = np.zeros(R, bool)  # the last frame was produced
+        self._bad = np.zeros(R, bool)
+        self.acc = WorkerAccumulator(talker_output_keys(self.options.cadence), self.device,
+                                     budget_bytes=self.options.pool_budget_bytes, max_requests=self.max_requests)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
         self._pending: _StepOutput | None = None
         self.stats = {"steps": 0, "output_steps": 0, "host_bytes": 0, "samples": 0}
@@ -199,7 +195,7 @@ class TalkerWorker:
                 "output_path_us_median": float(np.median(us)), "output_path_us_p99": float(np.percentile(us, 99)),
                 "output_path_us_mean": float(us.mean()), "step_us_median": float(np.median(steps)),
                 "first_chunk_at": dict(self.first_chunk_at), "accumulator": _plain(self.acc.stats()),
-                "requests_held": len(self.requests)}
+                "requests_held": len(self._row)}
 
     def reset_output_path_stats(self) -> None:
         self._output_path_us.clear()
@@ -226,8 +222,8 @@ class TalkerWorker:
             if so.total_num_scheduled_tokens == 0:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             req_ids = list(so.num_scheduled_tokens)
-            sampling, ids = self._sampling_rows(so, req_ids)
-            self._pending = self._run(req_ids, np.array(sampling, np.int64), ids, opened)
+            sampling, rows = self._sampling_rows(so, req_ids)
+            self._pending = self._run(req_ids, sampling, rows, opened)
         return None
 
     def sample_tokens(self, grammar_output) -> _StepOutput:
@@ -236,76 +232,94 @@ class TalkerWorker:
 
     def _update_requests(self, so) -> list[str]:
         for rid in so.finished_req_ids:  # finished or aborted: give everything back
-            req = self.requests.pop(rid, None)
-            if req is not None:
+            row = self._row.pop(rid, None)
+            if row is not None:
                 self.acc.abort(rid)
-                self._free_rows.append(req.row)
-        opened = []
-        for new in so.scheduled_new_reqs:
-            prompt = new.prompt_token_ids or [0]
-            params = new.sampling_params
-            max_tokens = params.max_tokens if params is not None and params.max_tokens is not None else \
-                self.max_model_len
-            row = self._free_rows.pop()
-            # a prefix-cache hit arrives as num_computed_tokens > 0
-            self.requests[new.req_id] = _Request(row, len(prompt), max_tokens, computed=new.num_computed_tokens,
-                                                 bad=self.options.bad_prompt_token in prompt)
-            ids = torch.tensor(prompt, dtype=torch.int64)
-            if self.device.type == "cuda":  # an asynchronous copy: the step never waits for the device
-                ids = ids.pin_memory().to(self.device, non_blocking=True)
-            self.context[row] = self.model.talker.prompt_context(ids)
-            # device-side writes: a Python scalar assigned into a CUDA tensor is a blocking copy
-            self.last_token[row:row + 1].copy_(ids[-1:])
-            self.frame[row:row + 1].zero_()
-            if self.options.output_path == "worker":
-                kind = params.output_kind if params is not None else RequestOutputKind.FINAL_ONLY
-                self.acc.add_request(new.req_id, _EMIT[kind])
-                opened.append(new.req_id)
+                self._free_rows.append(row)
+        opened = self._admit(so.scheduled_new_reqs) if so.scheduled_new_reqs else []
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            if rid in cached.resumed_req_ids and rid in self.requests:  # preempted, now recomputed
-                self.requests[rid].computed = cached.num_computed_tokens[i]
+            if rid in cached.resumed_req_ids and rid in self._row:  # preempted, now recomputed
+                self._computed[self._row[rid]] = cached.num_computed_tokens[i]
         return opened
 
-    def _sampling_rows(self, so, req_ids: list[str]) -> tuple[list[int], list[str]]:
-        """Positions (in ``req_ids``) of the requests that sample a frame this step, and their ids."""
-        sampling, ids = [], []
-        for i, rid in enumerate(req_ids):
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            req.computed += so.num_scheduled_tokens[rid]
-            if req.done or req.computed < req.prompt_len + req.produced:
-                continue  # a prefill chunk, or a step scheduled past the request's last frame
-            sampling.append(i)
-            ids.append(rid)
-        return sampling, ids
+    def _admit(self, new_reqs) -> list[str]:
+        """Rows and talker state for the step's new requests: their prompts go to the device in one
+        asynchronous copy and their contexts come from one batched forward. Returns the requests
+        whose output the accumulator now holds."""
+        opened, rows, prompts = [], [], []
+        for new in new_reqs:
+            prompt = new.prompt_token_ids or [0]
+            params = new.sampling_params
+            row = self._free_rows.pop()
+            self._row[new.req_id] = row
+            self._prompt_len[row] = len(prompt)
+            self._max_tokens[row] = params.max_tokens if params is not None and params.max_tokens is not None else \
+                self.max_model_len
+            self._computed[row] = new.num_computed_tokens  # a prefix-cache hit arrives with computed tokens
+            self._produced[row] = 0
+            self._done[row] = False
+            self._bad[row] = self.options.bad_prompt_token in prompt
+            if self.options.output_path == "worker":
+                kind = params.output_kind if params is not None else RequestOutputKind.FINAL_ONLY
+                frames = int(min(self._max_tokens[row], self.max_model_len - len(prompt)))  # what it will hold
+                held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if kind == RequestOutputKind.FINAL_ONLY else None
+                self.acc.add_request(new.req_id, _EMIT[kind], row=row, frames=held)
+                opened.append(new.req_id)
+            rows.append(row)
+            prompts.append(prompt)
+        # one host table: [row, prompt length, last token, prompt ids (padded)] per new request
+        width = max(len(p) for p in prompts)
+        table = np.zeros((len(prompts), 3 + width), np.int64)
+        table[:, 0] = rows
+        for i, p in enumerate(prompts):
+            table[i, 1], table[i, 2] = len(p), p[-1]
+            table[i, 3:3 + len(p)] = p
+        host = torch.from_numpy(table)
+        if self.device.type == "cuda":  # an asynchronous copy: the step never waits for the device
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        rows_dev = dev[:, 0]
+        self.context.index_copy_(0, rows_dev, self.model.talker.prompt_context(dev[:, 3:], dev[:, 1]))
+        self.last_token.index_copy_(0, rows_dev, dev[:, 2])
+        self.frame.index_fill_(0, rows_dev, 0)
+        return opened
 
-    def _run(self, req_ids: list[str], sampling: np.ndarray, ids: list[str], opened: list[str]) -> _StepOutput:
-        B = len(ids)
+    def _sampling_rows(self, so, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Positions (in ``req_ids``) of the requests that sample a frame this step, and their rows."""
+        rows = np.fromiter(map(self._row.get, req_ids, repeat(-1)), np.int64, len(req_ids))
+        scheduled = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(req_ids))
+        at = np.flatnonzero(rows >= 0)  # requests this worker holds (rows are distinct)
+        rows = rows[at]
+        self._computed[rows] += scheduled[at]
+        # not a prefill chunk, nor a step scheduled past the request's last frame
+        samples = ~self._done[rows] & (self._computed[rows] >= self._prompt_len[rows] + self._produced[rows])
+        return at[samples], rows[samples]
+
+    def _run(self, req_ids: list[str], sampling: np.ndarray, state_rows: np.ndarray, opened: list[str]) -> _StepOutput:
+        B = len(state_rows)
         self.stats["steps"] += 1
         now = time.time()
         self._step_starts.append(now)
         if B == 0:
             return _StepOutput(req_ids, sampling, None, None, opened, {}, {})
-        reqs = [self.requests[r] for r in ids]
-        for r, rid in zip(reqs, ids):
-            if r.produced == 0:
-                self.first_chunk_at[rid.rsplit("-", 1)[0]] = now
+        ids = [req_ids[i] for i in sampling.tolist()]
+        produced = self._produced[state_rows]
+        for b in np.flatnonzero(produced == 0).tolist():
+            self.first_chunk_at[ids[b].rsplit("-", 1)[0]] = now
         if len(self.first_chunk_at) > _HISTORY:  # a long-running server: keep the newest half
             for old in list(self.first_chunk_at)[:_HISTORY // 2]:
                 del self.first_chunk_at[old]
         i, host = self._index.host()
-        host[0, :B] = [r.row for r in reqs]
+        host[0, :B] = state_rows  # the accumulator's rows too
         rows = self._index.upload(i, 1, self._index_dev, cols=B)[0, :B]
         codes = self.model.talker(self.last_token[rows], self.frame[rows], self.context[rows])
-        bad = [b for b, r in enumerate(reqs) if r.bad and r.produced == 1]
-        finishing = []
-        for r, rid in zip(reqs, ids):
-            r.produced += 1
-            if r.produced >= r.max_tokens or r.prompt_len + r.produced >= self.max_model_len:
-                r.done = True
-                finishing.append(rid)
+        bad = np.flatnonzero(self._bad[state_rows] & (produced == 1)).tolist()
+        produced += 1
+        self._produced[state_rows] = produced
+        ending = (produced >= self._max_tokens[state_rows]) | (self._prompt_len[state_rows] + produced >= self.max_model_len)
+        self._done[state_rows[ending]] = True
+        finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
         self.stats["samples"] += B * tk.FRAME_SAMPLES
         if self.options.output_path == "upstream":
             return self._run_upstream(req_ids, sampling, ids, opened, rows, codes, bad)
@@ -318,10 +332,10 @@ class TalkerWorker:
                       "codes": PaddedBatch(codes.unsqueeze(1), np.ones(B, np.int64))}
             if bad:  # the malformed chunk of a test request: one request's audio of another dtype
                 chunks["audio"] = [audio[b].double() if b in bad else audio[b] for b in range(B)]
-            failed = self.acc.append(ids, chunks)
+            failed = self.acc.append(ids, chunks, rows=state_rows)
             packed = self.acc.collect(finishing, head_bytes=8 * B)
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
-            self.requests[rid].done = True
+            self._done[self._row[rid]] = True
         self._note_output_path(t0, packed.host.numel() if packed is not None else 0)
         return _StepOutput(req_ids, sampling, packed, None, opened, failed, {})
 
@@ -333,11 +347,10 @@ class TalkerWorker:
         t0 = time.perf_counter()
         with nvtx_range("worker.output_path"):
             tokens_cpu = tokens.cpu()
-            audio_cpu, codes_cpu = audio.cpu(), codes.cpu()
-            plain = {rid: {"audio": audio_cpu[b], "codes": codes_cpu[b:b + 1]} for b, rid in enumerate(ids)}
+            plain = upstream_worker_outputs(ids, {"audio": audio, "codes": codes.unsqueeze(1)})
         if self.device.type == "cuda":
             self._upstream_copies += 3
-        self._note_output_path(t0, audio_cpu.numel() * 4 + codes_cpu.numel() * 8 + tokens_cpu.numel() * 8)
+        self._note_output_path(t0, audio.numel() * 4 + codes.numel() * 8 + tokens_cpu.numel() * 8)
         return _StepOutput(req_ids, sampling, None, tokens_cpu, opened, {}, plain)
 
     def _advance(self, rows: torch.Tensor, codes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -351,6 +364,14 @@ class TalkerWorker:
         self._output_path_us.append((time.perf_counter() - t0) * 1e6)
         self.stats["output_steps"] += 1
         self.stats["host_bytes"] += nbytes
+
+
+def talker_output_keys(cadence: int) -> list[OutputKey]:
+    """What the talker produces each step and the worker accumulates: the frame's audio (the pace:
+    a streaming request gets ``cadence`` samples at a time) and its codes (along with the audio)."""
+    return [OutputKey("audio", Strategy.CONCAT_LAST, torch.float32, (), cadence=cadence,
+                      initial_frames=16 * tk.FRAME_SAMPLES),
+            OutputKey("codes", Strategy.CONCAT_DIM0, torch.int64, (tk.CODEBOOKS,), cadence=None, initial_frames=16)]
 
 
 def _plain(stats: dict) -> dict:
