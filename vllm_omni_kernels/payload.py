@@ -71,7 +71,7 @@ class GrowingTensor:
         self._span(0, self._n).copy_(first)
 
     def _span(self, start: int, stop: int) -> torch.Tensor:
-        return self._data[..., start:stop] if self.axis == -1 else self._data[start:stop]
+        return self._data.narrow(self.axis, start, stop - start)
 
     def append(self, piece: torch.Tensor) -> None:
         k = piece.shape[self.axis]

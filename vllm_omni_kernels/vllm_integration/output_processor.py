@@ -51,6 +51,7 @@ from ..accumulator import AccumulatorConfig, EmitPolicy, MultimodalAccumulator
 from ..errors import MultimodalOutputError, TensorAccumulationError, TensorConsolidationError
 from ..modality import OutputModality, TensorAccumulationStrategy, parse_strategy
 from ..payload import GrowingTensor, MultimodalPayload
+from .. import profiling
 from ..profiling import nvtx_range
 from .wire import OmniEngineCoreOutput
 from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput, MultimodalRequestOutput
@@ -104,7 +105,8 @@ class OmniRequestState(RequestState):
     accumulator: MultimodalAccumulator | None = None
     failures: list | None = None
     delivered: dict[str, tuple[int, list[torch.Tensor]]] | None = None  # key -> (axis, pieces) from the worker
-    pending: bool = False  # pieces arrived since the last output (or CUMULATIVE: any ever)
+    pending: bool = False  # pieces arrived since the last output
+    last: MultimodalPayload | None = None  # CUMULATIVE: everything so far, for outputs with nothing new
     stopwatch: Stopwatch | None = None  # the processor's, timing payload assembly
 
     @classmethod
@@ -144,17 +146,25 @@ class OmniRequestState(RequestState):
 
     def take_payload(self, finished: bool) -> MultimodalPayload | None:
         """The payload due now (per output kind): the worker's pieces, then what the accumulator
-        holds; frees the request's slots when ``finished``."""
+        holds; frees the request's slots when ``finished``. A CUMULATIVE output with nothing new
+        since the last one shares that one's payload."""
         if not self.pending and self.accumulator is None:
-            return None  # the common step of a stream between deliveries
-        if self.stopwatch is None:
+            return self.last  # the common step of a stream between deliveries
+        stopwatch = self.stopwatch
+        if stopwatch is None:
             return self._take_payload(finished)
-        with self.stopwatch, nvtx_range("frontend.payload"):
-            return self._take_payload(finished)
+        t0 = time.perf_counter()
+        try:
+            if not profiling.enabled():
+                return self._take_payload(finished)
+            with nvtx_range("frontend.payload"):
+                return self._take_payload(finished)
+        finally:
+            stopwatch.seconds += time.perf_counter() - t0
 
     def _take_payload(self, finished: bool) -> MultimodalPayload | None:
         payload = None
-        self.pending = self.output_kind == RequestOutputKind.CUMULATIVE and self.delivered is not None
+        self.pending = False
         for key, (axis, pieces) in (self.delivered or {}).items():
             if isinstance(pieces, GrowingTensor):  # CUMULATIVE: everything so far, a view
                 whole = pieces.view()
@@ -180,6 +190,8 @@ class OmniRequestState(RequestState):
                 payload.metadata.update(own.metadata)
             elif own:
                 payload = own
+        if self.output_kind == RequestOutputKind.CUMULATIVE and self.accumulator is None:
+            self.last = payload or None
         return payload if payload else None
 
     def _payload_or_failure(self, finished: bool) -> MultimodalPayload | None:
@@ -280,9 +292,10 @@ class MultimodalOutputProcessor(OutputProcessor):
         payload) is an error for its request and key; it never costs another request anything."""
         steps: dict[torch.device, tuple[list[str], list[dict[str, Any]]]] = {}
         errors: list[TensorAccumulationError] = []
-        for eco in engine_core_outputs:
-            if not isinstance(eco, OmniEngineCoreOutput):
-                continue  # plain vLLM outputs (text, pooling) are vLLM's business
+        # plain vLLM outputs (text, pooling) and outputs without multimodal data are vLLM's business
+        for eco in [eco for eco in engine_core_outputs if isinstance(eco, OmniEngineCoreOutput) and (
+                eco.multimodal_delivered is not None or eco.multimodal_error is not None
+                or eco.multimodal_output is not None)]:
             if eco.multimodal_delivered or eco.multimodal_error is not None:
                 self._take_from_worker(eco, errors)
             if eco.multimodal_output is None:

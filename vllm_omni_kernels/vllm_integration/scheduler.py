@@ -59,33 +59,18 @@ class MultimodalChannel:
         if packed is not None:
             self._worker_open.difference_update(packed.final)
         plain = out.multimodal_outputs or {}
-        delivered = packed.requests() if packed is not None else set()
         errors = {rid: MultimodalError(exc.reason, exc.key) for rid, exc in (out.multimodal_errors or {}).items()}
         if errors:
             self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
-        if not (plain or delivered or errors or self._worker_open):
+        if not (plain or packed or errors or self._worker_open):
             return outputs
         emitted: set[str] = set()
         for client, batch in list(outputs.items()):
-            converted, with_data = [], False
-            for eco in batch.outputs:
-                rid = eco.request_id
-                error = errors.get(rid)
-                if error is None and eco.finish_reason is not None and rid in self._worker_open:
-                    self._worker_open.discard(rid)
-                    error = MultimodalError(f"the request finished ({eco.finish_reason}) while the worker still "
-                                            "held its output, which is lost")
-                if plain.get(rid) or error is not None or rid in delivered:
-                    eco = OmniEngineCoreOutput.from_base(eco, plain.get(rid), error)
-                    if error is not None:
-                        eco.finish_reason = FinishReason.ERROR
-                    emitted.add(rid)
-                    with_data |= rid in delivered
-                converted.append(eco)
-            outputs[client] = _with_outputs(batch, converted, packed if with_data else None)
-        for rid in set(plain) | delivered | set(errors):
+            outputs[client] = outputs_with_channel(batch, packed, plain, errors, self._worker_open, emitted)
+        delivered = packed.requests() if packed is not None else set()
+        for rid in (set(plain) | delivered | set(errors)) - emitted:
             request = self.requests.get(rid)
-            if rid in emitted or request is None or (request.is_finished() and rid not in errors):
+            if request is None or (request.is_finished() and rid not in errors):
                 continue  # finished requests already got their final output above
             batch = outputs.get(request.client_index)
             if batch is None:
@@ -96,6 +81,38 @@ class MultimodalChannel:
             if rid in delivered:
                 outputs[request.client_index] = _with_outputs(batch, batch.outputs, packed)
         return outputs
+
+
+def outputs_with_channel(batch: EngineCoreOutputs, packed: PackedStep | None, plain: dict, errors: dict,
+                         worker_open: set[str] = frozenset(), emitted: set[str] | None = None) -> EngineCoreOutputs:
+    """One client's message of a step with the multimodal channel: plain values and errors on their
+    requests' outputs, the step's buffer and regions on the message when one of its requests has
+    data there (that request's output is left as it is: the client cuts its data from the regions).
+    A finishing request still in ``worker_open`` gets an error (its held output would be lost) and
+    leaves the set. ``emitted`` collects the requests that got an output here."""
+    delivered = packed.requests() if packed is not None else ()
+    with_data = changed = False
+    ecos = batch.outputs
+    for i, eco in enumerate(ecos):
+        rid = eco.request_id
+        if rid in delivered:
+            with_data = True
+            if emitted is not None:
+                emitted.add(rid)
+        error = errors.get(rid) if errors else None
+        if error is None and eco.finish_reason is not None and rid in worker_open:
+            worker_open.discard(rid)
+            error = MultimodalError(f"the request finished ({eco.finish_reason}) while the worker still "
+                                    "held its output, which is lost")
+        value = plain.get(rid) if plain else None
+        if value or error is not None:
+            changed = True
+            eco = ecos[i] = OmniEngineCoreOutput.from_base(eco, value, error)
+            if error is not None:
+                eco.finish_reason = FinishReason.ERROR
+            if emitted is not None:
+                emitted.add(rid)
+    return _with_outputs(batch, ecos, packed if with_data else None) if with_data or changed else batch
 
 
 def _with_outputs(batch: EngineCoreOutputs, outputs: list, packed: PackedStep | None) -> OmniEngineCoreOutputs:

@@ -1,4 +1,5 @@
-"""The frontend half of the comparison path: ``UpstreamStyleOutputProcessor``.
+"""The comparison path: ``upstream_worker_outputs`` (the worker half) and
+``UpstreamStyleOutputProcessor`` (the frontend half).
 
 Upstream vllm-omni's output processor keeps each request's per-step chunks in Python lists and
 concatenates them when an output needs them: a DELTA output gets the chunks since the last one, a
@@ -8,6 +9,8 @@ what the main job and the load tests measure this package against, in the same r
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..modality import TensorAccumulationStrategy as Strategy
 from .output_processor import MultimodalOutputProcessor, OmniRequestState
@@ -33,3 +36,10 @@ class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
             for key, value in eco.multimodal_output.items():
                 axis = -1 if self._config.strategies.get(key) is Strategy.CONCAT_LAST else 0
                 state.deliver(key, value, axis, growing=False)
+
+
+def upstream_worker_outputs(request_ids: list[str], batch: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The worker half: every key's step output ``[B, *chunk]`` (row b: ``request_ids[b]``'s chunk)
+    copied to the host, one blocking copy per key as ``tensor.cpu()`` does, and sliced per request."""
+    host = {key: value.cpu() for key, value in batch.items()}
+    return {rid: {key: value[b] for key, value in host.items()} for b, rid in enumerate(request_ids)}

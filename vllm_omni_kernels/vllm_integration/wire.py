@@ -101,14 +101,19 @@ def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
     """Give every output its pieces of the message's regions (``multimodal_delivered``), views of
     ``multimodal_buffer`` cut with one ``split`` per region. A region that does not fit the buffer
     (unknown dtype, frames past its end, an offset its dtype cannot start at) fails the requests it
-    names (``multimodal_error``)."""
+    names (``multimodal_error``). An output of a request with data that is vLLM's plain
+    ``EngineCoreOutput`` (the scheduler's own objects, in process) becomes an ``OmniEngineCoreOutput``."""
     regions = outputs.multimodal_regions
     if not regions:
         return
     buffer = outputs.multimodal_buffer
     if buffer is None:
         buffer = torch.empty(0, dtype=torch.uint8)
-    by_id = {eco.request_id: eco for eco in outputs.outputs if isinstance(eco, OmniEngineCoreOutput)}
+    ecos = outputs.outputs
+    if not all(isinstance(eco, OmniEngineCoreOutput) for eco in ecos):  # the scheduler's own objects
+        ecos[:] = [eco if isinstance(eco, OmniEngineCoreOutput) else OmniEngineCoreOutput.from_base(eco)
+                   for eco in ecos]
+    by_id = {eco.request_id: eco for eco in ecos}
     failed = []
     for region in regions:
         try:
@@ -120,14 +125,15 @@ def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
                     eco.multimodal_error = MultimodalError(str(exc), key=region.key)
                     failed.append(eco)
             continue
-        axis = region.axis
+        key, axis = region.key, region.axis
         for rid, piece in zip(region.request_ids, pieces):
             eco = by_id.get(rid)
             if eco is None:
                 continue  # another client's request
             if eco.multimodal_delivered is None:
-                eco.multimodal_delivered = {}
-            eco.multimodal_delivered[region.key] = (axis, piece)
+                eco.multimodal_delivered = {key: (axis, piece)}
+            else:
+                eco.multimodal_delivered[key] = (axis, piece)
     for eco in failed:  # none of a failed request's data is handed on
         eco.multimodal_delivered = None
 
@@ -181,11 +187,9 @@ class OmniMsgpackDecoder(MsgpackDecoder):
             t1 = time.perf_counter()
             if isinstance(out, OmniEngineCoreOutputs):
                 with nvtx_range("frontend.decode_multimodal"):
-                    for eco in out.outputs:
-                        mm = eco.multimodal_output
-                        if mm:
-                            eco.multimodal_output = {k: self._tensor_or_error(v, eco.request_id, k)
-                                                     if _is_tensor_triple(v) else v for k, v in mm.items()}
+                    for eco in [eco for eco in out.outputs if eco.multimodal_output]:
+                        eco.multimodal_output = {k: self._tensor_or_error(v, eco.request_id, k)
+                                                 if _is_tensor_triple(v) else v for k, v in eco.multimodal_output.items()}
                     resolve_regions(out)
             t2 = time.perf_counter()
             self.multimodal_seconds += t2 - t1
