@@ -1,0 +1,212 @@
+"""The output path of a TTS engine step at a fixed load, this package's against the upstream style,
+in one process: B streams, each producing one codec frame (1920 float32 samples and its codes) per
+step, DELTA, CUMULATIVE and FINAL_ONLY in turn, every request ``--frames`` frames long and started
+in turn so that the batch stays full and ``B / frames`` requests finish and start every step.
+
+Per step and path it times, on the host:
+
+* worker: this package's ``WorkerAccumulator.append`` + ``collect`` (one launch per key, what is due
+  packed, one asynchronous copy), or the upstream style's per-key ``.cpu()`` and per-request slices;
+* wire: the scheduler's message (``scheduler.outputs_with_channel``) and vLLM's ``MsgpackEncoder``
+  (the engine core's side);
+* frontend: this package's ``OmniMsgpackDecoder`` and ``MultimodalOutputProcessor.process_outputs``
+  (or ``UpstreamStyleOutputProcessor``'s): the whole, and its multimodal share (what ``simulate``
+  reports).
+
+Every finished request's audio is checked sample for sample against what its frames decode to.
+Prints one line per path and a ratio line; ``--out`` writes JSON (``plot.py`` draws it).
+
+Usage: python profiling/bench_output_path.py [--streams 64,256] [--frames 40] [--steps 200] [--device cuda] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason  # noqa: E402
+from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
+
+from vllm_omni_kernels.accumulator import EmitPolicy  # noqa: E402
+from vllm_omni_kernels.ring import PaddedBatch  # noqa: E402
+from vllm_omni_kernels.serving import talker as tk  # noqa: E402
+from vllm_omni_kernels.vllm_integration.llm import talker_processor_options  # noqa: E402
+from vllm_omni_kernels.vllm_integration.scheduler import outputs_with_channel  # noqa: E402
+from vllm_omni_kernels.vllm_integration.upstream_style import upstream_worker_outputs  # noqa: E402
+from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder  # noqa: E402
+from vllm_omni_kernels.vllm_integration.worker import talker_output_keys  # noqa: E402
+from vllm_omni_kernels.serving.worker_accumulator import WorkerAccumulator  # noqa: E402
+
+KINDS = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
+EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE: EmitPolicy.CUMULATIVE,
+        RequestOutputKind.FINAL_ONLY: EmitPolicy.FINAL_ONLY}
+
+
+class _Stream:
+    """One request: its row, kind, frames produced, and the audio its outputs carried."""
+
+    def __init__(self, rid: str, row: int, kind: RequestOutputKind, frames: int):
+        self.rid, self.row, self.kind, self.frames, self.produced = rid, row, kind, frames, 0
+        self.audio: list[torch.Tensor] = []
+        self.codes: list[torch.Tensor] = []
+
+
+def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cadence: int,
+          profile: cProfile.Profile | None = None) -> dict:
+    options = talker_processor_options(path)
+    processor = options.processor_cls(None, log_stats=False, output_modality=options.output_modality,
+                                      strategies=options.strategies)
+    acc = WorkerAccumulator(talker_output_keys(cadence), device, max_requests=B) if path == "worker" else None
+    encoder, decoder = MsgpackEncoder(), OmniMsgpackDecoder()
+    free_rows = list(range(B - 1, -1, -1))
+    live: list[_Stream] = []
+    born = [0]
+    checked = [0]
+
+    def start() -> None:
+        i = born[0]
+        born[0] += 1
+        s = _Stream(f"req-{i}", free_rows.pop(), KINDS[i % 3], frames)
+        params = SamplingParams(max_tokens=frames, output_kind=s.kind, detokenize=False)
+        processor.add_request(EngineCoreRequest(
+            request_id=s.rid, prompt_token_ids=[5, 6, 7], mm_features=None, sampling_params=params,
+            pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None,
+            data_parallel_rank=None, external_req_id=s.rid), prompt=None)
+        if acc is not None:
+            held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if s.kind == RequestOutputKind.FINAL_ONLY else None
+            acc.add_request(s.rid, EMIT[s.kind], row=s.row, frames=held)  # as the talker's worker does
+        live.append(s)
+
+    for k in range(B):  # staggered: request k has produced k * frames / B frames when timing starts
+        start()
+        live[-1].produced = live[-1].frames - 1 - (k * frames) // B
+    gen = torch.Generator(device=device).manual_seed(0)
+    times = {"worker": [], "wire": [], "frontend": [], "frontend_multimodal": []}
+    wire_bytes = []
+    for step in range(steps + 20):
+        n = len(live)
+        ids = [s.rid for s in live]
+        rows = np.fromiter((s.row for s in live), np.int64, n)
+        frame_index = torch.tensor([s.produced for s in live], device=device)
+        codes = torch.randint(0, tk.CODEBOOK_SIZE, (n, tk.CODEBOOKS), device=device, generator=gen)
+        audio = tk.decode_frames(codes, frame_index)
+        finishing = [s.rid for s in live if s.produced + 1 == s.frames]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if profile is not None and step >= 20:
+            profile.enable()
+        t0 = time.perf_counter()
+        if acc is not None:
+            tokens = acc.head(n, torch.int64)
+            tokens.copy_(codes[:, 0])
+            acc.append(ids, {"audio": PaddedBatch(audio, np.full(n, tk.FRAME_SAMPLES, np.int64)),
+                             "codes": PaddedBatch(codes.unsqueeze(1), np.ones(n, np.int64))}, rows)
+            packed, plain = acc.collect(finishing, head_bytes=8 * n), {}
+            sampled = packed.wait()[:8 * n].view(torch.int64).tolist()
+        else:
+            packed, plain, sampled = None, upstream_worker_outputs(ids, {"audio": audio, "codes": codes.unsqueeze(1)}), None
+            sampled = codes[:, 0].cpu().tolist()
+        t1 = time.perf_counter()
+        if profile is not None:
+            profile.disable()
+        ecos = [EngineCoreOutput(request_id=rid, new_token_ids=[sampled[b] + tk.TEXT_VOCAB],
+                                 finish_reason=FinishReason.LENGTH if rid in finishing else None)
+                for b, rid in enumerate(ids)]
+        message = outputs_with_channel(EngineCoreOutputs(outputs=ecos), packed, plain, {})
+        frames_out = encoder.encode(message)
+        t2 = time.perf_counter()
+        mm0 = processor.stopwatch.seconds + decoder.multimodal_seconds
+        decoded = decoder.decode(frames_out)
+        result = processor.process_outputs(decoded.outputs)
+        t3 = time.perf_counter()
+        mm1 = processor.stopwatch.seconds + decoder.multimodal_seconds
+        by_id = {s.rid: s for s in live}
+        for out in result.request_outputs:
+            s = by_id[out.request_id]
+            payload = getattr(out.outputs[0], "multimodal_output", None)
+            if payload is not None:
+                if s.kind == RequestOutputKind.DELTA:
+                    s.audio.append(payload.tensors["audio"].clone())
+                    s.codes.append(payload.tensors["codes"].clone())
+                else:
+                    s.audio, s.codes = [payload.tensors["audio"].clone()], [payload.tensors["codes"].clone()]
+        if step >= 20:
+            times["worker"].append(t1 - t0)
+            times["wire"].append(t2 - t1)
+            times["frontend"].append(t3 - t2)
+            times["frontend_multimodal"].append(mm1 - mm0)
+            wire_bytes.append(sum(memoryview(f).nbytes for f in frames_out))
+        for s in live:
+            s.produced += 1
+        for s in [s for s in live if s.produced == s.frames]:
+            live.remove(s)
+            free_rows.append(s.row)
+            if s.audio and s.produced == s.frames and s.rid != "req-0":
+                _check(s)
+                checked[0] += 1
+            start()
+    us = {k: float(np.median(v)) * 1e6 for k, v in times.items()}
+    return {"path": path, "streams": B, "frames": frames, "device": str(device), "checked_exact": checked[0],
+            **{f"{k}_us_median": v for k, v in us.items()}, "wire_bytes_per_step": float(np.median(wire_bytes))}
+
+
+def _check(s: _Stream) -> None:
+    """The stream's audio against what its codes decode to (streams that started mid-way too: their
+    frames count from ``frames - produced`` at the start)."""
+    codes = torch.cat(s.codes).cpu()
+    audio = torch.cat(s.audio).cpu()
+    first = s.frames - codes.shape[0]
+    want = tk.decode_frames(codes, torch.arange(first, s.frames)).reshape(-1)
+    if not torch.equal(audio, want):
+        raise AssertionError(f"{s.rid} ({s.kind.name}): audio differs from what its codes decode to")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", default="64,256")
+    ap.add_argument("--frames", type=int, default=40, help="frames per request (80 ms each)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--cadence", type=int, default=4 * tk.FRAME_SAMPLES)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile of this package's worker step, after the run")
+    args = ap.parse_args()
+    results = []
+    for B in (int(b) for b in args.streams.split(",")):
+        pair = {}
+        for path in ("worker", "upstream"):
+            r = pair[path] = bench(path, B, args.frames, args.steps, torch.device(args.device), args.cadence)
+            results.append(r)
+            print(f"{path:>8} B={B}: worker {r['worker_us_median']:.0f} us, wire {r['wire_us_median']:.0f} us, "
+                  f"frontend {r['frontend_us_median']:.0f} us (multimodal {r['frontend_multimodal_us_median']:.0f}), "
+                  f"{r['wire_bytes_per_step'] / 1024:.0f} KiB on the wire per step; {r['checked_exact']} streams exact",
+                  flush=True)
+        if args.profile:
+            prof = cProfile.Profile()
+            bench("worker", B, args.frames, min(args.steps, 100), torch.device(args.device), args.cadence, prof)
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+            print(text.getvalue())
+        w, u = pair["worker"], pair["upstream"]
+        print(f"   ratio B={B}: upstream / this package: worker {u['worker_us_median'] / w['worker_us_median']:.2f}x, "
+              f"frontend {u['frontend_us_median'] / w['frontend_us_median']:.2f}x, frontend multimodal "
+              f"{u['frontend_multimodal_us_median'] / max(w['frontend_multimodal_us_median'], 1e-9):.2f}x", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"bench": "output_path", "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
