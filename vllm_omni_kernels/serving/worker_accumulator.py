@@ -15,8 +15,9 @@ What is due, per request, by its output kind (taken from its sampling parameters
   the request finishes; the frontend concatenates for CUMULATIVE;
 * FINAL_ONLY: nothing until the request finishes, then everything at once.
 
-A request's slots are taken when it arrives and freed when it finishes (its last spans are read
-first) or is aborted. A chunk that does not fit its key (dtype, frame shape, device, an overflow
+A request's slots are taken when it arrives (at the row the model runner gives it, the same slot
+in every key's pool, sized for everything a FINAL_ONLY request will hold when the caller says how
+much that is) and freed when it finishes (its last spans are read first) or is aborted. A chunk that does not fit its key (dtype, frame shape, device, an overflow
 that cannot grow) fails that request: ``append`` returns its ``TensorAccumulationError``, its slots
 are freed, and every other request goes on exactly.
 
@@ -24,7 +25,7 @@ Nothing on the step's path reads the device: lengths, offsets and due-ness come 
 The host buffer is pinned memory reused once nothing refers to it any more (``_HostBuffers``), so
 it stays valid for as long as any view of it is alive (the engine's zero-copy send, a payload in a
 user's hands) and costs no ``cudaHostAlloc`` per step. On a CPU device the pack is the host buffer
-and there is no copy.
+(taken from the same reuse) and there is no copy.
 """
 
 from __future__ import annotations

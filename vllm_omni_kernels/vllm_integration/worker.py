@@ -7,9 +7,11 @@ configured device, CUDA or CPU, whatever vLLM's own platform is.
 
 A step (``execute_model`` then ``sample_tokens``, as vLLM's GPU runner does):
 
-1. bookkeeping from the scheduler output: new requests get a row of the persistent device state
-   (prompt context, last token, frame index) and slots in the worker accumulator, their output kind
-   taken from their sampling parameters; finished and aborted requests give both back;
+1. bookkeeping from the scheduler output: new requests get a row, of the persistent device state
+   (prompt context, last token, frame index: all of a step's new prompts in one upload and one
+   batched forward), of the host arrays that count their tokens and frames, and of the worker
+   accumulator, with their output kind from their sampling parameters; finished and aborted
+   requests give their row back. The step itself is numpy over these arrays, nothing per request;
 2. the requests whose tokens are all computed after this step sample: one talker forward over them
    (codes ``[B, CODEBOOKS]``), the sampled token ids written straight into the head of the step's
    output buffer, the frames' audio decoded (``[B, FRAME_SAMPLES]``);
