@@ -71,6 +71,8 @@ class GrowingTensor:
         self._span(0, self._n).copy_(first)
 
     def _span(self, start: int, stop: int) -> torch.Tensor:
+        if self.axis == 0 or self._data.dim() == 1:
+            return self._data[start:stop]
         return self._data.narrow(self.axis, start, stop - start)
 
     def append(self, piece: torch.Tensor) -> None:

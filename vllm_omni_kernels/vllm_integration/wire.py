@@ -97,12 +97,13 @@ class OmniEngineCoreOutputs(EngineCoreOutputs, array_like=True, omit_defaults=Tr
     multimodal_regions: list[MultimodalRegion] | None = None
 
 
-def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
+def resolve_regions(outputs: OmniEngineCoreOutputs, decoded: bool = False) -> None:
     """Give every output its pieces of the message's regions (``multimodal_delivered``), views of
     ``multimodal_buffer`` cut with one ``split`` per region. A region that does not fit the buffer
     (unknown dtype, frames past its end, an offset its dtype cannot start at) fails the requests it
     names (``multimodal_error``). An output of a request with data that is vLLM's plain
-    ``EngineCoreOutput`` (the scheduler's own objects, in process) becomes an ``OmniEngineCoreOutput``."""
+    ``EngineCoreOutput`` (the scheduler's own objects, in process) becomes an ``OmniEngineCoreOutput``
+    (``decoded``: the message came through ``OmniMsgpackDecoder``, whose outputs all are)."""
     regions = outputs.multimodal_regions
     if not regions:
         return
@@ -110,7 +111,7 @@ def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
     if buffer is None:
         buffer = torch.empty(0, dtype=torch.uint8)
     ecos = outputs.outputs
-    if not all(isinstance(eco, OmniEngineCoreOutput) for eco in ecos):  # the scheduler's own objects
+    if not decoded and not all(isinstance(eco, OmniEngineCoreOutput) for eco in ecos):
         ecos[:] = [eco if isinstance(eco, OmniEngineCoreOutput) else OmniEngineCoreOutput.from_base(eco)
                    for eco in ecos]
     by_id = {eco.request_id: eco for eco in ecos}
@@ -190,7 +191,7 @@ class OmniMsgpackDecoder(MsgpackDecoder):
                     for eco in [eco for eco in out.outputs if eco.multimodal_output]:
                         eco.multimodal_output = {k: self._tensor_or_error(v, eco.request_id, k)
                                                  if _is_tensor_triple(v) else v for k, v in eco.multimodal_output.items()}
-                    resolve_regions(out)
+                    resolve_regions(out, decoded=True)
             t2 = time.perf_counter()
             self.multimodal_seconds += t2 - t1
             self.seconds += t2 - t0
