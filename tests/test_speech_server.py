@@ -151,12 +151,17 @@ def test_over_the_bound_a_request_gets_503_and_nothing_is_queued(server):
             held = [client.stream("POST", "/v1/audio/speech", json=body) for _ in range(BOUND)]
             responses = [await h.__aenter__() for h in held]
             assert [r.status_code for r in responses] == [200] * BOUND
-            for r in responses:
-                await r.aiter_raw().__anext__()  # each has begun streaming: all BOUND slots taken
+            # each has begun streaming: all BOUND slots taken. The readers stay referenced: a
+            # dropped one is closed by the event loop, and with it the connection (a disconnect)
+            readers = [r.aiter_raw() for r in responses]
+            for reader in readers:
+                await reader.__anext__()
             extra = await client.post("/v1/audio/speech", json={"input": "hello", "response_format": "pcm"})
             assert extra.status_code == 503, extra.text
             assert extra.headers["retry-after"] == "1"
             assert extra.json()["error"]["type"] == "ServiceUnavailableError"
+            for reader in readers:
+                await reader.aclose()
             for h in held:
                 await h.__aexit__(None, None, None)
 
