@@ -85,7 +85,8 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
             pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None,
             data_parallel_rank=None, external_req_id=s.rid), prompt=None)
         if acc is not None:
-            held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if s.kind == RequestOutputKind.FINAL_ONLY else None
+            final_only = s.kind == RequestOutputKind.FINAL_ONLY
+            held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if final_only else None
             acc.add_request(s.rid, EMIT[s.kind], row=s.row, frames=held)  # as the talker's worker does
         live.append(s)
 
@@ -116,7 +117,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
             packed, plain = acc.collect(finishing, head_bytes=8 * n), {}
             sampled = packed.wait()[:8 * n].view(torch.int64).tolist()
         else:
-            packed, plain, sampled = None, upstream_worker_outputs(ids, {"audio": audio, "codes": codes.unsqueeze(1)}), None
+            packed, plain = None, upstream_worker_outputs(ids, {"audio": audio, "codes": codes.unsqueeze(1)})
             sampled = codes[:, 0].cpu().tolist()
         t1 = time.perf_counter()
         if profile is not None:
@@ -153,7 +154,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
         for s in [s for s in live if s.produced == s.frames]:
             live.remove(s)
             free_rows.append(s.row)
-            if s.audio and s.produced == s.frames and s.rid != "req-0":
+            if s.audio:
                 _check(s)
                 checked[0] += 1
             start()

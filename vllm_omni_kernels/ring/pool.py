@@ -201,8 +201,8 @@ class RingPool:
                                           "bytes is spent", request_id=request_id, key=self.key)
         self._slot_free[slot] = False
         self._owner[request_id] = slot
-        offset, frames = region
-        self.table[slot, BASE], self.table[slot, CAP], self.table[slot, UNREAD] = offset * self.frame_elems, frames, 0
+        offset, capacity = region
+        self.table[slot, BASE], self.table[slot, CAP], self.table[slot, UNREAD] = offset * self.frame_elems, capacity, 0
         self._override_head(slot, 0)
         self._tail[slot] = self._drained[slot] = 0
         self.layout[slot] += 1
@@ -540,6 +540,8 @@ class RingPool:
         slots, n = slots[idx], n[idx]
         ids = [request_ids[i] for i in idx]
         fit = self.make_room(ids, slots, n, errors)  # before packing: only chunks that fit are packed
+        if not fit.all():
+            ids = [rid for rid, ok in zip(ids, fit) if ok]
         idx, slots, n = idx[fit], slots[fit], n[fit]
         if len(idx) == 0:
             return None
@@ -549,7 +551,6 @@ class RingPool:
         parts = [chunks[i].detach() for i in idx]
         starts = np.zeros(len(idx), np.int64)
         np.cumsum(n[:-1], out=starts[1:])
-        ids = [request_ids[i] for i in idx]
         if self.last:
             packed = self._scratch[: total * F].view(F, total)
             torch.cat([p.reshape(F, -1) for p in parts], dim=1, out=packed)

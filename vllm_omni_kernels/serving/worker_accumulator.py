@@ -17,9 +17,10 @@ What is due, per request, by its output kind (taken from its sampling parameters
 
 A request's slots are taken when it arrives (at the row the model runner gives it, the same slot
 in every key's pool, sized for everything a FINAL_ONLY request will hold when the caller says how
-much that is) and freed when it finishes (its last spans are read first) or is aborted. A chunk that does not fit its key (dtype, frame shape, device, an overflow
-that cannot grow) fails that request: ``append`` returns its ``TensorAccumulationError``, its slots
-are freed, and every other request goes on exactly.
+much that is) and freed when it finishes (its last spans are read first) or is aborted. A chunk
+that does not fit its key (dtype, frame shape, device, an overflow that cannot grow) fails that
+request: ``append`` returns its ``TensorAccumulationError``, its slots are freed, and every other
+request goes on exactly.
 
 Nothing on the step's path reads the device: lengths, offsets and due-ness come from host mirrors.
 The host buffer is pinned memory reused once nothing refers to it any more (``_HostBuffers``), so
