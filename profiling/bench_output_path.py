@@ -13,7 +13,8 @@ Per step and path it times, on the host:
   (or ``UpstreamStyleOutputProcessor``'s): the whole, and its multimodal share (what ``simulate``
   reports).
 
-Every finished request's audio is checked sample for sample against what its frames decode to.
+The client's processor runs with vLLM's ``stream_interval`` at the cadence in frames, as the
+talker's engine does (``llm.talker_stream_interval``). Every finished request's audio is checked sample for sample against what its frames decode to.
 Prints one line per path and a ratio line; ``--out`` writes JSON (``plot.py`` draws it).
 
 Usage: python profiling/bench_output_path.py [--streams 64,256] [--frames 40] [--steps 200] [--device cuda] [--profile]
@@ -42,7 +43,7 @@ from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
 from vllm_omni_kernels.accumulator import EmitPolicy  # noqa: E402
 from vllm_omni_kernels.ring import PaddedBatch  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
-from vllm_omni_kernels.vllm_integration.llm import talker_processor_options  # noqa: E402
+from vllm_omni_kernels.vllm_integration.llm import talker_processor_options, talker_stream_interval  # noqa: E402
 from vllm_omni_kernels.vllm_integration.scheduler import outputs_with_channel  # noqa: E402
 from vllm_omni_kernels.vllm_integration.upstream_style import upstream_worker_outputs  # noqa: E402
 from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder  # noqa: E402
@@ -66,7 +67,8 @@ class _Stream:
 def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cadence: int,
           profile: cProfile.Profile | None = None) -> dict:
     options = talker_processor_options(path)
-    processor = options.processor_cls(None, log_stats=False, output_modality=options.output_modality,
+    processor = options.processor_cls(None, log_stats=False, stream_interval=talker_stream_interval(cadence),
+                                      output_modality=options.output_modality,
                                       strategies=options.strategies)
     acc = WorkerAccumulator(talker_output_keys(cadence), device, max_requests=B) if path == "worker" else None
     encoder, decoder = MsgpackEncoder(), OmniMsgpackDecoder()

@@ -207,10 +207,12 @@ def test_unknown_model_is_404_and_non_json_is_400(server):
 
 
 def test_load_script_against_the_server(server, tmp_path):
-    """``profiling/load_speech.py`` against this server: every stream exact, memory back to idle."""
+    """``profiling/load_speech.py`` against this server, its clients in two processes: every stream
+    exact, memory back to idle."""
     run = subprocess.run([sys.executable, str(ROOT / "profiling" / "load_speech.py"), "--url", server["url"],
                           "--model", str(server["model"]), "--clients", "3", "--requests", "2", "--chars", "30",
-                          "--min-chars", "10", "--rounds", "1", "--no-probe", "--out", str(tmp_path)],
+                          "--min-chars", "10", "--rounds", "1", "--no-probe", "--client-procs", "2",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     import json
@@ -219,3 +221,15 @@ def test_load_script_against_the_server(server, tmp_path):
     assert res["ok"] == 6 and res["streams_exact"] == 6 and res["samples_lost"] == res["samples_altered"] == 0
     assert res["memory_after"]["pool_bytes_used"] == 0 and res["memory_after"]["pool_slots_used"] == 0
     assert (tmp_path / "load_speech.png").exists()
+
+
+@pytest.mark.parametrize("argv, interval", [([], 4), (["--cadence", "0"], 1), (["--cadence", "3840"], 2),
+                                            (["--stream-interval", "1"], 1)])
+def test_stream_interval_follows_the_cadence_unless_given(tmp_path, argv, interval):
+    """vLLM's ``stream_interval`` is the cadence in frames by default (outputs when audio is due),
+    and what the user passes otherwise."""
+    from vllm_omni_kernels.vllm_integration.server import engine_args_from, make_parser
+
+    args = make_parser().parse_args([str(tmp_path), *argv])
+    args.model = args.model_tag
+    assert engine_args_from(args).stream_interval == interval

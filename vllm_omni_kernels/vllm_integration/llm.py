@@ -49,7 +49,8 @@ from .client import OmniAsyncMPClient, OmniInprocClient, OmniSyncMPClient
 from .output_processor import MultimodalOutputProcessor
 from .outputs import OmniRequestOutput, wrap_output
 from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
-from .worker import TalkerExecutor
+from ..serving import talker as tk
+from .worker import TalkerExecutor, WorkerOptions
 
 
 @dataclass
@@ -69,10 +70,12 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
     """Engine arguments that serve the talker of ``model`` (a ``talker_model.make_model_dir``) with
     ``TalkerExecutor`` on ``device``. ``cadence``: audio samples a streaming request gets at a time;
     ``output_path``: "worker" (this package) or "upstream" (the comparison path). Other keywords
-    go to vLLM's ``EngineArgs`` (``args_cls=AsyncEngineArgs`` for ``OmniAsyncLLM``)."""
+    go to vLLM's ``EngineArgs`` (``args_cls=AsyncEngineArgs`` for ``OmniAsyncLLM``); vLLM's
+    ``stream_interval`` defaults to the cadence in frames (``talker_stream_interval``)."""
     omni: dict[str, Any] = {"device": device, "output_path": output_path}
     if cadence is not None:
         omni["cadence"] = int(cadence)
+    kwargs.setdefault("stream_interval", talker_stream_interval(cadence))
     extra = dict(kwargs.pop("additional_config", None) or {})
     extra["omni"] = {**extra.get("omni", {}), **omni}
     kwargs.setdefault("max_model_len", 8192)
@@ -80,6 +83,16 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
     return args_cls(model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
                      distributed_executor_backend=TalkerExecutor, max_num_seqs=max_num_seqs,
                      additional_config=extra, **kwargs)
+
+
+def talker_stream_interval(cadence: int | None) -> int:
+    """vLLM's ``stream_interval`` that matches the talker's ``cadence`` (samples; None: the worker's
+    default): a streaming request's output goes out with its first frame, then once per cadence
+    interval of frames (when its audio is due) and at finish, not with every sampled token, which
+    spares the frontend the outputs that carry no audio. A chunk the worker delivers between two
+    outputs waits in the request's state for the next one, so nothing is lost either way."""
+    samples = WorkerOptions.cadence if cadence is None else int(cadence)
+    return max(1, samples // tk.FRAME_SAMPLES)
 
 
 def talker_processor_options(output_path: str = "worker") -> ProcessorOptions:

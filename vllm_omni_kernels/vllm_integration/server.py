@@ -6,7 +6,8 @@ hard-codes ``AsyncLLM``) and includes the speech router. Everything else is vLLM
 parser (every engine and frontend option of ``vllm serve``), its FastAPI app with
 ``/v1/completions``, ``/v1/models``, ``/health`` and ``/metrics``, its exception handlers and
 middleware, ``serve_http`` with its signal handling and engine watchdog. The defaults serve the
-talker (``TalkerExecutor``, float32, eager); this server's own options are in the "Omni speech" group.
+talker (``TalkerExecutor``, float32, eager, ``--stream-interval`` at the audio's cadence in frames:
+``llm.talker_stream_interval``); this server's own options are in the "Omni speech" group.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.executor import Executor
 
 from . import speech
-from .llm import OmniAsyncLLM, omni_vllm_config, talker_processor_options, warm_up
+from .llm import OmniAsyncLLM, omni_vllm_config, talker_processor_options, talker_stream_interval, warm_up
 from .worker import TalkerExecutor
 
 logger = init_logger("vllm.omni_kernels.server")
@@ -39,7 +40,7 @@ def make_parser() -> FlexibleArgumentParser:
     parser = make_arg_parser(FlexibleArgumentParser(prog="python -m vllm_omni_kernels serve",
                                                     description=__doc__.split("\n\n")[0]))
     parser.set_defaults(distributed_executor_backend=TalkerExecutor, dtype="float32", enforce_eager=True,
-                        max_model_len=8192, max_num_batched_tokens=8192)
+                        max_model_len=8192, max_num_batched_tokens=8192, stream_interval=None)
     g = parser.add_argument_group("Omni speech")
     g.add_argument("--talker-device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="where the talker and the worker's rings run (auto: GPU if present)")
@@ -66,6 +67,8 @@ def engine_args_from(args) -> AsyncEngineArgs:
     extra["omni"] = {**extra.get("omni", {}), "device": args.talker_device, "cadence": args.cadence,
                      "output_path": args.output_path}
     args.additional_config = extra
+    if args.stream_interval is None:  # not given: outputs at the audio's cadence
+        args.stream_interval = talker_stream_interval(args.cadence)
     return AsyncEngineArgs.from_cli_args(args)
 
 
