@@ -3,7 +3,8 @@
 For each output path (``worker``: this package; ``upstream``: per-request host copies and per-step
 concatenation) a server starts on 127.0.0.1 with the talker on ``--device``, and ``--clients``
 clients each stream ``--requests`` speech requests back to back (seeded texts of ``--chars``
-characters, float32 PCM so every sample can be checked against the talker's own rollout). Bounded
+characters, float32 PCM so every sample can be checked against the talker's own rollout), spread
+over ``--client-procs`` processes so that no client's event loop sets what it measures. Bounded
 in count and in time (``--time-limit`` per path). Reported per path (JSON + PNG):
 
 - time to first audio byte (from sending the request), p50 / p99, against the engine step;
@@ -19,7 +20,7 @@ in count and in time (``--time-limit`` per path). Reported per path (JSON + PNG)
   the number of streams served.
 
 Usage: python profiling/load_speech.py [--clients 64] [--requests 4] [--rounds 2] [--device auto] [--paths worker,upstream]
-       [--url http://127.0.0.1:8000]   (an already running server: one path, no start-up)
+       [--client-procs 4] [--url http://127.0.0.1:8000]   (an already running server: one path, no start-up)
 """
 
 from __future__ import annotations
@@ -27,14 +28,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from itertools import repeat
 from pathlib import Path
 
 import httpx
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -77,6 +82,7 @@ class Stream:
         self.t_send = self.t_first = None
         self.arrivals: list[tuple[float, int]] = []  # (time, bytes) per chunk
         self.data = bytearray()
+        self.nbytes = self.lost = self.altered = 0  # after check()
 
 
 async def one_stream(client: httpx.AsyncClient, s: Stream) -> None:
@@ -104,22 +110,33 @@ def gaps(s: Stream) -> tuple[float, int]:
     return worst, under
 
 
-def check(streams: list[Stream], voices: dict, tokenizer, speed_frames) -> dict:
-    """Every finished stream against the talker's rollout: samples lost, altered."""
+def check(streams: list[Stream], model: Path) -> None:
+    """Every finished stream against the talker's rollout: its samples lost and altered are noted on
+    it (``lost``, ``altered``) and its data dropped (only its length is kept)."""
+    from transformers import AutoTokenizer
+
+    from vllm_omni_kernels.vllm_integration.speech import FRAMES_PER_CHAR
+    from vllm_omni_kernels.vllm_integration.talker_model import VOICES
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
     talker = tk.ToyTalker(0)
-    lost = altered = exact = 0
     for s in streams:
         if s.status != 200:
             continue
-        ids = [voices[s.voice], *tokenizer(s.text, add_special_tokens=False)["input_ids"]]
-        want = tk.expected_audio(tk.rollout(talker, ids, speed_frames(len(ids) - 1))).numpy()
+        ids = [VOICES[s.voice], *tokenizer(s.text, add_special_tokens=False)["input_ids"]]
+        frames = max(1, int(np.ceil((len(ids) - 1) * FRAMES_PER_CHAR)))
+        want = tk.expected_audio(tk.rollout(talker, ids, frames)).numpy()
         got = np.frombuffer(bytes(s.data), "<f4")
         n = min(want.size, got.size)
-        bad = int((got[:n].view(np.uint32) != want[:n].view(np.uint32)).sum())
-        lost += max(0, want.size - got.size)
-        altered += bad
-        exact += got.size == want.size and bad == 0
-    return {"samples_lost": lost, "samples_altered": altered, "streams_exact": exact}
+        s.altered = int((got[:n].view(np.uint32) != want[:n].view(np.uint32)).sum())
+        s.lost = max(0, want.size - got.size)
+        s.nbytes, s.data = len(s.data), bytearray()
+
+
+def checked(streams: list[Stream]) -> dict:
+    ok = [s for s in streams if s.status == 200]
+    return {"samples_lost": sum(s.lost for s in ok), "samples_altered": sum(s.altered for s in ok),
+            "streams_exact": sum(s.lost == 0 and s.altered == 0 for s in ok)}
 
 
 async def overload_probe(url: str, limit: int) -> dict:
@@ -138,31 +155,57 @@ async def overload_probe(url: str, limit: int) -> dict:
             "retry_after_set": all(r is not None for c, r in codes if c == 503)}
 
 
-async def load(url: str, args, rng: np.random.Generator) -> tuple[list[Stream], float]:
-    voices = ["alloy", "nova", "echo", "sage"]
-    plans = [[Stream("".join(rng.choice(list(ALPHABET), int(rng.integers(args.min_chars, args.chars + 1)))),
-                     voices[(c + k) % len(voices)]) for k in range(args.requests)] for c in range(args.clients)]
-    deadline = time.perf_counter() + args.time_limit
-    async with httpx.AsyncClient(base_url=url, timeout=args.time_limit,
-                                 limits=httpx.Limits(max_connections=args.clients + 8)) as client:
+async def drive(url: str, plans: list[list[Stream]], start_at: float, time_limit: float) -> tuple[float, float]:
+    """Each plan is one client sending its streams back to back, from ``start_at`` (a
+    ``time.perf_counter`` value, the same clock in every process) until ``time_limit`` seconds after
+    it; returns when they started and when the last one ended."""
+    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    started = time.perf_counter()
+    deadline = started + time_limit
+    async with httpx.AsyncClient(base_url=url, timeout=time_limit,
+                                 limits=httpx.Limits(max_connections=len(plans) + 8)) as client:
         async def client_run(streams: list[Stream]):
             for s in streams:
                 if time.perf_counter() > deadline:
                     break
                 await one_stream(client, s)
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(client_run(p) for p in plans))
-        wall = time.perf_counter() - t0
-    return [s for p in plans for s in p if s.status is not None], wall
+    return started, time.perf_counter()
+
+
+def drive_and_check(url: str, plans: list[list[Stream]], start_at: float, time_limit: float,
+                    model: Path) -> tuple[list[list[Stream]], tuple[float, float]]:
+    """``drive`` (in a process of its own), then its streams checked there, after the load (only
+    their timings and verdicts come back). The check's rollouts run on one thread: several client
+    processes beside the server would oversubscribe the cores many times over."""
+    times = asyncio.run(drive(url, plans, start_at, time_limit))
+    torch.set_num_threads(1)
+    check([s for p in plans for s in p], model)
+    return plans, times
+
+
+def load(url: str, args, rng: np.random.Generator, model: Path) -> tuple[list[Stream], float]:
+    """The clients, spread over ``--client-procs`` processes so that the clients' own event loops
+    (httpx parses every chunk in Python) do not set the time to first byte they measure."""
+    voices = ["alloy", "nova", "echo", "sage"]
+    plans = [[Stream("".join(rng.choice(list(ALPHABET), int(rng.integers(args.min_chars, args.chars + 1)))),
+                     voices[(c + k) % len(voices)]) for k in range(args.requests)] for c in range(args.clients)]
+    procs = max(1, min(args.client_procs, args.clients))
+    shares = [plans[i::procs] for i in range(procs)]
+    if procs == 1:
+        start = time.perf_counter()
+        done = [drive_and_check(url, shares[0], start, args.time_limit, model)]
+    else:
+        start = time.perf_counter() + 10.0  # the processes' imports happen before it
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(drive_and_check, repeat(url), shares, repeat(start), repeat(args.time_limit),
+                                 repeat(model)))
+    wall = max(end for _, (_, end) in done) - min(begin for _, (begin, _) in done)
+    return [s for share, _ in done for p in share for s in p if s.status is not None], wall
 
 
 def run_path(path: str, args, model: Path, out: Path) -> dict:
-    from transformers import AutoTokenizer
-
-    from vllm_omni_kernels.vllm_integration.speech import FRAMES_PER_CHAR
-    from vllm_omni_kernels.vllm_integration.talker_model import VOICES
-
     proc = log = None
     url = args.url
     if url is None:
@@ -179,7 +222,7 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
         before = memory(url, pid)
         streams, wall, rounds, per_round = [], 0.0, [], []
         for k in range(args.rounds):  # the same load again: memory must not grow with the streams served
-            got, spent = asyncio.run(load(url, args, np.random.default_rng(args.seed + k)))
+            got, spent = load(url, args, np.random.default_rng(args.seed + k), model)
             streams += got
             per_round.append(got)
             wall += spent
@@ -189,8 +232,7 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
         probe = asyncio.run(overload_probe(url, args.clients)) if args.probe else None
         time.sleep(1.0)
         after = memory(url, pid)
-        tok = AutoTokenizer.from_pretrained(str(model))
-        checked = check(streams, VOICES, tok, lambda n: max(1, int(np.ceil(n * FRAMES_PER_CHAR))))
+        verdict = checked(streams)
     finally:
         if proc is not None:
             proc.terminate()
@@ -198,14 +240,14 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
     ok = [s for s in streams if s.status == 200 and s.t_first is not None]
     ttfb = np.array([s.t_first - s.t_send for s in ok]) * 1e3
     worst, under = zip(*(gaps(s) for s in ok)) if ok else ((0.0,), (0,))
-    audio_s = sum(len(s.data) for s in ok) / 4 / tk.SAMPLE_RATE
+    audio_s = sum(s.nbytes for s in ok) / 4 / tk.SAMPLE_RATE
     step_ms = after_load["step_ms"]
     res = {"path": path, "clients": args.clients, "streams": len(streams), "ok": len(ok),
            "status_503": sum(s.status == 503 for s in streams), "wall_s": wall, "audio_s": audio_s,
            "audio_s_per_wall_s": audio_s / wall, "ttfb_ms_p50": float(np.percentile(ttfb, 50)),
            "ttfb_ms_p99": float(np.percentile(ttfb, 99)), "step_ms": step_ms,
            "ttfb_p99_target_ms": 2 * step_ms + 50, "worst_gap_ratio": float(max(worst)),
-           "underruns": int(sum(under)), **checked, "memory_before": before, "memory_after_load": after_load,
+           "underruns": int(sum(under)), **verdict, "memory_before": before, "memory_after_load": after_load,
            "memory_after": after, "memory_after_rounds": rounds, "overload_probe": probe, "ttfb_ms": ttfb.tolist(),
            "ttfb_ms_p99_by_round": [float(np.percentile([(s.t_first - s.t_send) * 1e3 for s in got if s.t_first], 99))
                                     for got in per_round if any(s.t_first for s in got)]}
@@ -213,7 +255,7 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
           f"({res['audio_s_per_wall_s']:.1f}x real time); TTFB p50 {res['ttfb_ms_p50']:.1f} ms, p99 "
           f"{res['ttfb_ms_p99']:.1f} ms (by round {[round(v, 1) for v in res['ttfb_ms_p99_by_round']]}; target {res['ttfb_p99_target_ms']:.1f}: 2 steps of {step_ms:.2f} ms + 50); "
           f"worst gap {res['worst_gap_ratio']:.2f}x the previous chunk, {res['underruns']} underruns; "
-          f"{checked['samples_lost']} samples lost, {checked['samples_altered']} altered; 503s {res['status_503']}; "
+          f"{verdict['samples_lost']} samples lost, {verdict['samples_altered']} altered; 503s {res['status_503']}; "
           f"probe {probe}; pool bytes {before['pool_bytes_used']} -> {after['pool_bytes_used']}, slots "
           f"{after['pool_slots_used']}, RSS {before['rss_bytes']} -> {[m['rss_bytes'] for m in rounds]} after each round",
           flush=True)
@@ -255,6 +297,8 @@ def main() -> None:
     ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the overload probe")
     ap.add_argument("--url", default=None, help="an already running server (then one path, named 'external')")
     ap.add_argument("--model", default=None, help="the model directory (default: written to a temporary one)")
+    ap.add_argument("--client-procs", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                    help="processes the clients are spread over (default: a quarter of the cores, at most 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/load_speech")
     args = ap.parse_args()
