@@ -14,7 +14,8 @@ Per step and path it times, on the host:
   reports).
 
 The client's processor runs with vLLM's ``stream_interval`` at the cadence in frames, as the
-talker's engine does (``llm.talker_stream_interval``). Every finished request's audio is checked sample for sample against what its frames decode to.
+talker's engine does (``llm.talker_stream_interval``). Every finished request's audio is checked
+sample for sample against what its frames decode to.
 Prints one line per path and a ratio line; ``--out`` writes JSON (``plot.py`` draws it).
 
 Usage: python profiling/bench_output_path.py [--streams 64,256] [--frames 40] [--steps 200] [--device cuda] [--profile]

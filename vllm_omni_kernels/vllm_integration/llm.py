@@ -45,11 +45,11 @@ from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_f
 
 from ..accumulator import AccumulatorConfig
 from ..modality import OutputModality, TensorAccumulationStrategy
+from ..serving import talker as tk
 from .client import OmniAsyncMPClient, OmniInprocClient, OmniSyncMPClient
 from .output_processor import MultimodalOutputProcessor
 from .outputs import OmniRequestOutput, wrap_output
 from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
-from ..serving import talker as tk
 from .worker import TalkerExecutor, WorkerOptions
 
 
