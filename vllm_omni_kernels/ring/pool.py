@@ -595,7 +595,6 @@ class RingPool:
         max_elems = frames * self.frame_elems
         plan = self._repeat
         if repeat is not None and plan is not None and plan.wanted and (host[:rows, POS] < 0).all():
-            self._settle()
             if self._staging.pinned:
                 plan.meta = self._staging.upload(i, rows, self._resident)
             else:
@@ -606,7 +605,6 @@ class RingPool:
         else:
             meta = self._staging.for_kernel(i, rows, max_elems > UPLOAD_ELEMS)
             if repeat is not None:  # what the next step must match to have its rows kept
-                self._settle()
                 ids, data = repeat
                 self._repeat = _RepeatPlan(ids, self.version, data.shape, data.stride(), n.tobytes())
         ops.ring_write(self.arena, self.state, meta, src, rows=rows, frame_elems=self.frame_elems,

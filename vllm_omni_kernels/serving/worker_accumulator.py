@@ -325,10 +325,10 @@ class WorkerAccumulator:
         is due and there is no head.
         """
         with nvtx_range("worker.collect"):
+            unreads = [pool.unread() for pool in self.pools]
             any_unread = np.zeros(len(self._held), bool)
             paced = np.zeros(len(self._held), bool)
-            for cadence, pool in zip(self._cadence, self.pools):
-                unread = pool.unread()
+            for cadence, unread in zip(self._cadence, unreads):
                 any_unread |= unread > 0
                 paced |= unread >= cadence
             due = self._streaming & any_unread & (paced | ~self._delivered)  # rows not held have nothing unread
@@ -342,9 +342,9 @@ class WorkerAccumulator:
             step = PackedStep(host=self._pack, head_bytes=head_bytes, final=set(ending))
             offset = _aligned(head_bytes)
             starts = []
-            for pool in self.pools:
+            for pool, unread in zip(self.pools, unreads):
                 starts.append(offset)
-                offset += _aligned(int(pool.unread()[rows].sum()) * pool.frame_bytes)
+                offset += _aligned(int(unread[rows].sum()) * pool.frame_bytes)
             self._reserve(offset)
             if len(rows):
                 for key, pool, start, end in zip(self.keys, self.pools, starts, starts[1:] + [offset]):

@@ -51,7 +51,6 @@ from ..accumulator import AccumulatorConfig, EmitPolicy, MultimodalAccumulator
 from ..errors import MultimodalOutputError, TensorAccumulationError, TensorConsolidationError
 from ..modality import OutputModality, TensorAccumulationStrategy, parse_strategy
 from ..payload import GrowingTensor, MultimodalPayload
-from .. import profiling
 from ..profiling import nvtx_range
 from .wire import OmniEngineCoreOutput
 from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput, MultimodalRequestOutput
@@ -150,17 +149,10 @@ class OmniRequestState(RequestState):
         since the last one shares that one's payload."""
         if not self.pending and self.accumulator is None:
             return self.last  # the common step of a stream between deliveries
-        stopwatch = self.stopwatch
-        if stopwatch is None:
+        if self.stopwatch is None:
             return self._take_payload(finished)
-        t0 = time.perf_counter()
-        try:
-            if not profiling.enabled():
-                return self._take_payload(finished)
-            with nvtx_range("frontend.payload"):
-                return self._take_payload(finished)
-        finally:
-            stopwatch.seconds += time.perf_counter() - t0
+        with self.stopwatch, nvtx_range("frontend.payload"):
+            return self._take_payload(finished)
 
     def _take_payload(self, finished: bool) -> MultimodalPayload | None:
         payload = None
