@@ -15,6 +15,8 @@ in count and in time (``--time-limit`` per path). Reported per path (JSON + PNG)
 - samples lost or altered (every stream compared with ``talker.expected_audio`` of its rollout);
 - 503 answers, and an overload probe: ``max_inflight + 8`` simultaneous requests (the extra ones must
   get 503 with Retry-After);
+- where the server says the time to first audio went (``speech.FirstAudio``: admission, the
+  engine, delivery to the handler, the response's start), p50 / p99;
 - server memory before and after each of ``--rounds`` repetitions of the load (resident set of the
   server and its engine process, the worker's pool bytes and slots in use): it must not grow with
   the number of streams served.
@@ -220,6 +222,7 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
         print(f"[{path}] server ready in {time.perf_counter() - t_ready:.1f} s", flush=True)
         pid = proc.pid if proc is not None else None
         before = memory(url, pid)
+        httpx.get(f"{url}/v1/audio/speech/stats", params={"reset": "1"}, timeout=30)
         streams, wall, rounds, per_round = [], 0.0, [], []
         for k in range(args.rounds):  # the same load again: memory must not grow with the streams served
             got, spent = load(url, args, np.random.default_rng(args.seed + k), model)
@@ -229,6 +232,7 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
             time.sleep(0.5)
             rounds.append(memory(url, pid))
         after_load = rounds[-1]
+        phases = httpx.get(f"{url}/v1/audio/speech/stats", timeout=30).json()["first_audio"]
         probe = asyncio.run(overload_probe(url, args.clients)) if args.probe else None
         time.sleep(1.0)
         after = memory(url, pid)
@@ -247,7 +251,7 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
            "audio_s_per_wall_s": audio_s / wall, "ttfb_ms_p50": float(np.percentile(ttfb, 50)),
            "ttfb_ms_p99": float(np.percentile(ttfb, 99)), "step_ms": step_ms,
            "ttfb_p99_target_ms": 2 * step_ms + 50, "worst_gap_ratio": float(max(worst)),
-           "underruns": int(sum(under)), **verdict, "memory_before": before, "memory_after_load": after_load,
+           "underruns": int(sum(under)), **verdict, "server_first_audio": phases, "memory_before": before, "memory_after_load": after_load,
            "memory_after": after, "memory_after_rounds": rounds, "overload_probe": probe, "ttfb_ms": ttfb.tolist(),
            "ttfb_ms_p99_by_round": [float(np.percentile([(s.t_first - s.t_send) * 1e3 for s in got if s.t_first], 99))
                                     for got in per_round if any(s.t_first for s in got)]}
@@ -259,6 +263,9 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
           f"probe {probe}; pool bytes {before['pool_bytes_used']} -> {after['pool_bytes_used']}, slots "
           f"{after['pool_slots_used']}, RSS {before['rss_bytes']} -> {[m['rss_bytes'] for m in rounds]} after each round",
           flush=True)
+    print(f"[{path}] in the server, p50 / p99 ms: " + ", ".join(
+        f"{name} {phases.get(f'{name}_ms_p50', 0):.1f} / {phases.get(f'{name}_ms_p99', 0):.1f}"
+        for name in ("admit", "engine", "deliver", "respond", "total")), flush=True)
     return res
 
 

@@ -16,7 +16,10 @@ therefore behave exactly as with vLLM's processor.
 ``OmniRequestState`` is vLLM's ``RequestState`` whose completion outputs are
 ``MultimodalCompletionOutput``s carrying the request's payload per its output kind: DELTA drains what
 arrived since the last output, CUMULATIVE consolidates everything so far, FINAL_ONLY consolidates at
-finish. Tensors from the wire are CPU tensors and use the torch reference path; CUDA tensors (engine
+finish. With vLLM's ``stream_interval`` above 1 a CUMULATIVE request gets an output with its first
+token, then once every ``stream_interval`` tokens, and at finish, as a DELTA one does (vLLM itself
+thins DELTA outputs only; an output CUMULATIVE skips loses nothing, the next one holds it all).
+Tensors from the wire are CPU tensors and use the torch reference path; CUDA tensors (engine
 in-process) use the ring kernels. A request's slots are freed when it finishes or is aborted.
 
 Errors: a bad value (not a tensor where one is expected, dtype or frame shape changing mid-stream,
@@ -107,6 +110,7 @@ class OmniRequestState(RequestState):
     pending: bool = False  # pieces arrived since the last output
     last: MultimodalPayload | None = None  # CUMULATIVE: everything so far, for outputs with nothing new
     stopwatch: Stopwatch | None = None  # the processor's, timing payload assembly
+    cumulative_sent: int = 0  # CUMULATIVE: output tokens at its last output (``stream_interval``)
 
     @classmethod
     def adopt(cls, base: RequestState) -> OmniRequestState:
@@ -197,6 +201,16 @@ class OmniRequestState(RequestState):
                 raise
             self.failures.append((self, exc))
             return None
+
+    def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs):
+        """vLLM's, with CUMULATIVE outputs thinned at ``stream_interval`` as vLLM thins DELTA ones."""
+        if (self.output_kind == RequestOutputKind.CUMULATIVE and self.stream_interval > 1 and finish_reason is None
+                and pooling_output is None and self.detokenizer is not None):
+            tokens = self.detokenizer.num_output_tokens()
+            if self.cumulative_sent and tokens - self.cumulative_sent < self.stream_interval:
+                return None
+            self.cumulative_sent = tokens
+        return super().make_request_output(new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs)
 
     def _new_request_output(self, *args, **kwargs):
         """vLLM's output of the request; a DELTA one as a ``MultimodalRequestOutput`` (the same

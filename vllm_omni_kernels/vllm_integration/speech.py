@@ -18,13 +18,16 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
 
 A stream that fails after its first bytes (a worker error for this request) ends without the final
 chunk of the chunked encoding, so a client sees a truncated response, never a short one that looks
-complete. ``GET /v1/audio/speech/stats`` reports the admission counters and the worker's pools.
+complete. ``GET /v1/audio/speech/stats`` reports the admission counters, the worker's pools, and
+where each streamed request's time to first audio went (``FirstAudio``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from collections import deque
 from http import HTTPStatus
 from typing import Literal
 
@@ -74,6 +77,42 @@ class SpeechLimits:
     retry_after_s: int = 1
 
 
+class FirstAudio:
+    """Where the time to first audio of the latest streamed requests went, in the server (seconds,
+    wall clock; the engine's share from vLLM's request metrics):
+
+    - ``admit``: from the handler's start to the request's arrival in vLLM's engine client
+      (validation, tokenization, the other requests the event loop served meanwhile);
+    - ``engine``: from that arrival to the first output in vLLM's output processor
+      (``first_token_latency``: queueing, the steps, the wire);
+    - ``deliver``: from there to the handler holding the output's audio;
+    - ``respond``: from there to the first bytes handed to the HTTP server.
+
+    (With ``--disable-log-stats`` vLLM keeps no request metrics: ``admit`` and ``engine`` are 0 and
+    ``deliver`` holds both.)
+    """
+
+    PHASES = ("admit", "engine", "deliver", "respond", "total")
+
+    def __init__(self, keep: int = 4096):
+        self._rows: deque[tuple[float, ...]] = deque(maxlen=keep)
+
+    def note(self, received: float, out_at: float, written: float, metrics) -> None:
+        arrival = getattr(metrics, "arrival_time", 0.0) or received
+        engine = getattr(metrics, "first_token_latency", 0.0) or 0.0
+        admit = max(arrival - received, 0.0)
+        self._rows.append((admit, engine, max(out_at - received - admit - engine, 0.0), written - out_at,
+                           written - received))
+
+    def summary(self) -> dict:
+        """p50 and p99 of every phase in ms, over the kept requests (``count``)."""
+        if not self._rows:
+            return {"count": 0}
+        a = np.array(self._rows) * 1e3
+        return {"count": len(a), **{f"{name}_ms_p{q}": float(np.percentile(a[:, i], q))
+                                    for i, name in enumerate(self.PHASES) for q in (50, 99)}}
+
+
 class Admission:
     """At most ``limit`` speech requests in flight; counts what it turned away. Single-threaded (the
     server's event loop): no lock."""
@@ -104,8 +143,11 @@ class SpeechStream:
     aborts the engine request if it has not finished and releases the slot, whatever happened to
     the HTTP response (a client gone before the body started included)."""
 
-    def __init__(self, engine, admission: Admission, request_id: str, gen):
+    def __init__(self, engine, admission: Admission, request_id: str, gen, received: float = 0.0):
         self.engine, self.admission, self.request_id, self.gen = engine, admission, request_id, gen
+        self.received = received  # time.time() when the handler started
+        self.first_metrics = None  # vLLM's request metrics and the time, at the first output with audio
+        self.first_at = 0.0
         self.finished = False
         self._closed = False
 
@@ -123,6 +165,8 @@ class SpeechStream:
         payload = getattr(comp, "multimodal_output", None)
         audio = None if payload is None else payload.tensors.get("audio")
         self.finished = out.finished
+        if audio is not None and not self.first_at:
+            self.first_at, self.first_metrics = time.time(), out.metrics
         return audio, out.finished
 
     async def close(self) -> None:
@@ -201,6 +245,7 @@ router = APIRouter()
                         HTTPStatus.SERVICE_UNAVAILABLE.value: {"model": ErrorResponse}})
 @with_cancellation
 async def create_speech(request: SpeechRequest, raw_request: Request):
+    received = time.time()
     state = raw_request.app.state
     limits: SpeechLimits = state.omni_speech_limits
     admission: Admission = state.omni_speech_admission
@@ -219,11 +264,12 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False)
     stream = SpeechStream(engine, admission, request_id,
-                          engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id))
+                          engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id),
+                          received)
     handed_over = False
     try:
         if request.stream:
-            response = await _streamed(stream, request)
+            response = await _streamed(stream, request, state.omni_speech_first_audio)
             handed_over = isinstance(response, _ClosingStreamingResponse)
             return response
         return await _whole(stream, request)
@@ -247,7 +293,7 @@ async def _whole(stream: SpeechStream, request: SpeechRequest) -> Response:
     return Response(data, media_type=MEDIA[request.response_format], headers=_headers(request, stream.request_id))
 
 
-async def _streamed(stream: SpeechStream, request: SpeechRequest) -> Response:
+async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: FirstAudio) -> Response:
     """Wait for the first audio (an early failure is still a JSON error), then stream the rest."""
     first, finished = None, False
     try:
@@ -262,6 +308,7 @@ async def _streamed(stream: SpeechStream, request: SpeechRequest) -> Response:
 
     async def body():
         if first:
+            first_audio.note(stream.received, stream.first_at, time.time(), stream.first_metrics)
             yield first
         done = finished
         while not done:
@@ -279,13 +326,19 @@ async def _streamed(stream: SpeechStream, request: SpeechRequest) -> Response:
 
 @router.get("/v1/audio/speech/stats")
 async def speech_stats(raw_request: Request) -> JSONResponse:
-    """Admission counters and the worker's output-path and pool statistics."""
+    """Admission counters, the first-audio phases of streamed requests (``FirstAudio``; ``?reset=1``
+    clears them after reading), and the worker's output-path and pool statistics."""
     state = raw_request.app.state
     admission: Admission = state.omni_speech_admission
     worker = (await state.engine_client.collective_rpc("output_path_stats"))[0]
     worker.pop("first_chunk_at", None)
+    first_audio: FirstAudio = state.omni_speech_first_audio
+    phases = first_audio.summary()
+    if raw_request.query_params.get("reset") == "1":
+        state.omni_speech_first_audio = FirstAudio()
     return JSONResponse({"inflight": admission.inflight, "max_inflight": admission.limit,
-                         "rejected": admission.rejected, "served": admission.served, "worker": worker})
+                         "rejected": admission.rejected, "served": admission.served, "first_audio": phases,
+                         "worker": worker})
 
 
 def install(app, limits: SpeechLimits) -> None:
@@ -293,6 +346,7 @@ def install(app, limits: SpeechLimits) -> None:
     app.include_router(router)
     app.state.omni_speech_limits = limits
     app.state.omni_speech_admission = Admission(limits.max_inflight)
+    app.state.omni_speech_first_audio = FirstAudio()
 
 
 __all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "install", "plan_request", "router", "samples_bytes"]
