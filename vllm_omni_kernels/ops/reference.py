@@ -17,7 +17,7 @@ def _views(arena, lin, row, frame_elems, last):
     """(ring region, the row's span of ``lin``), both as ``[frame, time]`` (CONCAT_LAST) or
     ``[time, frame]`` (CONCAT_DIM0)."""
     n, base, cap = row[N], row[BASE], row[CAP]
-    region = arena[base : base + cap * frame_elems]
+    region = arena.narrow(0, base, cap * frame_elems)
     offset = lin.storage_offset() + row[LIN_OFF]  # LIN_OFF counts from lin's first element, as in the kernels
     if last:
         ring = region.view(frame_elems, cap)
@@ -34,32 +34,37 @@ def _pieces(pos: int, n: int, cap: int):
     return [(pos, 0, first)] + ([(0, first, n - first)] if n > first else [])
 
 
+def _copy_runs(ring, flat, pos: int, n: int, cap: int, last: bool, into_ring: bool) -> None:
+    """Copy the span of ``n`` frames between the ring (from ``pos``) and ``flat`` (from 0)."""
+    axis = 1 if last else 0
+    for r0, s0, k in _pieces(pos, n, cap):
+        a, b = ring.narrow(axis, r0, k), flat.narrow(axis, s0, k)
+        (a.copy_(b) if into_ring else b.copy_(a))
+
+
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool) -> None:
-    """Copy each row's chunk from ``src`` into its ring region at the head; advance the head."""
-    for row in meta[:rows].tolist():
-        n, cap = row[N], row[CAP]
-        pos = row[POS] if row[POS] >= 0 else int(state[row[SLOT]]) >> HEAD_SHIFT
+    """Copy each row's chunk from ``src`` into its ring region at the head; advance the head. The
+    heads are read once and written once per launch."""
+    table = meta[:rows].tolist()
+    if not table:
+        return
+    heads = state.tolist()
+    for row in table:
+        n, cap, slot = row[N], row[CAP], row[SLOT]
+        pos = row[POS] if row[POS] >= 0 else heads[slot] >> HEAD_SHIFT
         if n:
             ring, flat = _views(arena, src, row, frame_elems, last)
-            for r0, s0, k in _pieces(pos, n, cap):
-                if last:
-                    ring[:, r0:r0 + k] = flat[:, s0:s0 + k]
-                else:
-                    ring[r0:r0 + k] = flat[s0:s0 + k]
-        state[row[SLOT]] = ((pos + n) % cap) << HEAD_SHIFT
+            _copy_runs(ring, flat, pos, n, cap, last, into_ring=True)
+        heads[slot] = ((pos + n) % cap) << HEAD_SHIFT
+    state.copy_(torch.tensor(heads, dtype=state.dtype))
 
 
 def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool) -> None:
     """Copy each row's ring span starting at POS into ``out`` at LIN_OFF (contiguous per row)."""
     for row in meta[:rows].tolist():
-        n = row[N]
-        if n:
+        if row[N]:
             ring, flat = _views(arena, out, row, frame_elems, last)
-            for r0, s0, k in _pieces(row[POS], n, row[CAP]):
-                if last:
-                    flat[:, s0:s0 + k] = ring[:, r0:r0 + k]
-                else:
-                    flat[s0:s0 + k] = ring[r0:r0 + k]
+            _copy_runs(ring, flat, row[POS], row[N], row[CAP], last, into_ring=False)
 
 
 def row_gather(jobs) -> None:
