@@ -16,13 +16,14 @@ in count and in time (``--time-limit`` per path). Reported per path (JSON + PNG)
 - 503 answers, and an overload probe: ``max_inflight + 8`` simultaneous requests (the extra ones must
   get 503 with Retry-After);
 - where the server says the time to first audio went (``speech.FirstAudio``: admission, the
-  engine, delivery to the handler, the response's start), p50 / p99;
+  engine, delivery to the handler, the response's start), p50 / p99 (with ``--api-servers`` above
+  1: of the API server process that answers);
 - server memory before and after each of ``--rounds`` repetitions of the load (resident set of the
   server and its engine process, the worker's pool bytes and slots in use): it must not grow with
   the number of streams served.
 
 Usage: python profiling/load_speech.py [--clients 64] [--requests 4] [--rounds 2] [--device auto] [--paths worker,upstream]
-       [--client-procs 4] [--url http://127.0.0.1:8000]   (an already running server: one path, no start-up)
+       [--client-procs 4] [--api-servers 1] [--url http://127.0.0.1:8000]   (an already running server: one path)
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
         url = f"http://127.0.0.1:{port}"
         log = out / f"server_{path}.log"
         proc = start_server(model, port, log, "--talker-device", args.device, "--output-path", path,
-                            "--max-num-seqs", str(args.clients), "--disable-uvicorn-access-log")
+                            "--max-num-seqs", str(args.clients), "--disable-uvicorn-access-log",
+                            "--api-server-count", str(args.api_servers))
     try:
         t_ready = time.perf_counter()
         wait_ready(url, proc, log, timeout=180.0)
@@ -246,8 +248,8 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
     worst, under = zip(*(gaps(s) for s in ok)) if ok else ((0.0,), (0,))
     audio_s = sum(s.nbytes for s in ok) / 4 / tk.SAMPLE_RATE
     step_ms = after_load["step_ms"]
-    res = {"path": path, "clients": args.clients, "streams": len(streams), "ok": len(ok),
-           "status_503": sum(s.status == 503 for s in streams), "wall_s": wall, "audio_s": audio_s,
+    res = {"path": path, "clients": args.clients, "api_servers": args.api_servers, "streams": len(streams),
+           "ok": len(ok), "status_503": sum(s.status == 503 for s in streams), "wall_s": wall, "audio_s": audio_s,
            "audio_s_per_wall_s": audio_s / wall, "ttfb_ms_p50": float(np.percentile(ttfb, 50)),
            "ttfb_ms_p99": float(np.percentile(ttfb, 99)), "step_ms": step_ms,
            "ttfb_p99_target_ms": 2 * step_ms + 50, "worst_gap_ratio": float(max(worst)),
@@ -306,6 +308,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="the model directory (default: written to a temporary one)")
     ap.add_argument("--client-procs", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
                     help="processes the clients are spread over (default: a quarter of the cores, at most 4)")
+    ap.add_argument("--api-servers", type=int, default=1,
+                    help="API server processes of the server it starts (vLLM's --api-server-count)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/load_speech")
     args = ap.parse_args()

@@ -28,13 +28,12 @@ BOUND = 4
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def running_server(tmp_path_factory, *options: str):
     model = make_model_dir(tmp_path_factory.mktemp("talker"))
     port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
     proc = start_server(model, port, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND),
-                        "--max-input-chars", "3000", cwd=ROOT)
+                        "--max-input-chars", "3000", *options, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, log)
@@ -44,9 +43,21 @@ def server(tmp_path_factory):
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            assert proc.wait(60) is not None
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+            raise
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from running_server(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def two_api_servers(tmp_path_factory):
+    """The same server with vLLM's ``--api-server-count 2``: two API server processes on one socket."""
+    yield from running_server(tmp_path_factory, "--api-server-count", "2")
 
 
 def expected(server, text: str, voice: str = "alloy", speed: float = 1.0) -> np.ndarray:
@@ -139,11 +150,14 @@ def test_a_disconnect_aborts_the_request_and_frees_its_slots(server):
     assert all(p["bytes_used"] == 0 for p in after["worker"]["accumulator"]["pools"].values())
 
 
-def test_over_the_bound_a_request_gets_503_and_nothing_is_queued(server):
+def hold_the_bound_and_ask_once_more(server) -> None:
+    """BOUND streams held open, then one more request: 503 with Retry-After, nothing queued; the
+    server takes requests again once they are gone."""
     idle(server)
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=server["url"], timeout=60) as client:
+        async with httpx.AsyncClient(base_url=server["url"], timeout=60,
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as client:
             # 6000 frames of float32 each (46 MB, about 20 s of engine steps): none can finish, and
             # no socket buffer can take one whole, while the extra request arrives
             body = {"input": "b" * 1500, "speed": 0.25, "response_format": "pcm", "sample_format": "f32",
@@ -170,6 +184,49 @@ def test_over_the_bound_a_request_gets_503_and_nothing_is_queued(server):
     assert s["rejected"] >= 1
     r = httpx.post(f"{server['url']}/v1/audio/speech", json={"input": "again", "response_format": "pcm"}, timeout=60)
     assert r.status_code == 200
+
+
+def test_over_the_bound_a_request_gets_503_and_nothing_is_queued(server):
+    hold_the_bound_and_ask_once_more(server)
+
+
+def test_two_api_server_processes_stream_exact_audio_and_share_the_bound(two_api_servers):
+    """With ``--api-server-count 2`` every stream is still the talker's samples (requests through
+    both processes, on fresh connections), the bound counts the requests in flight in both, and
+    the pools are empty afterwards."""
+    server = two_api_servers
+    texts = [f"Request {i} through one of two API servers." for i in range(2 * BOUND)]
+
+    async def one(text: str) -> bytes:
+        body = {"input": text, "voice": "alloy", "response_format": "pcm", "sample_format": "f32", "stream": True}
+        async with httpx.AsyncClient(base_url=server["url"], timeout=60) as client:  # a connection each
+            async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                return b"".join([c async for c in r.aiter_raw()])
+
+    async def all_of_them():
+        out = []
+        for i in (0, BOUND):
+            out += await asyncio.gather(*(one(t) for t in texts[i:i + BOUND]))
+        return out
+
+    got = asyncio.run(all_of_them())
+    for text, data in zip(texts, got):
+        assert data == expected(server, text).astype("<f4").tobytes(), text
+    s = idle(server)
+    assert all(p["bytes_used"] == 0 for p in s["worker"]["accumulator"]["pools"].values())
+    answers = {}  # api server index -> (served, streamed requests it saw), from fresh connections
+    for _ in range(50):
+        a = stats(server)
+        answers[a["api_server"]["index"]] = (a["served"], a["first_audio"]["count"])
+        if len(answers) == 2:
+            break
+    assert sorted(answers) == [0, 1], answers  # both processes answer
+    (served0, seen0), (served1, seen1) = answers[0], answers[1]
+    assert served0 == served1 >= len(texts)  # one count for both processes
+    assert seen0 + seen1 == len(texts) and seen0 and seen1, answers  # the streams went through both
+    hold_the_bound_and_ask_once_more(server)
+    assert "vllm:generation_tokens_total" in httpx.get(f"{server['url']}/metrics").text
 
 
 BAD = [

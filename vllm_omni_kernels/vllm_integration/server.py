@@ -8,12 +8,23 @@ parser (every engine and frontend option of ``vllm serve``), its FastAPI app wit
 middleware, ``serve_http`` with its signal handling and engine watchdog. The defaults serve the
 talker (``TalkerExecutor``, float32, eager, ``--stream-interval`` at the audio's cadence in frames:
 ``llm.talker_stream_interval``); this server's own options are in the "Omni speech" group.
+
+``--api-server-count N`` (vLLM's option) runs N API server processes on one shared socket in front
+of one engine core, as ``vllm serve`` does (``serve_multi``: vLLM's engine launcher and its
+``APIServerProcessManager`` with this module's ``api_server_process`` as each process's entry):
+every process decodes the requests it admits, tokenizes them and writes their audio, so a burst of
+clients is spread over N event loops. The speech requests in flight are counted across the
+processes (one shared counter); ``GET /v1/audio/speech/stats`` names the process that answered and
+reports its first-audio phases.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import multiprocessing
 import signal
+import time
 
 import uvloop
 import vllm.envs as envs
@@ -24,10 +35,13 @@ from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
-from vllm.logger import configure_logging_from_args, init_logger
+from vllm.logger import configure_logging, configure_logging_from_args, init_logger
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
 from vllm.v1.executor import Executor
+from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
+from vllm.v1.utils import APIServerProcessManager, wait_for_completion_or_failure
 
 from . import speech
 from .llm import OmniAsyncLLM, omni_vllm_config, talker_processor_options, talker_stream_interval, warm_up
@@ -72,45 +86,109 @@ def engine_args_from(args) -> AsyncEngineArgs:
     return AsyncEngineArgs.from_cli_args(args)
 
 
-async def run(args) -> None:
-    def interrupt(*_):  # as vLLM's run_server: SIGTERM during start-up stops it
-        raise KeyboardInterrupt("terminated")
+async def run(args, listen_address: str | None = None, sock=None, client_config: dict | None = None) -> None:
+    """Serve in this process: the whole server, or (``client_config``, from ``serve_multi``) one of
+    its API server processes on the shared ``sock``."""
+    if sock is None:
+        def interrupt(*_):  # as vLLM's run_server: SIGTERM during start-up stops it
+            raise KeyboardInterrupt("terminated")
 
-    signal.signal(signal.SIGTERM, interrupt)
-    listen_address, sock = setup_server(args, reuse_port=False)
+        signal.signal(signal.SIGTERM, interrupt)
+        listen_address, sock = setup_server(args, reuse_port=False)
+    client = dict(client_config or {})
+    count, index = client.pop("client_count", 1), client.pop("client_index", 0)
+    loads = client.pop("api_server_loads", None)
     engine_args = engine_args_from(args)
+    if client_config is not None:
+        engine_args._api_process_count, engine_args._api_process_rank = count, index
     config = omni_vllm_config(engine_args, UsageContext.OPENAI_API_SERVER)
     engine = OmniAsyncLLM(config, Executor.get_class(config), log_stats=not engine_args.disable_log_stats,
                           usage_context=UsageContext.OPENAI_API_SERVER, log_requests=engine_args.enable_log_requests,
                           aggregate_engine_logging=engine_args.aggregate_engine_logging,
+                          client_addresses=client or None, client_count=count, client_index=index,
                           processor_options=talker_processor_options(args.output_path))
     try:
-        await warm_up(engine)
-        await engine.collective_rpc("reset_output_path_stats")
+        # every process warms its share of a full batch: together they run one
+        await warm_up(engine, math.ceil(config.scheduler_config.max_num_seqs / count))
+        if index == 0:
+            await engine.collective_rpc("reset_output_path_stats")
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, engine.model_config)
         limit = args.max_inflight or config.scheduler_config.max_num_seqs
         speech.install(app, speech.SpeechLimits(max_inflight=limit, max_input_chars=args.max_input_chars,
-                                                retry_after_s=args.retry_after))
+                                                retry_after_s=args.retry_after),
+                       shared_counts=getattr(args, "omni_speech_counts", None), api_server=(index, count))
         await init_app_state(engine, app.state, args, tasks)
         kwargs = {}
         if (log_config := get_uvicorn_log_config(args)) is not None:
             kwargs["log_config"] = log_config
-        logger.info("speech server on %s: talker on %s, %s output path, at most %d speech requests in flight",
-                    listen_address, args.talker_device, args.output_path, limit)
+        logger.info("speech server on %s: talker on %s, %s output path, at most %d speech requests in flight "
+                    "(API server %d of %d)", listen_address, args.talker_device, args.output_path, limit,
+                    index + 1, count)
         shutdown = await serve_http(
             app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh, host=args.host, port=args.port,
             log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
             timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE, ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
             ssl_ciphers=args.ssl_ciphers, h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
-            h11_max_header_count=args.h11_max_header_count, **kwargs)
+            h11_max_header_count=args.h11_max_header_count,
+            peer_loads=None if loads is None else (loads, index), **kwargs)
     finally:
         engine.shutdown(timeout=config.shutdown_timeout)
     try:
         await shutdown
     finally:
         sock.close()
+
+
+def api_server_process(listen_address: str, sock, args, client_config: dict) -> None:
+    """One API server process of ``serve_multi`` (the entry ``APIServerProcessManager`` starts)."""
+    if logging_config := getattr(args, "logging_config", None):
+        configure_logging(logging_config)
+    uvloop.run(run(args, listen_address, sock, client_config))
+
+
+def serve_multi(args, count: int) -> None:
+    """vLLM's multi-API-server launch (``vllm serve --api-server-count``) with this server's API
+    server processes: the engine core through vLLM's launcher, ``count`` processes of
+    ``api_server_process`` on one shared socket, and one speech-request counter they share."""
+    setup_multiprocess_prometheus()
+    stopping = []
+
+    def stop(*_):
+        if not stopping:
+            stopping.append(True)
+            raise SystemExit
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    listen_address, sock = setup_server(args, reuse_port=True)
+    args.omni_speech_counts = multiprocessing.get_context("spawn").Array("q", 3)  # inflight, rejected, served
+    engine_args = engine_args_from(args)
+    engine_args._api_process_count, engine_args._api_process_rank = count, -1
+    config = omni_vllm_config(engine_args, UsageContext.OPENAI_API_SERVER)
+    listeners = bind_engine_zmq_listeners(config, count)
+    with launch_core_engines(config, Executor.get_class(config), not engine_args.disable_log_stats,
+                             listeners.addresses) as launch:
+        coordinator = launch.coordinator
+        servers = APIServerProcessManager(
+            listen_address=listen_address, sock=sock, args=args, num_servers=count,
+            input_listeners=listeners.inputs, output_listeners=listeners.outputs,
+            target_server_fn=api_server_process,
+            stats_update_address=coordinator.get_stats_publish_address() if coordinator else None,
+            tensor_queue=launch.tensor_queue)
+        launch.watched_frontend_processes = servers.processes
+    try:
+        wait_for_completion_or_failure(api_server_manager=servers, engine_manager=launch.engine_manager,
+                                       coordinator=coordinator)
+    finally:
+        deadline = time.monotonic() + config.shutdown_timeout if stopping else None
+        left = (lambda: None) if deadline is None else (lambda: max(deadline - time.monotonic(), 0.0))
+        servers.shutdown(timeout=left())
+        if launch.engine_manager:
+            launch.engine_manager.shutdown(timeout=left())
+        if coordinator:
+            coordinator.shutdown(timeout=left())
 
 
 def main(argv: list[str]) -> None:
@@ -120,4 +198,8 @@ def main(argv: list[str]) -> None:
         args.model = args.model_tag
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    uvloop.run(run(args))
+    count = args.api_server_count or 1
+    if count > 1:
+        serve_multi(args, count)
+    else:
+        uvloop.run(run(args))

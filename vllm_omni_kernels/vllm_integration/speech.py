@@ -24,6 +24,7 @@ where each streamed request's time to first audio went (``FirstAudio``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -114,22 +115,32 @@ class FirstAudio:
 
 
 class Admission:
-    """At most ``limit`` speech requests in flight; counts what it turned away. Single-threaded (the
-    server's event loop): no lock."""
+    """At most ``limit`` speech requests in flight; counts what it turned away and what it served.
+    The counts are this process's (single-threaded: the server's event loop), or ``shared``: a
+    ``multiprocessing`` int64 array ``[inflight, rejected, served]`` with its lock, which the API
+    server processes of one server share (``server.serve_multi``)."""
 
-    def __init__(self, limit: int):
-        self.limit, self.inflight, self.rejected, self.served = limit, 0, 0, 0
+    def __init__(self, limit: int, shared=None):
+        self.limit = limit
+        self._counts = shared if shared is not None else [0, 0, 0]
+        self._lock = shared.get_lock() if shared is not None else contextlib.nullcontext()
+
+    inflight = property(lambda self: self._counts[0])
+    rejected = property(lambda self: self._counts[1])
+    served = property(lambda self: self._counts[2])
 
     def try_acquire(self) -> bool:
-        if self.inflight >= self.limit:
-            self.rejected += 1
-            return False
-        self.inflight += 1
-        return True
+        with self._lock:
+            if self._counts[0] >= self.limit:
+                self._counts[1] += 1
+                return False
+            self._counts[0] += 1
+            return True
 
     def release(self) -> None:
-        self.inflight -= 1
-        self.served += 1
+        with self._lock:
+            self._counts[0] -= 1
+            self._counts[2] += 1
 
 
 def samples_bytes(audio, sample_format: str) -> bytes:
@@ -326,8 +337,9 @@ async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: F
 
 @router.get("/v1/audio/speech/stats")
 async def speech_stats(raw_request: Request) -> JSONResponse:
-    """Admission counters, the first-audio phases of streamed requests (``FirstAudio``; ``?reset=1``
-    clears them after reading), and the worker's output-path and pool statistics."""
+    """Admission counters (of every API server process), the answering process's index and the
+    first-audio phases of the streamed requests it served (``FirstAudio``; ``?reset=1`` clears them
+    after reading), and the worker's output-path and pool statistics."""
     state = raw_request.app.state
     admission: Admission = state.omni_speech_admission
     worker = (await state.engine_client.collective_rpc("output_path_stats"))[0]
@@ -337,15 +349,19 @@ async def speech_stats(raw_request: Request) -> JSONResponse:
     if raw_request.query_params.get("reset") == "1":
         state.omni_speech_first_audio = FirstAudio()
     return JSONResponse({"inflight": admission.inflight, "max_inflight": admission.limit,
-                         "rejected": admission.rejected, "served": admission.served, "first_audio": phases,
+                         "rejected": admission.rejected, "served": admission.served,
+                         "api_server": dict(zip(("index", "count"), state.omni_api_server)), "first_audio": phases,
                          "worker": worker})
 
 
-def install(app, limits: SpeechLimits) -> None:
-    """Add the speech routes to vLLM's app (after ``build_app``) and their state."""
+def install(app, limits: SpeechLimits, shared_counts=None, api_server: tuple[int, int] = (0, 1)) -> None:
+    """Add the speech routes to vLLM's app (after ``build_app``) and their state (``shared_counts``:
+    the admission counts the server's API server processes share, as ``Admission`` takes them;
+    ``api_server``: this process's index among them, and their number)."""
     app.include_router(router)
+    app.state.omni_api_server = api_server
     app.state.omni_speech_limits = limits
-    app.state.omni_speech_admission = Admission(limits.max_inflight)
+    app.state.omni_speech_admission = Admission(limits.max_inflight, shared_counts)
     app.state.omni_speech_first_audio = FirstAudio()
 
 
