@@ -195,14 +195,20 @@ def test_payloads_per_output_kind_are_exact_for_every_modality(kind, key, chunks
     assert int(payloads[-1].metadata["sr"]) == 24000
 
 
+@pytest.mark.parametrize("upstream", [False, True], ids=["this-package", "upstream-style"])
 @pytest.mark.parametrize("interval", [1, 3])
-def test_cumulative_outputs_are_thinned_at_the_stream_interval_and_each_is_vllms(interval):
+def test_cumulative_outputs_are_thinned_at_the_stream_interval_and_each_is_vllms(interval, upstream):
     """With ``stream_interval`` n, a CUMULATIVE request gets an output with its first token, then
-    once every n tokens, and at finish (vLLM thins DELTA only); each output is the one vLLM's
-    processor makes at that step, and its payload is everything so far."""
+    once every n tokens, and at finish (vLLM thins DELTA only; the upstream-style processor keeps
+    vLLM's output every step); each output is the one vLLM's processor makes at that step, and its
+    payload is everything so far."""
+    from vllm_omni_kernels.vllm_integration.upstream_style import UpstreamStyleOutputProcessor
+
     words = word_ids(TOK, "the quick brown fox jumps over a lazy dog")
     chunks = [torch.randn(4 + i) for i in range(8)]
-    ours = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="text+audio", stream_interval=interval)
+    cls = UpstreamStyleOutputProcessor if upstream else MultimodalOutputProcessor
+    ours = cls(TOK, log_stats=False, output_modality="text+audio", stream_interval=interval,
+               strategies={"audio": S.CONCAT_LAST})
     theirs = OutputProcessor(TOK, log_stats=False, stream_interval=interval)
     for p in (ours, theirs):
         p.add_request(core_request("c", words[:2], sampling(RequestOutputKind.CUMULATIVE, max_tokens=8)), None)
@@ -216,7 +222,7 @@ def test_cumulative_outputs_are_thinned_at_the_stream_interval_and_each_is_vllms
             sent.append(i + 1)
             assert summarize(got[0]) == summarize(want[0])
             assert torch.equal(got[0].outputs[0].multimodal_output.tensors["audio"], torch.cat(chunks[:i + 1]))
-    assert sent == ([1, 2, 3, 4, 5, 6, 7, 8] if interval == 1 else [1, 4, 7, 8])
+    assert sent == ([1, 2, 3, 4, 5, 6, 7, 8] if interval == 1 or upstream else [1, 4, 7, 8])
 
 
 def test_producer_keys_are_renamed_only_where_the_stage_says_so():

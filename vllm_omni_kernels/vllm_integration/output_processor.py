@@ -111,6 +111,7 @@ class OmniRequestState(RequestState):
     last: MultimodalPayload | None = None  # CUMULATIVE: everything so far, for outputs with nothing new
     stopwatch: Stopwatch | None = None  # the processor's, timing payload assembly
     cumulative_sent: int = 0  # CUMULATIVE: output tokens at its last output (``stream_interval``)
+    thin_cumulative: bool = True  # False: vLLM's own cadence for CUMULATIVE (an output every step)
 
     @classmethod
     def adopt(cls, base: RequestState) -> OmniRequestState:
@@ -204,8 +205,8 @@ class OmniRequestState(RequestState):
 
     def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs):
         """vLLM's, with CUMULATIVE outputs thinned at ``stream_interval`` as vLLM thins DELTA ones."""
-        if (self.output_kind == RequestOutputKind.CUMULATIVE and self.stream_interval > 1 and finish_reason is None
-                and pooling_output is None and self.detokenizer is not None):
+        if (self.thin_cumulative and self.output_kind == RequestOutputKind.CUMULATIVE and self.stream_interval > 1
+                and finish_reason is None and pooling_output is None and self.detokenizer is not None):
             tokens = self.detokenizer.num_output_tokens()
             if self.cumulative_sent and tokens - self.cumulative_sent < self.stream_interval:
                 return None
@@ -255,6 +256,8 @@ class MultimodalOutputProcessor(OutputProcessor):
     (``{"model_outputs": "audio"}``); ``accumulator_config``: pool sizing.
     """
 
+    thins_cumulative = True  # CUMULATIVE outputs at stream_interval (OmniRequestState.make_request_output)
+
     def __init__(self, tokenizer, *, log_stats: bool, stream_interval: int = 1,
                  output_modality: OutputModality | str = OutputModality.TEXT,
                  strategies: Mapping[str, TensorAccumulationStrategy | str] | None = None,
@@ -281,7 +284,9 @@ class MultimodalOutputProcessor(OutputProcessor):
         super().add_request(request, prompt, parent_req, request_index, queue)
         state = self.request_states.get(request.request_id)
         if new and state is not None and not isinstance(state, OmniRequestState):
-            self.request_states[request.request_id] = OmniRequestState.adopt(state)
+            self.request_states[request.request_id] = state = OmniRequestState.adopt(state)
+        if new and state is not None and not self.thins_cumulative:
+            state.thin_cumulative = False
 
     # ------------------------------------------------------------------ the step
 

@@ -3,7 +3,9 @@
 
 Upstream vllm-omni's output processor keeps each request's per-step chunks in Python lists and
 concatenates them when an output needs them: a DELTA output gets the chunks since the last one, a
-CUMULATIVE one everything so far, a FINAL_ONLY one everything at finish. Paired with the worker's
+CUMULATIVE one everything so far, a FINAL_ONLY one everything at finish. Its CUMULATIVE requests get
+an output every step, whatever vLLM's ``stream_interval`` (vLLM's own behaviour, which upstream
+keeps; this package thins them at the interval). Paired with the worker's
 ``output_path="upstream"`` (every key copied to the host each step and sliced per request) it is
 what the main job and the load tests measure this package against, in the same run.
 """
@@ -20,6 +22,8 @@ from .wire import OmniEngineCoreOutput
 class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
     """Per-step chunks kept in per-request lists and concatenated for each output (module
     docstring); a key concatenates along its declared strategy's axis (default: along dim 0)."""
+
+    thins_cumulative = False
 
     def _accumulate(self, engine_core_outputs) -> None:
         for eco in engine_core_outputs:
