@@ -161,12 +161,17 @@ async def overload_probe(url: str, limit: int) -> dict:
 async def drive(url: str, plans: list[list[Stream]], start_at: float, time_limit: float) -> tuple[float, float]:
     """Each plan is one client sending its streams back to back, from ``start_at`` (a
     ``time.perf_counter`` value, the same clock in every process) until ``time_limit`` seconds after
-    it; returns when they started and when the last one ended."""
-    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-    started = time.perf_counter()
-    deadline = started + time_limit
+    it; returns when they started and when the last one ended. The process's HTTP client makes one
+    ``/health`` request before the start (what httpx does once per process on first use would
+    otherwise count in its first streams' time to first byte); every stream still opens its own
+    connection or takes a pooled one, as a client does."""
     async with httpx.AsyncClient(base_url=url, timeout=time_limit,
                                  limits=httpx.Limits(max_connections=len(plans) + 8)) as client:
+        await client.get("/health")  # the client's own first-use costs are not the server's
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        started = time.perf_counter()
+        deadline = started + time_limit
+
         async def client_run(streams: list[Stream]):
             for s in streams:
                 if time.perf_counter() > deadline:

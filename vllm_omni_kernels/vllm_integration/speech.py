@@ -24,6 +24,7 @@ where each streamed request's time to first audio went (``FirstAudio``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import math
@@ -141,6 +142,11 @@ class Admission:
         with self._lock:
             self._counts[0] -= 1
             self._counts[2] += 1
+
+    def unserve(self, n: int) -> None:
+        """Take ``n`` served requests off the count (the server's own warm-up requests)."""
+        with self._lock:
+            self._counts[2] -= n
 
 
 def samples_bytes(audio, sample_format: str) -> bytes:
@@ -354,6 +360,26 @@ async def speech_stats(raw_request: Request) -> JSONResponse:
                          "worker": worker})
 
 
+async def warm_up_route(app) -> None:
+    """Speech requests through the app itself before it serves (in process, no socket): two
+    streamed at once and one whole file, so that the first clients do not pay for what runs once
+    per process on first use (the route, its validation, the streamed response); the engine was
+    warmed already (``llm.warm_up``). They are not counted as served, nor in ``FirstAudio``."""
+    import httpx
+
+    body = {"input": "warm up", "response_format": "pcm", "stream": True}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warm-up",
+                                 timeout=120) as client:
+        async def one(payload: dict) -> None:
+            r = await client.post("/v1/audio/speech", json=payload)
+            if r.status_code != 200:
+                raise RuntimeError(f"the speech route's warm-up request failed ({r.status_code}): {r.text[:500]}")
+
+        await asyncio.gather(one(body), one(body), one({**body, "stream": False}))
+    app.state.omni_speech_admission.unserve(3)
+    app.state.omni_speech_first_audio = FirstAudio()
+
+
 def install(app, limits: SpeechLimits, shared_counts=None, api_server: tuple[int, int] = (0, 1)) -> None:
     """Add the speech routes to vLLM's app (after ``build_app``) and their state (``shared_counts``:
     the admission counts the server's API server processes share, as ``Admission`` takes them;
@@ -365,4 +391,5 @@ def install(app, limits: SpeechLimits, shared_counts=None, api_server: tuple[int
     app.state.omni_speech_first_audio = FirstAudio()
 
 
-__all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "install", "plan_request", "router", "samples_bytes"]
+__all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "install", "plan_request", "router", "samples_bytes",
+           "warm_up_route"]
