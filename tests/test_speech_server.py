@@ -204,13 +204,13 @@ def test_two_api_server_processes_stream_exact_audio_and_share_the_bound(two_api
                 assert r.status_code == 200, await r.aread()
                 return b"".join([c async for c in r.aiter_raw()])
 
-    async def all_of_them():
-        out = []
-        for i in (0, BOUND):
-            out += await asyncio.gather(*(one(t) for t in texts[i:i + BOUND]))
-        return out
+    async def at_once(batch: list[str]) -> list[bytes]:
+        return await asyncio.gather(*(one(t) for t in batch))
 
-    got = asyncio.run(all_of_them())
+    got = []
+    for i in (0, BOUND):  # a full bound at a time; a process releases a slot just after its last bytes
+        idle(server)
+        got += asyncio.run(at_once(texts[i:i + BOUND]))
     for text, data in zip(texts, got):
         assert data == expected(server, text).astype("<f4").tobytes(), text
     s = idle(server)

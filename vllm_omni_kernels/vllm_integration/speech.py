@@ -24,7 +24,6 @@ where each streamed request's time to first audio went (``FirstAudio``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import math
@@ -361,22 +360,27 @@ async def speech_stats(raw_request: Request) -> JSONResponse:
 
 
 async def warm_up_route(app) -> None:
-    """Speech requests through the app itself before it serves (in process, no socket): two
-    streamed at once and one whole file, so that the first clients do not pay for what runs once
-    per process on first use (the route, its validation, the streamed response); the engine was
-    warmed already (``llm.warm_up``). They are not counted as served, nor in ``FirstAudio``."""
+    """Speech requests through the app itself before it serves (in process, no socket): one
+    streamed and one whole file, one after the other, so that the first clients do not pay for what
+    runs once per process on first use (the route, its validation, the streamed response); the
+    engine was warmed already (``llm.warm_up``). They are not counted as served, nor in
+    ``FirstAudio``. Several API server processes warm at once under one bound: one that finds the
+    bound taken (503) skips the rest of its warm-up."""
     import httpx
 
     body = {"input": "warm up", "response_format": "pcm", "stream": True}
+    served = 0
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warm-up",
                                  timeout=120) as client:
-        async def one(payload: dict) -> None:
+        for payload in (body, {**body, "stream": False}):
             r = await client.post("/v1/audio/speech", json=payload)
-            if r.status_code != 200:
+            if r.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
+                logger.info("speech route warm-up skipped: the bound is taken by other API server processes")
+                break
+            if r.status_code != HTTPStatus.OK:
                 raise RuntimeError(f"the speech route's warm-up request failed ({r.status_code}): {r.text[:500]}")
-
-        await asyncio.gather(one(body), one(body), one({**body, "stream": False}))
-    app.state.omni_speech_admission.unserve(3)
+            served += 1
+    app.state.omni_speech_admission.unserve(served)
     app.state.omni_speech_first_audio = FirstAudio()
 
 
