@@ -258,8 +258,8 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
            "audio_s_per_wall_s": audio_s / wall, "ttfb_ms_p50": float(np.percentile(ttfb, 50)),
            "ttfb_ms_p99": float(np.percentile(ttfb, 99)), "step_ms": step_ms,
            "ttfb_p99_target_ms": 2 * step_ms + 50, "worst_gap_ratio": float(max(worst)),
-           "underruns": int(sum(under)), **verdict, "server_first_audio": phases, "memory_before": before, "memory_after_load": after_load,
-           "memory_after": after, "memory_after_rounds": rounds, "overload_probe": probe, "ttfb_ms": ttfb.tolist(),
+           "underruns": int(sum(under)), **verdict, "server_first_audio": phases, "memory_before": before,
+           "memory_after_load": after_load, "memory_after": after, "memory_after_rounds": rounds, "overload_probe": probe, "ttfb_ms": ttfb.tolist(),
            "ttfb_ms_p99_by_round": [float(np.percentile([(s.t_first - s.t_send) * 1e3 for s in got if s.t_first], 99))
                                     for got in per_round if any(s.t_first for s in got)]}
     print(f"[{path}] {len(ok)}/{len(streams)} streams, {audio_s:.1f} audio s in {wall:.1f} s "

@@ -38,8 +38,11 @@ def _copy_runs(ring, flat, pos: int, n: int, cap: int, last: bool, into_ring: bo
     """Copy the span of ``n`` frames between the ring (from ``pos``) and ``flat`` (from 0)."""
     axis = 1 if last else 0
     for r0, s0, k in _pieces(pos, n, cap):
-        a, b = ring.narrow(axis, r0, k), flat.narrow(axis, s0, k)
-        (a.copy_(b) if into_ring else b.copy_(a))
+        run, span = ring.narrow(axis, r0, k), flat.narrow(axis, s0, k)
+        if into_ring:
+            run.copy_(span)
+        else:
+            span.copy_(run)
 
 
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool) -> None:
