@@ -154,6 +154,26 @@ def test_free_double_free_and_freed_slot(backend):
         pool.alloc("b")
 
 
+
+def test_free_many_frees_all_or_nothing(backend):
+    pool = make_pool()
+    for r in "abcd":
+        pool.alloc(r)
+    pool.append(list("abcd"), [torch.full((3,), float(i)) for i in range(4)])
+    used = pool.stats().bytes_used
+    for bad, named in ((["a", "x"], "x"), (["b", "a", "b"], "b")):  # unknown; named twice
+        with pytest.raises(TensorAccumulationError, match="already freed") as info:
+            pool.free_many(bad)
+        assert info.value.request_id == named and len(pool) == 4 and pool.stats().bytes_used == used
+    pool.free_many(["c", "a"])
+    assert len(pool) == 2 and "a" not in pool and "c" not in pool
+    assert pool.stats().unread_bytes == 2 * 3 * 4
+    pool.alloc("a")  # a freed slot and region are taken again, empty
+    pool.append(["a", "b"], [torch.ones(1), torch.full((1,), 5.0)])
+    assert torch.equal(pool.consolidate(["a"])[0], torch.ones(1))
+    assert torch.equal(pool.consolidate(["b"])[0], torch.tensor([1.0, 1.0, 1.0, 5.0]))
+    pool.free_many([])
+
 def test_budget_spent_and_slot_limit():
     pool = make_pool(budget_bytes=8 * 4 * 2, initial_frames=8, max_slots=4)
     pool.alloc("a")

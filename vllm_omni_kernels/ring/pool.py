@@ -212,15 +212,33 @@ class RingPool:
 
     def free(self, request_id: str) -> None:
         """Return the request's slot and region. Unknown or already freed → TensorAccumulationError."""
-        slot = self._owner.pop(request_id, None)
-        if slot is None:
-            raise TensorAccumulationError("free of a slot that is unknown or already freed",
-                                          request_id=request_id, key=self.key)
+        self.free_many((request_id,))
+
+    def free_many(self, request_ids: Sequence[str]) -> None:
+        """Return the slots and regions of all these requests at once (the requests a step
+        finished). One that is unknown, already freed or named twice → TensorAccumulationError
+        naming it, and nothing is freed."""
+        owner = self._owner
+        slots = [owner.get(r, -1) for r in request_ids]
+        if -1 in slots or len(set(slots)) != len(slots):
+            seen = set()
+            for r, slot in zip(request_ids, slots):
+                if slot < 0 or slot in seen:
+                    raise TensorAccumulationError("free of a slot that is unknown or already freed",
+                                                  request_id=r, key=self.key)
+                seen.add(slot)
+        if not slots:
+            return
+        for r in request_ids:
+            del owner[r]
         self._settle()
-        self.allocator.free(int(self.table[slot, BASE] // self.frame_elems))
-        self.table[slot, CAP] = self.table[slot, UNREAD] = 0
-        self._override_head(slot, -1)
-        self._slot_free[slot] = True
+        s = np.array(slots, np.int64)
+        for base in (self.table[s, BASE] // self.frame_elems).tolist():
+            self.allocator.free(base)
+        self.table[s, CAP] = self.table[s, UNREAD] = 0
+        self._overrides -= int(np.count_nonzero(self.table[s, POS] >= 0))
+        self.table[s, POS] = -1
+        self._slot_free[s] = True
         self.version += 1
 
     def slot_of(self, request_id: str) -> int:

@@ -209,8 +209,7 @@ class WorkerAccumulator:
         self.pools = [RingPool(k.name, k.dtype, k.frame_shape, self.device, k.strategy, budget_bytes=budget_bytes,
                                initial_frames=k.initial_frames, max_slots=max_requests, growth=growth)
                       for k in self.keys]
-        big = np.iinfo(np.int64).max  # a key that does not set the pace is never due by itself
-        self._cadence = [big if k.cadence is None else k.cadence for k in self.keys]
+        self._paced = [(i, k.cadence) for i, k in enumerate(self.keys) if k.cadence is not None]  # keys that set the pace
         self._row: dict[str, int] = {}
         self._id_of: list[str | None] = [None] * max_requests
         self._held = np.zeros(max_requests, bool)
@@ -219,6 +218,7 @@ class WorkerAccumulator:
         self._pack = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._head_bytes = 0  # of this step's pack, handed out by head()
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._step_mark = torch.cuda.Event() if self._side is not None else None  # re-recorded every step
         self._host = _HostBuffers(pinned=self.device.type == "cuda")
         self._last_copy: torch.cuda.Event | None = None  # the pack is rewritten only after it ran
         self.copies = 0  # device-to-host copies so far (one per step with anything due)
@@ -274,13 +274,17 @@ class WorkerAccumulator:
     def abort(self, request_id: str) -> None:
         """Free the request's slots; its unread data is dropped. Unknown ids are ignored (a request
         that failed or finished here is gone already)."""
-        row = self._row.pop(request_id, None)
-        if row is None:
-            return
+        if request_id in self._row:
+            self._release([request_id])
+
+    def _release(self, request_ids: list[str]) -> None:
+        """Free the slots of requests that hold them, every pool's at once."""
+        rows = [self._row.pop(rid) for rid in request_ids]
         for pool in self.pools:
-            pool.free(request_id)
-        self._id_of[row] = None
-        self._held[row] = False
+            pool.free_many(request_ids)
+        for row in rows:
+            self._id_of[row] = None
+        self._held[rows] = False
 
     # ------------------------------------------------------------------ the step
 
@@ -312,8 +316,8 @@ class WorkerAccumulator:
                 if chunks is not None:
                     for err in pool.append(request_ids, chunks, slots=rows).errors:
                         failed.setdefault(err.request_id, err)
-            for rid in failed:
-                self.abort(rid)
+            if failed:
+                self._release([rid for rid in failed if rid in self._row])
         self.failed += len(failed)
         return failed
 
@@ -326,13 +330,14 @@ class WorkerAccumulator:
         """
         with nvtx_range("worker.collect"):
             unreads = [pool.unread() for pool in self.pools]
-            any_unread = np.zeros(len(self._held), bool)
-            paced = np.zeros(len(self._held), bool)
-            for cadence, unread in zip(self._cadence, unreads):
-                any_unread |= unread > 0
-                paced |= unread >= cadence
-            due = self._streaming & any_unread & (paced | ~self._delivered)  # rows not held have nothing unread
-            ending = [r for r in finishing if r in self._row]
+            pending = unreads[0] > 0
+            for unread in unreads[1:]:
+                pending |= unread > 0
+            paced = ~self._delivered  # a request's first data goes at once, then at its cadence
+            for i, cadence in self._paced:
+                paced |= unreads[i] >= cadence
+            due = self._streaming & pending & paced  # (rows not held have nothing unread)
+            ending = [r for r in dict.fromkeys(finishing) if r in self._row]
             if ending:
                 due[[self._row[r] for r in ending]] = True  # everything left, whatever the output kind
             rows = np.flatnonzero(due)
@@ -354,8 +359,8 @@ class WorkerAccumulator:
                 self._delivered[rows] = True
             self._copy_to_host(step, offset)
             self._head_bytes = 0
-            for rid in ending:
-                self.abort(rid)
+            if ending:
+                self._release(ending)
         return step
 
     def _copy_to_host(self, step: PackedStep, nbytes: int) -> None:
@@ -365,7 +370,8 @@ class WorkerAccumulator:
             return
         host, note_copy = self._host.take(nbytes)
         step_stream = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(step_stream)  # the copy runs after the step's reads into the pack
+        self._step_mark.record(step_stream)
+        self._side.wait_event(self._step_mark)  # the copy runs after the step's reads into the pack
         torch.cuda.set_stream(self._side)
         try:
             host.copy_(self._pack[:nbytes], non_blocking=True)
