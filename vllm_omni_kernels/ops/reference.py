@@ -13,36 +13,28 @@ import torch
 from .layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, N, POS, SLOT
 
 
-def _views(arena, lin, row, frame_elems, last):
-    """(ring region, the row's span of ``lin``), both as ``[frame, time]`` (CONCAT_LAST) or
-    ``[time, frame]`` (CONCAT_DIM0)."""
-    n, base, cap = row[N], row[BASE], row[CAP]
-    region = arena.narrow(0, base, cap * frame_elems)
-    offset = lin.storage_offset() + row[LIN_OFF]  # LIN_OFF counts from lin's first element, as in the kernels
+def _run(t, offset: int, start: int, frames: int, frame_elems: int, stride: int, last: bool):
+    """A view of ``frames`` frames from frame ``start`` of the span at element ``offset`` of ``t``
+    whose lead rows (CONCAT_LAST: ``[frame, time]``) or frames (CONCAT_DIM0: ``[time, frame]``) are
+    ``stride`` elements apart; offsets count from ``t``'s first element, as in the kernels."""
     if last:
-        ring = region.view(frame_elems, cap)
-        flat = torch.as_strided(lin, (frame_elems, n), (row[LIN_STRIDE], 1), offset)
-    else:
-        ring = region.view(cap, frame_elems)
-        flat = torch.as_strided(lin, (n, frame_elems), (row[LIN_STRIDE], 1), offset)
-    return ring, flat
+        return torch.as_strided(t, (frame_elems, frames), (stride, 1), t.storage_offset() + offset + start)
+    return torch.as_strided(t, (frames, frame_elems), (stride, 1), t.storage_offset() + offset + start * stride)
 
 
-def _pieces(pos: int, n: int, cap: int):
-    """The span of ``n`` ring frames from ``pos`` as at most two runs: (ring start, span start, frames)."""
+def _copy(arena, lin, row, pos: int, frame_elems: int, last: bool, into_ring: bool) -> None:
+    """Copy the row's span of N frames between its ring region (from ring frame ``pos``) and ``lin``
+    (from LIN_OFF), in at most two runs: the ring wraps once at most."""
+    n, cap = row[N], row[CAP]
     first = min(n, cap - pos)
-    return [(pos, 0, first)] + ([(0, first, n - first)] if n > first else [])
-
-
-def _copy_runs(ring, flat, pos: int, n: int, cap: int, last: bool, into_ring: bool) -> None:
-    """Copy the span of ``n`` frames between the ring (from ``pos``) and ``flat`` (from 0)."""
-    axis = 1 if last else 0
-    for r0, s0, k in _pieces(pos, n, cap):
-        run, span = ring.narrow(axis, r0, k), flat.narrow(axis, s0, k)
-        if into_ring:
-            run.copy_(span)
-        else:
-            span.copy_(run)
+    for ring_at, lin_at, k in ((pos, 0, first), (0, first, n - first)):
+        if k:
+            ring = _run(arena, row[BASE], ring_at, k, frame_elems, cap if last else frame_elems, last)
+            flat = _run(lin, row[LIN_OFF], lin_at, k, frame_elems, row[LIN_STRIDE], last)
+            if into_ring:
+                ring.copy_(flat)
+            else:
+                flat.copy_(ring)
 
 
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool) -> None:
@@ -56,8 +48,7 @@ def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bo
         n, cap, slot = row[N], row[CAP], row[SLOT]
         pos = row[POS] if row[POS] >= 0 else heads[slot] >> HEAD_SHIFT
         if n:
-            ring, flat = _views(arena, src, row, frame_elems, last)
-            _copy_runs(ring, flat, pos, n, cap, last, into_ring=True)
+            _copy(arena, src, row, pos, frame_elems, last, into_ring=True)
         heads[slot] = ((pos + n) % cap) << HEAD_SHIFT
     state.copy_(torch.tensor(heads, dtype=state.dtype))
 
@@ -66,8 +57,7 @@ def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool) -> N
     """Copy each row's ring span starting at POS into ``out`` at LIN_OFF (contiguous per row)."""
     for row in meta[:rows].tolist():
         if row[N]:
-            ring, flat = _views(arena, out, row, frame_elems, last)
-            _copy_runs(ring, flat, row[POS], row[N], row[CAP], last, into_ring=False)
+            _copy(arena, out, row, row[POS], frame_elems, last, into_ring=False)
 
 
 def row_gather(jobs) -> None:
