@@ -58,6 +58,8 @@ def make_parser() -> FlexibleArgumentParser:
     g = parser.add_argument_group("Omni speech")
     g.add_argument("--talker-device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="where the talker and the worker's rings run (auto: GPU if present)")
+    g.add_argument("--talker-threads", type=int, default=None,
+                   help="torch threads of a talker on the CPU (default: half the cores, or OMP_NUM_THREADS)")
     g.add_argument("--cadence", type=int, default=4 * 1920,
                    help="audio samples a streaming request receives at a time (its first chunk at once); "
                         "0: every engine step")
@@ -79,7 +81,7 @@ def engine_args_from(args) -> AsyncEngineArgs:
         extra = json.loads(extra)
     extra = dict(extra)
     extra["omni"] = {**extra.get("omni", {}), "device": args.talker_device, "cadence": args.cadence,
-                     "output_path": args.output_path}
+                     "output_path": args.output_path, "cpu_threads": args.talker_threads}
     args.additional_config = extra
     if args.stream_interval is None:  # not given: outputs at the audio's cadence
         args.stream_interval = talker_stream_interval(args.cadence)

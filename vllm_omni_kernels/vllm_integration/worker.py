@@ -26,12 +26,16 @@ A step (``execute_model`` then ``sample_tokens``, as vLLM's GPU runner does):
 (audio samples a streaming request gets at a time; 0: every step), ``output_path`` ("worker", or
 "upstream": the comparison path, where each key's batched output is copied to the host every step
 and sliced per request, as upstream vllm-omni does), ``bad_prompt_token`` (a prompt token that
-makes the talker emit a malformed chunk, for tests of the failure path) and ``sync_debug`` (run
-``execute_model`` under CUDA's sync-debug mode "error": any host synchronisation in the step raises).
+makes the talker emit a malformed chunk, for tests of the failure path), ``sync_debug`` (run
+``execute_model`` under CUDA's sync-debug mode "error": any host synchronisation in the step raises)
+and ``cpu_threads`` (torch's threads for a talker on the CPU; None: half the cores, leaving the rest
+to the API server processes beside the engine, unless ``OMP_NUM_THREADS`` says otherwise; idle
+OpenMP threads spin, and a talker on every core slows the API servers that feed it).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -69,6 +73,7 @@ class WorkerOptions:
     bad_prompt_token: int | None = None
     sync_debug: bool = False
     pool_budget_bytes: int = 128 << 20
+    cpu_threads: int | None = None
 
     @classmethod
     def from_config(cls, vllm_config) -> WorkerOptions:
@@ -120,6 +125,12 @@ class TalkerWorker:
         self.vllm_config = vllm_config
         self.options = WorkerOptions.from_config(vllm_config)
         self.device = self.options.torch_device()
+        if self.device.type == "cpu":
+            threads = self.options.cpu_threads
+            if threads is None and "OMP_NUM_THREADS" not in os.environ:
+                threads = max(1, (os.cpu_count() or 1) // 2)
+            if threads is not None:
+                torch.set_num_threads(threads)
         sched = vllm_config.scheduler_config
         self.max_requests = int(sched.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
