@@ -161,13 +161,15 @@ async def overload_probe(url: str, limit: int) -> dict:
 async def drive(url: str, plans: list[list[Stream]], start_at: float, time_limit: float) -> tuple[float, float]:
     """Each plan is one client sending its streams back to back, from ``start_at`` (a
     ``time.perf_counter`` value, the same clock in every process) until ``time_limit`` seconds after
-    it; returns when they started and when the last one ended. The process's HTTP client makes one
-    ``/health`` request before the start (what httpx does once per process on first use would
-    otherwise count in its first streams' time to first byte); every stream still opens its own
-    connection or takes a pooled one, as a client does."""
+    it; returns when they started and when the last one ended. A second before the start (the
+    server keeps an idle connection for 5 s) the process's HTTP client opens one connection per
+    client with a ``/health`` request each, as clients with kept-alive connections have them: what
+    httpx does on first use in a fresh process and the connections' set-up are not the server's
+    time to first byte. The streams then take pooled connections."""
     async with httpx.AsyncClient(base_url=url, timeout=time_limit,
                                  limits=httpx.Limits(max_connections=len(plans) + 8)) as client:
-        await client.get("/health")  # the client's own first-use costs are not the server's
+        await asyncio.sleep(max(0.0, start_at - 1.0 - time.perf_counter()))
+        await asyncio.gather(*(client.get("/health") for _ in plans))
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         started = time.perf_counter()
         deadline = started + time_limit
