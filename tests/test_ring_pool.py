@@ -161,8 +161,8 @@ def test_free_many_frees_all_or_nothing(backend):
         pool.alloc(r)
     pool.append(list("abcd"), [torch.full((3,), float(i)) for i in range(4)])
     used = pool.stats().bytes_used
-    for bad, named in ((["a", "x"], "x"), (["b", "a", "b"], "b")):  # unknown; named twice
-        with pytest.raises(TensorAccumulationError, match="already freed") as info:
+    for bad, named, why in ((["a", "x"], "x", "already freed"), (["b", "a", "b"], "b", "named twice")):
+        with pytest.raises(TensorAccumulationError, match=why) as info:
             pool.free_many(bad)
         assert info.value.request_id == named and len(pool) == 4 and pool.stats().bytes_used == used
     pool.free_many(["c", "a"])

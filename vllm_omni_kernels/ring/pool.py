@@ -224,8 +224,8 @@ class RingPool:
             seen = set()
             for r, slot in zip(request_ids, slots):
                 if slot < 0 or slot in seen:
-                    raise TensorAccumulationError("free of a slot that is unknown or already freed",
-                                                  request_id=r, key=self.key)
+                    raise TensorAccumulationError("free of a slot that is unknown or already freed" if slot < 0 else
+                                                  "named twice in one release", request_id=r, key=self.key)
                 seen.add(slot)
         if not slots:
             return

@@ -209,7 +209,8 @@ class WorkerAccumulator:
         self.pools = [RingPool(k.name, k.dtype, k.frame_shape, self.device, k.strategy, budget_bytes=budget_bytes,
                                initial_frames=k.initial_frames, max_slots=max_requests, growth=growth)
                       for k in self.keys]
-        self._paced = [(i, k.cadence) for i, k in enumerate(self.keys) if k.cadence is not None]  # keys that set the pace
+        # (index, cadence) of the keys that set the pace
+        self._paced = [(i, k.cadence) for i, k in enumerate(self.keys) if k.cadence is not None]
         self._row: dict[str, int] = {}
         self._id_of: list[str | None] = [None] * max_requests
         self._held = np.zeros(max_requests, bool)
