@@ -9,6 +9,7 @@ whole multimodal channel without an error; the first test shows that this run ca
 import asyncio
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -25,6 +26,7 @@ from vllm_omni_kernels.vllm_integration.llm import (  # noqa: E402
 from vllm_omni_kernels.vllm_integration.simulate import SimConfig, run  # noqa: E402
 from vllm_omni_kernels.vllm_integration.talker_model import make_model_dir  # noqa: E402
 from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder  # noqa: E402
+from vllm_omni_kernels.vllm_integration.worker import talker_cpu_threads  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -72,6 +74,8 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
                                           enable_multiprocessing=multiprocess)
         try:
             assert type(engine.engine_core).__name__ == ("OmniSyncMPClient" if multiprocess else "OmniInprocClient")
+            if not multiprocess:  # the talker's engine core is this process: it set torch's threads
+                assert talker_cpu_threads(None) in (None, torch.get_num_threads())
             outs = engine.generate(prompts, params)
         finally:
             engine.engine_core.shutdown()
@@ -82,3 +86,10 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
             assert list(out.request_output.outputs[0].token_ids) == (codes[:, 0] + tk.TEXT_VOCAB).tolist()
     for a, b in zip(results[True], results[False]):  # the same talker, the same frames either way
         assert a.multimodal.tensors["codes"].equal(b.multimodal.tensors["codes"])
+
+
+def test_a_cpu_talker_leaves_half_the_cores_to_the_api_servers():
+    assert talker_cpu_threads(None, environ={}, cores=16) == 8
+    assert talker_cpu_threads(None, environ={}, cores=1) == 1
+    assert talker_cpu_threads(None, environ={"OMP_NUM_THREADS": "3"}, cores=16) is None  # the user's setting
+    assert talker_cpu_threads(3, environ={"OMP_NUM_THREADS": "1"}, cores=16) == 3  # the option wins

@@ -125,12 +125,9 @@ class TalkerWorker:
         self.vllm_config = vllm_config
         self.options = WorkerOptions.from_config(vllm_config)
         self.device = self.options.torch_device()
-        if self.device.type == "cpu":
-            threads = self.options.cpu_threads
-            if threads is None and "OMP_NUM_THREADS" not in os.environ:
-                threads = max(1, (os.cpu_count() or 1) // 2)
-            if threads is not None:
-                torch.set_num_threads(threads)
+        threads = talker_cpu_threads(self.options.cpu_threads) if self.device.type == "cpu" else None
+        if threads is not None:
+            torch.set_num_threads(threads)
         sched = vllm_config.scheduler_config
         self.max_requests = int(sched.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
@@ -377,6 +374,16 @@ class TalkerWorker:
         self._output_path_us.append((time.perf_counter() - t0) * 1e6)
         self.stats["output_steps"] += 1
         self.stats["host_bytes"] += nbytes
+
+
+def talker_cpu_threads(option: int | None, environ=os.environ, cores: int | None = None) -> int | None:
+    """torch's threads for a talker on the CPU: ``option`` when given, else half the cores (at
+    least one), unless ``OMP_NUM_THREADS`` is set (None: leave torch's own setting)."""
+    if option is not None:
+        return max(1, int(option))
+    if "OMP_NUM_THREADS" in environ:
+        return None
+    return max(1, (cores or os.cpu_count() or 1) // 2)
 
 
 def talker_output_keys(cadence: int) -> list[OutputKey]:
