@@ -154,7 +154,6 @@ def test_free_double_free_and_freed_slot(backend):
         pool.alloc("b")
 
 
-
 def test_free_many_frees_all_or_nothing(backend):
     pool = make_pool()
     for r in "abcd":
@@ -173,6 +172,7 @@ def test_free_many_frees_all_or_nothing(backend):
     assert torch.equal(pool.consolidate(["a"])[0], torch.ones(1))
     assert torch.equal(pool.consolidate(["b"])[0], torch.tensor([1.0, 1.0, 1.0, 5.0]))
     pool.free_many([])
+
 
 def test_budget_spent_and_slot_limit():
     pool = make_pool(budget_bytes=8 * 4 * 2, initial_frames=8, max_slots=4)
