@@ -113,7 +113,8 @@ async def warm_up(engine: AsyncLLM, requests: int | None = None) -> None:
     step, so every batch size a server will see has run once (kernels load and pick their variants
     per shape on first use) and the device and pinned host buffers have grown to a full batch's
     size before the first client arrives."""
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
     if requests is None:
@@ -123,7 +124,7 @@ async def warm_up(engine: AsyncLLM, requests: int | None = None) -> None:
     async def one(i: int) -> None:
         params = SamplingParams(max_tokens=min(i + 2, longest), output_kind=RequestOutputKind.DELTA,
                                 detokenize=False)
-        async for _ in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7 + i % 64]), params,
+        async for _ in engine.generate(tokens_input([5, 6, 7 + i % 64]), params,
                                        request_id=f"warm-up-{i}"):
             pass
 

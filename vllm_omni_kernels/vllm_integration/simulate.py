@@ -224,7 +224,8 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
 
 
 def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
 
     from .llm import OmniLLM, talker_processor_options
 
@@ -232,7 +233,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
                                       processor_options=talker_processor_options(path))
     try:
         warm = SamplingParams(max_tokens=3, output_kind=_kind("final_only"), detokenize=False)
-        engine.add_request("warm", TokensPrompt(prompt_token_ids=[5, 6, 7]), warm)
+        engine.add_request("warm", tokens_input([5, 6, 7]), warm)
         while engine.has_unfinished_requests():
             engine.step()
         engine.collective_rpc("reset_output_path_stats")
@@ -275,10 +276,11 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
 def _request(plan: _Plan):
     """The prompt and sampling parameters of a planned request (a malformed one ends its prompt with
     token 1, the worker's cue)."""
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
 
     params = SamplingParams(max_tokens=plan.frames, output_kind=_kind(plan.kind), detokenize=False)
-    return TokensPrompt(prompt_token_ids=plan.prompt + ([1] if plan.bad else [])), params
+    return tokens_input(plan.prompt + ([1] if plan.bad else [])), params
 
 
 def _kind(name: str):

@@ -36,11 +36,12 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
-from vllm import SamplingParams, TokensPrompt
+from vllm import SamplingParams
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse, OpenAIBaseModel
 from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_cancellation
 from vllm.exceptions import GenerationError
+from vllm.inputs.engine import tokens_input
 from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
@@ -280,7 +281,7 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False)
     stream = SpeechStream(engine, admission, request_id,
-                          engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id),
+                          engine.generate(tokens_input(prompt), params, request_id=request_id),
                           received)
     handed_over = False
     try:
