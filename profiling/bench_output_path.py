@@ -7,8 +7,8 @@ Per step and path it times, on the host:
 
 * worker: this package's ``WorkerAccumulator.append`` + ``collect`` (one launch per key, what is due
   packed, one asynchronous copy), or the upstream style's per-key ``.cpu()`` and per-request slices;
-* wire: the scheduler's message (``scheduler.outputs_with_channel``) and vLLM's ``MsgpackEncoder``
-  (the engine core's side);
+* wire: the scheduler's message (this package's: ``HeldTokens.thin`` and
+  ``scheduler.outputs_with_channel``) and vLLM's ``MsgpackEncoder`` (the engine core's side);
 * frontend: this package's ``OmniMsgpackDecoder`` and ``MultimodalOutputProcessor.process_outputs``
   (or ``UpstreamStyleOutputProcessor``'s): the whole, and its multimodal share (what ``simulate``
   reports).
@@ -45,7 +45,7 @@ from vllm_omni_kernels.accumulator import EmitPolicy  # noqa: E402
 from vllm_omni_kernels.ring import PaddedBatch  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.vllm_integration.llm import talker_processor_options, talker_stream_interval  # noqa: E402
-from vllm_omni_kernels.vllm_integration.scheduler import outputs_with_channel  # noqa: E402
+from vllm_omni_kernels.vllm_integration.scheduler import HeldTokens, outputs_with_channel  # noqa: E402
 from vllm_omni_kernels.vllm_integration.upstream_style import upstream_worker_outputs  # noqa: E402
 from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder  # noqa: E402
 from vllm_omni_kernels.vllm_integration.worker import talker_output_keys  # noqa: E402
@@ -73,6 +73,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
                                       strategies=options.strategies)
     acc = WorkerAccumulator(talker_output_keys(cadence), device, max_requests=B) if path == "worker" else None
     encoder, decoder = MsgpackEncoder(), OmniMsgpackDecoder()
+    held = HeldTokens()  # this package's scheduler: a paced stream's tokens go with its data
     free_rows = list(range(B - 1, -1, -1))
     live: list[_Stream] = []
     born = [0]
@@ -128,6 +129,8 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
         ecos = [EngineCoreOutput(request_id=rid, new_token_ids=[sampled[b] + tk.TEXT_VOCAB],
                                  finish_reason=FinishReason.LENGTH if rid in finishing else None)
                 for b, rid in enumerate(ids)]
+        if packed is not None:  # what the scheduler does: the worker's open requests are paced
+            ecos = held.thin(ecos, set(ids) - set(packed.final), packed.requests())
         message = outputs_with_channel(EngineCoreOutputs(outputs=ecos), packed, plain, {})
         frames_out = encoder.encode(message)
         t2 = time.perf_counter()

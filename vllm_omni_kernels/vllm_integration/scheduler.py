@@ -20,6 +20,13 @@ threads the multimodal channel into ``OmniEngineCoreOutput``s:
 A multimodal output never finishes a request; a request that has multimodal output in a step but
 produced no token (a generation stage) still gets an output for that step.
 
+A request whose output the worker holds is paced by it: its token ids go out with its data
+(``HeldTokens``). A step's output of such a request that carries nothing but token ids (and
+scheduling events) is held back while none of its data is due, and its tokens and events travel
+with its next output: the first, the next one with data (a streaming request's next span, at the
+worker's cadence), the final one, or any that carries more than tokens. The client then processes
+a paced stream's output once per span instead of once per step; every token arrives, in order.
+
 ``OmniScheduler`` subclasses vLLM's ``Scheduler`` and ``OmniAsyncScheduler`` its ``AsyncScheduler``
 (async scheduling, vLLM's default: a ``Scheduler`` subclass would turn it off).
 """
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs, FinishReason
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
 from .outputs import OmniModelRunnerOutput
@@ -42,11 +49,13 @@ class MultimodalChannel:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._worker_open: set[str] = set()  # requests whose output the worker holds
+        self.held = HeldTokens()
 
     def finish_requests(self, request_ids, finished_status):
         finished = super().finish_requests(request_ids, finished_status)
         for request in finished:
             self._worker_open.discard(request.request_id)
+            self.held.drop(request.request_id)
         return finished
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -62,12 +71,13 @@ class MultimodalChannel:
         errors = {rid: MultimodalError(exc.reason, exc.key) for rid, exc in (out.multimodal_errors or {}).items()}
         if errors:
             self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
-        if not (plain or packed or errors or self._worker_open):
+        if not (plain or packed or errors or self._worker_open or self.held):
             return outputs
         emitted: set[str] = set()
+        delivered = packed.requests() if packed is not None else frozenset()
         for client, batch in list(outputs.items()):
+            batch.outputs = self.held.thin(batch.outputs, self._worker_open, delivered)
             outputs[client] = outputs_with_channel(batch, packed, plain, errors, self._worker_open, emitted)
-        delivered = packed.requests() if packed is not None else set()
         for rid in (set(plain) | delivered | set(errors)) - emitted:
             request = self.requests.get(rid)
             if request is None or (request.is_finished() and rid not in errors):
@@ -81,6 +91,69 @@ class MultimodalChannel:
             if rid in delivered:
                 outputs[request.client_index] = _with_outputs(batch, batch.outputs, packed)
         return outputs
+
+
+class HeldTokens:
+    """Token outputs of paced requests held back until their request's data is due (module
+    docstring). ``thin`` filters a step's outputs; ``drop`` forgets a request that ended without a
+    final output (aborted, failed)."""
+
+    def __init__(self):
+        self._held: dict[str, tuple[list[int], list]] = {}  # request id -> (token ids, events)
+        self._started: set[str] = set()  # paced requests that had their first output
+
+    def __bool__(self) -> bool:
+        return bool(self._held or self._started)
+
+    def __len__(self) -> int:
+        """Requests with tokens held now."""
+        return len(self._held)
+
+    def drop(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+        self._started.discard(request_id)
+
+    def thin(self, ecos: list, paced, due) -> list:
+        """``ecos`` without the outputs held this step, the earlier held tokens and events put in
+        front of the ones that go. ``paced``: requests the worker paces; ``due``: those with data
+        this step."""
+        if not (paced or self):
+            return ecos
+        kept, held_now, started = [], self._held, self._started
+        for eco in ecos:
+            rid = eco.request_id
+            if rid in paced and rid not in due and rid in started and _holdable(eco):
+                tokens, events = held_now.setdefault(rid, ([], []))
+                tokens += eco.new_token_ids
+                if eco.events:
+                    events += eco.events
+                continue
+            held = held_now.pop(rid, None) if held_now else None
+            if held is not None:
+                eco.new_token_ids = held[0] + eco.new_token_ids
+                if held[1]:
+                    eco.events = held[1] + (eco.events or [])
+            if eco.finish_reason is not None:
+                started.discard(rid)
+            elif rid in paced:
+                started.add(rid)
+            kept.append(eco)
+        return kept
+
+
+def _holdable(eco) -> bool:
+    """Whether ``eco`` is vLLM's ``EngineCoreOutput`` carrying nothing but what may be held
+    (``HOLDABLE``); anything else (a finish, logprobs, pooling output, transfer parameters, prefill
+    statistics, an error...) sends it, with what was held before it."""
+    return (type(eco) is EngineCoreOutput and eco.finish_reason is None and eco.stop_reason is None
+            and eco.new_logprobs is None and eco.new_prompt_logprobs_tensors is None and eco.pooling_output is None
+            and eco.kv_transfer_params is None and eco.ec_transfer_params is None and eco.prefill_stats is None
+            and eco.routed_experts is None and eco.mm_cache_miss_hashes is None and eco.new_sampling_mask is None
+            and eco.spec_decode_metrics is None and eco.prompt_token_id_logprobs is None and eco.error is None)
+
+
+# The fields of an output ``_holdable`` lets through: the rest are the ones it checks.
+HOLDABLE = frozenset({"request_id", "new_token_ids", "events", "trace_headers", "num_nans_in_logits"})
 
 
 def outputs_with_channel(batch: EngineCoreOutputs, packed: PackedStep | None, plain: dict, errors: dict,
