@@ -25,7 +25,8 @@ A request whose output the worker holds is paced by it: its token ids go out wit
 scheduling events) is held back while none of its data is due, and its tokens and events travel
 with its next output: the first, the next one with data (a streaming request's next span, at the
 worker's cadence), the final one, or any that carries more than tokens. The client then processes
-a paced stream's output once per span instead of once per step; every token arrives, in order.
+a paced stream's output once per span instead of once per step; every token arrives, in order
+(vLLM's request metrics see a span's tokens arrive together, as with speculative decoding).
 
 ``OmniScheduler`` subclasses vLLM's ``Scheduler`` and ``OmniAsyncScheduler`` its ``AsyncScheduler``
 (async scheduling, vLLM's default: a ``Scheduler`` subclass would turn it off).
