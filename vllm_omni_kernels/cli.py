@@ -86,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{path}] {s['device']}: {s['finished_exact']} finished sample-exact, {s['aborted_checked']} aborted "
               f"(checked up to the abort), {s['failed_as_expected']} failed as planned, of {s['requests']}")
         print(f"  {s['audio_seconds']:.1f} s of audio in {s['wall_seconds']:.2f} s: "
-              f"{s['audio_seconds_per_wall_second']:.1f} audio s / wall s; time to first audio p50 "
-              f"{s['ttfa_ms_p50']:.1f} ms, p99 {s['ttfa_ms_p99']:.1f} ms; engine step {s['step_ms_median']:.2f} ms, "
-              f"{s['streams_per_step']:.0f} streams/step")
+              f"{s['audio_seconds_per_wall_second']:.1f} audio s / wall s; streaming: time to first audio p50 "
+              f"{s['ttfa_ms_p50']:.1f} ms, p99 {s['ttfa_ms_p99']:.1f} ms, first chunk from the worker p50 "
+              f"{s['first_chunk_delay_ms_p50']:.1f} ms, p99 {s['first_chunk_delay_ms_p99']:.1f} ms; FINAL_ONLY file p50 "
+              f"{s['final_only_ms_p50']:.1f} ms, p99 {s['final_only_ms_p99']:.1f} ms")
+        print(f"  engine step {s['step_ms_median']:.2f} ms, {s['streams_per_step']:.0f} streams/step")
         print(f"  output path: worker {s['worker_output_path_us_median']:.1f} us/step (p99 "
               f"{s['worker_output_path_us_p99']:.1f}), frontend {s['frontend_multimodal_us_per_step']:.1f} us/step, "
               f"{s['d2h_copies_per_step']:.2f} device-to-host copies/step, {s['wire_bytes_per_step'] / 1024:.1f} KiB "
