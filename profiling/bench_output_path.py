@@ -130,7 +130,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
                                  finish_reason=FinishReason.LENGTH if rid in finishing else None)
                 for b, rid in enumerate(ids)]
         if packed is not None:  # what the scheduler does: the worker's open requests are paced
-            ecos = held.thin(ecos, set(ids) - set(packed.final), packed.requests())
+            ecos = held.thin(ecos, set(ids) - packed.final, packed.requests())
         message = outputs_with_channel(EngineCoreOutputs(outputs=ecos), packed, plain, {})
         frames_out = encoder.encode(message)
         t2 = time.perf_counter()

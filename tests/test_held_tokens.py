@@ -34,7 +34,7 @@ def test_a_paced_stream_gets_every_token_in_order_with_its_data():
                                                 (9, [207, 208, 209])]
     assert got["b"][1][2] == ["b2"]  # its scheduling events travel with the tokens
     assert [t for _, t, _ in got["text"]] == [[300 + s] for s in range(10)]  # not paced: every step
-    assert not held and len(held) == 0
+    assert not held.active and len(held) == 0
 
 
 def test_an_output_that_carries_more_than_tokens_goes_with_what_was_held():
@@ -50,7 +50,7 @@ def test_a_dropped_request_leaves_nothing_behind():
     held.thin([eco("a", 1)], {"a"}, set())
     held.thin([eco("a", 2)], {"a"}, set())
     held.drop("a")  # aborted: its held tokens go with it
-    assert not held
+    assert not held.active
     (out,) = held.thin([eco("a", 3)], {"a"}, set())  # a new request under the same id starts afresh
     assert out.new_token_ids == [3]
 

@@ -72,7 +72,7 @@ class MultimodalChannel:
         errors = {rid: MultimodalError(exc.reason, exc.key) for rid, exc in (out.multimodal_errors or {}).items()}
         if errors:
             self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
-        if not (plain or packed or errors or self._worker_open or self.held):
+        if not (plain or packed or errors or self._worker_open or self.held.active):
             return outputs
         emitted: set[str] = set()
         delivered = packed.requests() if packed is not None else frozenset()
@@ -103,7 +103,9 @@ class HeldTokens:
         self._held: dict[str, tuple[list[int], list]] = {}  # request id -> (token ids, events)
         self._started: set[str] = set()  # paced requests that had their first output
 
-    def __bool__(self) -> bool:
+    @property
+    def active(self) -> bool:
+        """Whether it holds tokens or follows a paced request that had its first output."""
         return bool(self._held or self._started)
 
     def __len__(self) -> int:
@@ -118,7 +120,7 @@ class HeldTokens:
         """``ecos`` without the outputs held this step, the earlier held tokens and events put in
         front of the ones that go. ``paced``: requests the worker paces; ``due``: those with data
         this step."""
-        if not (paced or self):
+        if not (paced or self.active):
             return ecos
         kept, held_now, started = [], self._held, self._started
         for eco in ecos:
