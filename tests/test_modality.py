@@ -68,3 +68,31 @@ def test_payload_primary_tensor_and_access():
     assert p.primary_tensor is a and p
     assert p.get("codes") is b and p.get("sr") == 24000 and p.get("missing", 7) == 7
     assert MultimodalPayload(tensors={"l": [a]}, metadata={}).primary_tensor is None
+
+
+def test_payload_merge_chain_copies_each_piece_once_and_keeps_every_payload_unchanged():
+    """AsyncLLM merges every DELTA output its consumer has not read into the first: a long chain
+    must equal one concatenation (mono, multi-channel along the last axis, rows along the first),
+    every payload of the chain must keep its own tensors, and merging one payload twice (two
+    branches) must give two independent results."""
+    gen = torch.Generator().manual_seed(0)
+    audio = [torch.randn(7 + i, generator=gen) for i in range(40)]
+    stereo = [torch.randn(2, 3 + i % 5, generator=gen) for i in range(40)]
+    codes = [torch.randint(0, 9, (1 + i % 3, 8), generator=gen) for i in range(40)]
+    axes = {"audio": -1, "stereo": -1, "codes": 0}
+    chain = [MultimodalPayload({"audio": audio[0], "stereo": stereo[0], "codes": codes[0]}, axes=dict(axes))]
+    for i in range(1, 40):
+        later = MultimodalPayload({"audio": audio[i], "stereo": stereo[i], "codes": codes[i]}, {"step": i}, dict(axes))
+        chain.append(chain[-1].merge(later))
+    for i, merged in enumerate(chain):
+        assert torch.equal(merged.tensors["audio"], torch.cat(audio[:i + 1]))
+        assert torch.equal(merged.tensors["stereo"], torch.cat(stereo[:i + 1], dim=-1))
+        assert torch.equal(merged.tensors["codes"], torch.cat(codes[:i + 1]))
+    assert chain[-1].metadata["step"] == 39
+    left = chain[5].merge(MultimodalPayload({"audio": audio[30]}, axes={"audio": -1}))
+    right = chain[5].merge(MultimodalPayload({"audio": audio[31]}, axes={"audio": -1}))
+    assert torch.equal(left.tensors["audio"], torch.cat(audio[:6] + [audio[30]]))
+    assert torch.equal(right.tensors["audio"], torch.cat(audio[:6] + [audio[31]]))
+    assert torch.equal(chain[6].tensors["audio"], torch.cat(audio[:7]))
+    with pytest.raises(ValueError, match="cannot append"):  # a copy would broadcast it
+        chain[-1].merge(MultimodalPayload({"codes": torch.zeros(2, 1, dtype=torch.int64)}, axes={"codes": 0}))

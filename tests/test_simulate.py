@@ -21,7 +21,8 @@ def test_main_job_serves_both_paths_sample_exact(tmp_path, capsys):
         s = summary["paths"][path]
         assert s["finished_exact"] + s["aborted_checked"] == 24 and s["slots_held_after"] == 0
         # time to first audio counts the streaming requests; a FINAL_ONLY request's file is its own figure
-        assert all(np.isfinite(s[k]) for k in ("ttfa_ms_p99", "first_chunk_delay_ms_p99", "final_only_ms_p99"))
+        assert all(np.isfinite(s[k]) for k in ("ttfa_ms_p99", "first_chunk_delay_ms_p99", "final_only_ms_p99",
+                                                  "client_loop_lag_ms_p99"))
     assert len(list((tmp_path / "wav").glob("*.wav"))) == summary["paths"]["worker"]["finished_exact"]
     assert (tmp_path / "simulate.png").stat().st_size > 10_000
     assert "audio s / wall s" in capsys.readouterr().out

@@ -21,6 +21,7 @@ class MultimodalPayload:
     tensors: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     axes: dict[str, int] = field(default_factory=dict)
+    _growing: dict[str, GrowingTensor] = field(default_factory=dict, repr=False, compare=False)  # merge()'s
 
     @property
     def primary_tensor(self) -> torch.Tensor | None:
@@ -35,7 +36,12 @@ class MultimodalPayload:
     def merge(self, later: MultimodalPayload | None) -> MultimodalPayload:
         """This payload followed by ``later`` (two DELTA payloads of one request as one, when a
         consumer falls behind): tensors concatenated along their axis, lists extended, the later
-        metadata winning. Returns a new payload; ``self`` and ``later`` are unchanged."""
+        metadata winning. Returns a new payload; ``self`` and ``later`` are unchanged.
+
+        A chain of merges (AsyncLLM merges every output its consumer has not read into the first)
+        copies each piece once: the merged tensors grow in a ``GrowingTensor`` that the result
+        carries on, instead of concatenating everything so far at every merge, which made a consumer
+        that fell behind fall further behind."""
         if not later:
             return self
         merged = MultimodalPayload(dict(self.tensors), {**self.metadata, **later.metadata}, {**self.axes, **later.axes})
@@ -46,8 +52,17 @@ class MultimodalPayload:
             elif isinstance(first, list):
                 merged.tensors[key] = [*first, *value]
             else:
-                merged.tensors[key] = torch.cat([first, value], dim=merged.axes.get(key, 0))
+                merged.tensors[key] = self._grown(key, first, merged.axes.get(key, 0), merged._growing).add(value)
         return merged
+
+    def _grown(self, key: str, first: torch.Tensor, axis: int, into: dict) -> GrowingTensor:
+        """The ``GrowingTensor`` whose data ends with ``first``, this payload's tensor of ``key``: the
+        one an earlier merge made it from, when nothing was appended to it since, else a new one."""
+        growing = self._growing.get(key)
+        if growing is None or not growing.ends_with(first):
+            growing = GrowingTensor(first, axis)
+        into[key] = growing
+        return growing
 
     def get(self, key: str, default: Any = None) -> Any:
         """A tensor by key, else a metadata value by key, else ``default``."""
@@ -76,6 +91,13 @@ class GrowingTensor:
         return self._data.narrow(self.axis, start, stop - start)
 
     def append(self, piece: torch.Tensor) -> None:
+        """Copy ``piece`` in after the data so far; its other dimensions must be the data's
+        (ValueError otherwise: a copy would broadcast where a concatenation refuses)."""
+        axis = self.axis % self._data.dim()
+        if piece.dim() != self._data.dim() or any(
+                a != b for d, (a, b) in enumerate(zip(piece.shape, self._data.shape)) if d != axis):
+            raise ValueError(f"cannot append a piece of shape {tuple(piece.shape)} along axis {self.axis} to data "
+                             f"of shape {tuple(self.view().shape)}")
         k = piece.shape[self.axis]
         cap = self._data.shape[self.axis]
         if self._n + k > cap:
@@ -88,3 +110,13 @@ class GrowingTensor:
 
     def view(self) -> torch.Tensor:
         return self._span(0, self._n)
+
+    def add(self, piece: torch.Tensor) -> torch.Tensor:
+        """``append(piece)``, then ``view()``."""
+        self.append(piece)
+        return self.view()
+
+    def ends_with(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is ``view()`` as it is now (nothing was appended since it was taken)."""
+        return (tensor.shape == self.view().shape and tensor.data_ptr() == self._data.data_ptr()
+                and tensor.stride() == self._data.stride())

@@ -12,6 +12,7 @@ under ``out_dir`` and reads it back. Both paths get the same requests.
 Reported per path (``summary.json``, one PNG): audio seconds per wall second, time to first audio
 (p50/p99) and the delay of a request's first chunk from its production in the worker to the client
 (both over the streaming requests, DELTA and CUMULATIVE), the time to a FINAL_ONLY request's file,
+how late the client's event loop runs (p50/p99/max: outputs wait that long when the client is busy),
 engine step time, the worker's output-path host time per step, the frontend's multimodal time per
 step, device-to-host copies per step and bytes on the wire per step.
 """
@@ -161,6 +162,8 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "ttfa_ms_p50": _pct(ttfa, 50) * 1e3, "ttfa_ms_p99": _pct(ttfa, 99) * 1e3,
         "first_chunk_delay_ms_p50": _pct(delays, 50) * 1e3, "first_chunk_delay_ms_p99": _pct(delays, 99) * 1e3,
         "final_only_ms_p50": _pct(whole, 50) * 1e3, "final_only_ms_p99": _pct(whole, 99) * 1e3,
+        "client_loop_lag_ms_p50": client["loop_lag_ms_p50"], "client_loop_lag_ms_p99": client["loop_lag_ms_p99"],
+        "client_loop_lag_ms_max": client["loop_lag_ms_max"],
         "step_ms_median": engine_stats["step_us_median"] / 1e3,
         "worker_output_path_us_median": engine_stats["output_path_us_median"],
         "worker_output_path_us_p99": engine_stats["output_path_us_p99"],
@@ -193,6 +196,8 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         processor.stopwatch.seconds = 0.0
         bar = _bar(cfg, path)
         sem = asyncio.Semaphore(cfg.concurrency)
+        lags: list[float] = []
+        ticker = asyncio.create_task(_loop_lag(lags))
         t0 = time.perf_counter()
 
         async def one(plan: _Plan) -> _Result:
@@ -216,16 +221,30 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
 
         results = await asyncio.gather(*(one(p) for p in plans))
         wall = time.perf_counter() - t0
+        ticker.cancel()
         if bar is not None:
             bar.close()
         await asyncio.sleep(0.2)  # aborts reach the engine core
         stats = (await engine.collective_rpc("output_path_stats"))[0]
         client = {"messages": decoder.messages - d0[0], "bytes": decoder.bytes - d0[1],
                   "decode_seconds": decoder.seconds - d0[2],
-                  "multimodal_seconds": processor.stopwatch.seconds + decoder.multimodal_seconds - d0[3]}
+                  "multimodal_seconds": processor.stopwatch.seconds + decoder.multimodal_seconds - d0[3],
+                  "loop_lag_ms_p50": _pct(lags, 50) * 1e3, "loop_lag_ms_p99": _pct(lags, 99) * 1e3,
+                  "loop_lag_ms_max": _pct(lags, 100) * 1e3}
         return results, stats, client, wall
     finally:
         engine.shutdown()
+
+
+async def _loop_lag(lags: list[float], period: float = 0.001) -> None:
+    """How late the client's event loop runs a callback due every ``period`` seconds (appended to
+    ``lags``): the time an output that arrived waits before the loop gets to it. Large lags mean the
+    client process (adding requests, processing outputs, its streams) is what holds outputs back."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + period
+        await asyncio.sleep(period)
+        lags.append(max(0.0, loop.time() - due))
 
 
 def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
@@ -272,7 +291,9 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
             bar.close()
         stats = engine.collective_rpc("output_path_stats")[0]
         client = {"messages": stats["steps"], "bytes": 0, "decode_seconds": 0.0,
-                  "multimodal_seconds": processor.stopwatch.seconds}
+                  "multimodal_seconds": processor.stopwatch.seconds,
+                  "loop_lag_ms_p50": float("nan"), "loop_lag_ms_p99": float("nan"),
+                  "loop_lag_ms_max": float("nan")}  # no event loop
         return sorted(results, key=lambda r: r.plan.rid), stats, client, wall
     finally:
         engine.engine_core.shutdown()
