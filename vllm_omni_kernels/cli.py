@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['first_chunk_delay_ms_p50']:.1f} ms, p99 {s['first_chunk_delay_ms_p99']:.1f} ms; FINAL_ONLY file p50 "
               f"{s['final_only_ms_p50']:.1f} ms, p99 {s['final_only_ms_p99']:.1f} ms; client event loop late p50 "
               f"{s['client_loop_lag_ms_p50']:.1f} ms, p99 {s['client_loop_lag_ms_p99']:.1f}, max "
-              f"{s['client_loop_lag_ms_max']:.1f} ms")
+              f"{s['client_loop_lag_ms_max']:.1f} ms, longest garbage collection {s['client_gc_ms_max']:.1f} ms")
         print(f"  engine step {s['step_ms_median']:.2f} ms, {s['streams_per_step']:.0f} streams/step")
         print(f"  output path: worker {s['worker_output_path_us_median']:.1f} us/step (p99 "
               f"{s['worker_output_path_us_p99']:.1f}), frontend {s['frontend_multimodal_us_per_step']:.1f} us/step, "

@@ -12,7 +12,8 @@ under ``out_dir`` and reads it back. Both paths get the same requests.
 Reported per path (``summary.json``, one PNG): audio seconds per wall second, time to first audio
 (p50/p99) and the delay of a request's first chunk from its production in the worker to the client
 (both over the streaming requests, DELTA and CUMULATIVE), the time to a FINAL_ONLY request's file,
-how late the client's event loop runs (p50/p99/max: outputs wait that long when the client is busy),
+how late the client's event loop runs (p50/p99/max: outputs wait that long when the client is busy)
+and its longest garbage collection,
 engine step time, the worker's output-path host time per step, the frontend's multimodal time per
 step, device-to-host copies per step and bytes on the wire per step.
 """
@@ -163,7 +164,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "first_chunk_delay_ms_p50": _pct(delays, 50) * 1e3, "first_chunk_delay_ms_p99": _pct(delays, 99) * 1e3,
         "final_only_ms_p50": _pct(whole, 50) * 1e3, "final_only_ms_p99": _pct(whole, 99) * 1e3,
         "client_loop_lag_ms_p50": client["loop_lag_ms_p50"], "client_loop_lag_ms_p99": client["loop_lag_ms_p99"],
-        "client_loop_lag_ms_max": client["loop_lag_ms_max"],
+        "client_loop_lag_ms_max": client["loop_lag_ms_max"], "client_gc_ms_max": client["gc_ms_max"],
         "step_ms_median": engine_stats["step_us_median"] / 1e3,
         "worker_output_path_us_median": engine_stats["output_path_us_median"],
         "worker_output_path_us_p99": engine_stats["output_path_us_p99"],
@@ -184,13 +185,19 @@ def _pct(values, q) -> float:
 
 
 async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
+    from vllm.utils.gc_utils import freeze_gc_heap
+
     from .llm import OmniAsyncLLM, talker_processor_options, warm_up
 
     engine = OmniAsyncLLM.from_engine_args(_engine_args(cfg, path, model),
                                            processor_options=talker_processor_options(path))
+    pauses: list[float] = []
+    note_pause = _gc_pauses(pauses)
     try:
         await warm_up(engine)
         await engine.collective_rpc("reset_output_path_stats")
+        freeze_gc_heap()  # as vLLM's API server does once it is up: no collection walks the static heap
+        gc.callbacks.append(note_pause)
         decoder, processor = engine.engine_core.decoder, engine.output_processor
         d0 = (decoder.messages, decoder.bytes, decoder.seconds, decoder.multimodal_seconds)
         processor.stopwatch.seconds = 0.0
@@ -230,10 +237,25 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
                   "decode_seconds": decoder.seconds - d0[2],
                   "multimodal_seconds": processor.stopwatch.seconds + decoder.multimodal_seconds - d0[3],
                   "loop_lag_ms_p50": _pct(lags, 50) * 1e3, "loop_lag_ms_p99": _pct(lags, 99) * 1e3,
-                  "loop_lag_ms_max": _pct(lags, 100) * 1e3}
+                  "loop_lag_ms_max": _pct(lags, 100) * 1e3, "gc_ms_max": max(pauses, default=0.0) * 1e3}
         return results, stats, client, wall
     finally:
+        if note_pause in gc.callbacks:
+            gc.callbacks.remove(note_pause)
         engine.shutdown()
+        gc.unfreeze()
+
+
+def _gc_pauses(pauses: list[float]):
+    """A ``gc.callbacks`` hook that appends every collection's duration (seconds) to ``pauses``."""
+    started = [0.0]
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - started[0])
+    return note
 
 
 async def _loop_lag(lags: list[float], period: float = 0.001) -> None:
@@ -293,7 +315,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
         client = {"messages": stats["steps"], "bytes": 0, "decode_seconds": 0.0,
                   "multimodal_seconds": processor.stopwatch.seconds,
                   "loop_lag_ms_p50": float("nan"), "loop_lag_ms_p99": float("nan"),
-                  "loop_lag_ms_max": float("nan")}  # no event loop
+                  "loop_lag_ms_max": float("nan"), "gc_ms_max": float("nan")}  # no event loop
         return sorted(results, key=lambda r: r.plan.rid), stats, client, wall
     finally:
         engine.engine_core.shutdown()
