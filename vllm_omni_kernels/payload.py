@@ -52,17 +52,14 @@ class MultimodalPayload:
             elif isinstance(first, list):
                 merged.tensors[key] = [*first, *value]
             else:
-                merged.tensors[key] = self._grown(key, first, merged.axes.get(key, 0), merged._growing).add(value)
+                # the one an earlier merge grew ``first`` in, when nothing was appended to it since
+                growing = self._growing.get(key)
+                if growing is None or not growing.ends_with(first):
+                    growing = GrowingTensor(first, merged.axes.get(key, 0))
+                growing.append(value)
+                merged._growing[key] = growing
+                merged.tensors[key] = growing.view()
         return merged
-
-    def _grown(self, key: str, first: torch.Tensor, axis: int, into: dict) -> GrowingTensor:
-        """The ``GrowingTensor`` whose data ends with ``first``, this payload's tensor of ``key``: the
-        one an earlier merge made it from, when nothing was appended to it since, else a new one."""
-        growing = self._growing.get(key)
-        if growing is None or not growing.ends_with(first):
-            growing = GrowingTensor(first, axis)
-        into[key] = growing
-        return growing
 
     def get(self, key: str, default: Any = None) -> Any:
         """A tensor by key, else a metadata value by key, else ``default``."""
@@ -110,11 +107,6 @@ class GrowingTensor:
 
     def view(self) -> torch.Tensor:
         return self._span(0, self._n)
-
-    def add(self, piece: torch.Tensor) -> torch.Tensor:
-        """``append(piece)``, then ``view()``."""
-        self.append(piece)
-        return self.view()
 
     def ends_with(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is ``view()`` as it is now (nothing was appended since it was taken)."""
