@@ -8,7 +8,7 @@ from vllm_omni_kernels.modality import (
     parse_strategy,
     resolve_strategy,
 )
-from vllm_omni_kernels.payload import MultimodalPayload
+from vllm_omni_kernels.payload import GrowingTensor, MultimodalPayload
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -96,3 +96,31 @@ def test_payload_merge_chain_copies_each_piece_once_and_keeps_every_payload_unch
     assert torch.equal(chain[6].tensors["audio"], torch.cat(audio[:7]))
     with pytest.raises(ValueError, match="cannot append"):  # a copy would broadcast it
         chain[-1].merge(MultimodalPayload({"codes": torch.zeros(2, 1, dtype=torch.int64)}, axes={"codes": 0}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
+@pytest.mark.parametrize("capacity", [0, 5, 10_000])
+def test_growing_tensor_equals_one_concatenation(dtype, capacity):
+    """Every view of a ``GrowingTensor`` is the concatenation of the pieces so far, whatever the
+    capacity it was sized for (too small: it grows; too large: it is not filled) and whether numpy
+    or torch copies the dtype; earlier views stay as they were."""
+    gen = torch.Generator().manual_seed(1)
+    for shape, axis in (((0,), 0), ((2, 0), -1), ((0, 3), 0), ((2, 0, 3), 1)):
+        pieces = []
+        for i in range(12):
+            size = list(shape)
+            size[axis] = 1 + (i * 7) % 5
+            pieces.append((torch.randn(size, generator=gen) * 100).to(dtype))
+        grow = GrowingTensor(pieces[0], axis, capacity)
+        views = [grow.view()]
+        for piece in pieces[1:]:
+            grow.append(piece)
+            views.append(grow.view())
+        for i, view in enumerate(views):
+            assert torch.equal(view, torch.cat(pieces[:i + 1], dim=axis)), (shape, axis, i)
+        assert grow.ends_with(views[-1]) and not grow.ends_with(views[-2])
+        wrong = list(pieces[0].shape)
+        wrong[(axis + 1) % len(wrong) if len(wrong) > 1 else 0] += 1
+        if len(wrong) > 1:
+            with pytest.raises(ValueError, match="cannot append"):
+                grow.append(torch.zeros(wrong, dtype=dtype))

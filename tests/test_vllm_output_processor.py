@@ -497,3 +497,44 @@ def test_output_after_an_abort_is_counted_not_an_error_and_a_strangers_output_is
     assert p.accumulator_stats()["late_outputs"] == 1
     got = {o.request_id: o.outputs[0] for o in res.request_outputs}
     assert torch.equal(got["kept"].multimodal_output.tensors["audio"], torch.full((2,), 2.0))
+
+
+def test_worker_pieces_of_every_kind_and_a_frame_that_changes_fail_only_their_request():
+    """Worker-delivered pieces (``multimodal_delivered``): DELTA outputs carry the pieces since the
+    last output, CUMULATIVE ones everything so far (sized at the first piece for ``max_tokens``,
+    grown when that was short), FINAL_ONLY everything at finish; a CUMULATIVE request whose frame
+    changes mid-stream fails with a ``TensorConsolidationError`` naming it and the key, and the
+    other requests lose nothing."""
+    gen = torch.Generator().manual_seed(3)
+    kinds = {"d": RequestOutputKind.DELTA, "c": RequestOutputKind.CUMULATIVE, "short": RequestOutputKind.CUMULATIVE,
+             "f": RequestOutputKind.FINAL_ONLY, "bad": RequestOutputKind.CUMULATIVE}
+    processor = MultimodalOutputProcessor(TOK, log_stats=False)
+    for rid, kind in kinds.items():  # "short" brings more per token later than its first piece told
+        processor.add_request(core_request(rid, [5, 6, 7], sampling(kind, max_tokens=6, detokenize=False)), None)
+    sent = {rid: [] for rid in kinds}
+    got = {rid: [] for rid in kinds}
+    failed = {}
+    for step in range(6):
+        outs = []
+        for rid in kinds:
+            n = 3 if rid == "short" and step > 0 else 2
+            frame = (2, 1) if rid == "bad" and step == 3 else (1, 2)
+            piece = torch.randn(n, *frame, generator=gen)
+            sent[rid].append(piece)
+            outs.append(token_output(rid, 7, finish=FinishReason.LENGTH if step == 5 else None,
+                                     cls=OmniEngineCoreOutput, multimodal_delivered={"audio": (0, piece)}))
+        res = processor.process_outputs(outs)
+        for out in res.request_outputs:
+            payload = getattr(out.outputs[0], "multimodal_output", None)
+            if out.outputs[0].finish_reason == "error":
+                failed[out.request_id] = out.outputs[0].stop_reason
+            elif payload is not None:
+                got[out.request_id].append(payload.tensors["audio"].clone())
+    whole = {rid: torch.cat(pieces) for rid, pieces in sent.items() if rid != "bad"}
+    assert torch.equal(torch.cat(got["d"]), whole["d"]) and len(got["d"]) == 6
+    for rid in ("c", "short"):
+        assert len(got[rid]) == 6 and all(torch.equal(g, whole[rid][:len(g)]) for g in got[rid])
+        assert torch.equal(got[rid][-1], whole[rid])
+    assert len(got["f"]) == 1 and torch.equal(got["f"][0], whole["f"])
+    assert list(failed) == ["bad"] and "bad" in failed["bad"] and "audio" in failed["bad"]
+    assert processor.consolidation_errors == 1 and "bad" not in processor.request_states

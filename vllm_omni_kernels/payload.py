@@ -69,46 +69,63 @@ class MultimodalPayload:
 
 
 class GrowingTensor:
-    """A tensor that grows along ``axis`` (0, or -1 for the last) by ``append``: capacity doubles, so
-    each element is copied O(1) times, and ``view()`` is everything so far without a copy (a strided
-    view when the axis is the last of a multi-dimensional frame). A view handed out stays valid and
-    unchanged: growth moves the data to new storage, appends write past every earlier view's end."""
+    """A tensor that grows along ``axis`` by ``append``: capacity doubles, so each element is copied
+    O(1) times, and ``view()`` is everything so far without a copy (a strided view when the axis is
+    not the first of a multi-dimensional frame). A view handed out stays valid and unchanged: growth
+    moves the data to new storage, appends write past every earlier view's end.
 
-    def __init__(self, first: torch.Tensor, axis: int):
-        self.axis = axis
+    ``capacity``: the length along ``axis`` to allocate at once when the caller can tell how long
+    the tensor will get (each growth touches fresh memory, which on the host costs more than the
+    copies). CPU data of a dtype numpy has is copied through numpy views of the same memory (a
+    torch copy costs several microseconds of dispatch, numpy's one)."""
+
+    def __init__(self, first: torch.Tensor, axis: int, capacity: int = 0):
+        self.axis = axis % first.dim()
         self._n = first.shape[axis]
+        self._frame = first.shape[:self.axis] + first.shape[self.axis + 1:]
+        self._lead = (slice(None),) * self.axis
         shape = list(first.shape)
-        shape[axis] = max(2 * self._n, 16)
-        self._data = first.new_empty(shape)
-        self._span(0, self._n).copy_(first)
+        shape[self.axis] = max(2 * self._n, capacity, 16)
+        self._allocate(first.new_empty(shape))
+        self._write(0, first)
 
-    def _span(self, start: int, stop: int) -> torch.Tensor:
-        if self.axis == 0 or self._data.dim() == 1:
-            return self._data[start:stop]
-        return self._data.narrow(self.axis, start, stop - start)
+    def _allocate(self, data: torch.Tensor) -> None:
+        self._data = data
+        self._cap = data.shape[self.axis]
+        self._np = data.numpy() if data.is_cpu and data.dtype in _NUMPY_DTYPES else None
+
+    def _write(self, at: int, piece: torch.Tensor) -> None:
+        k = piece.shape[self.axis]
+        if self._np is not None and piece.is_cpu and not piece.requires_grad:
+            self._np[(*self._lead, slice(at, at + k))] = piece.numpy()
+        else:
+            self._data.narrow(self.axis, at, k).copy_(piece)
 
     def append(self, piece: torch.Tensor) -> None:
         """Copy ``piece`` in after the data so far; its other dimensions must be the data's
         (ValueError otherwise: a copy would broadcast where a concatenation refuses)."""
-        axis = self.axis % self._data.dim()
-        if piece.dim() != self._data.dim() or any(
-                a != b for d, (a, b) in enumerate(zip(piece.shape, self._data.shape)) if d != axis):
-            raise ValueError(f"cannot append a piece of shape {tuple(piece.shape)} along axis {self.axis} to data "
+        shape, axis = piece.shape, self.axis
+        if (shape[1:] if axis == 0 else shape[:axis] + shape[axis + 1:]) != self._frame or len(shape) <= axis:
+            raise ValueError(f"cannot append a piece of shape {tuple(shape)} along axis {axis} to data "
                              f"of shape {tuple(self.view().shape)}")
-        k = piece.shape[self.axis]
-        cap = self._data.shape[self.axis]
-        if self._n + k > cap:
-            old, shape = self._span(0, self._n), list(self._data.shape)
-            shape[self.axis] = max(2 * cap, self._n + k)
-            self._data = self._data.new_empty(shape)
-            self._span(0, self._n).copy_(old)
-        self._span(self._n, self._n + k).copy_(piece)
+        k = shape[axis]
+        if self._n + k > self._cap:
+            old = self.view()
+            grown = list(self._data.shape)
+            grown[axis] = max(2 * self._cap, self._n + k)
+            self._allocate(self._data.new_empty(grown))
+            self._write(0, old)
+        self._write(self._n, piece)
         self._n += k
 
     def view(self) -> torch.Tensor:
-        return self._span(0, self._n)
+        return self._data[:self._n] if self.axis == 0 else self._data.narrow(self.axis, 0, self._n)
 
     def ends_with(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is ``view()`` as it is now (nothing was appended since it was taken)."""
         return (tensor.shape == self.view().shape and tensor.data_ptr() == self._data.data_ptr()
                 and tensor.stride() == self._data.stride())
+
+
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool, torch.complex64, torch.complex128}

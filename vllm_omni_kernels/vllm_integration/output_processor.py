@@ -60,6 +60,7 @@ from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput, Multim
 
 logger = logging.getLogger(__name__)
 
+_PRESIZE_BYTES = 64 << 20  # the most a CUMULATIVE key's tensor is sized for at its first piece
 _GONE_KEPT = 65536  # finished or aborted request ids remembered, to tell a late output from a stranger
 _EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE: EmitPolicy.CUMULATIVE,
          RequestOutputKind.FINAL_ONLY: EmitPolicy.FINAL_ONLY}
@@ -106,12 +107,13 @@ class OmniRequestState(RequestState):
 
     accumulator: MultimodalAccumulator | None = None
     failures: list | None = None
-    delivered: dict[str, tuple[int, list[torch.Tensor]]] | None = None  # key -> (axis, pieces) from the worker
-    pending: bool = False  # pieces arrived since the last output
+    arrived: list[dict[str, tuple[int, torch.Tensor]]] | None = None  # the worker's deliveries since the last output
+    so_far: dict[str, tuple[int, Any]] | None = None  # CUMULATIVE: key -> (axis, GrowingTensor) of everything so far
     last: MultimodalPayload | None = None  # CUMULATIVE: everything so far, for outputs with nothing new
     stopwatch: Stopwatch | None = None  # the processor's, timing payload assembly
     cumulative_sent: int = 0  # CUMULATIVE: output tokens at its last output (``stream_interval``)
-    thin_cumulative: bool = True  # False: vLLM's own cadence for CUMULATIVE (an output every step)
+    upstream: bool = False  # the upstream style: CUMULATIVE at vLLM's own cadence (an output every step),
+    #                         everything so far concatenated from a list at each output
 
     @classmethod
     def adopt(cls, base: RequestState) -> OmniRequestState:
@@ -130,50 +132,31 @@ class OmniRequestState(RequestState):
                                           request_id=self.request_id)
         return self.accumulator.append_step([self.request_id], {k: [v] for k, v in payload.items()})
 
-    def deliver(self, key: str, tensor: torch.Tensor, axis: int, growing: bool = True) -> None:
-        """Keep one piece of worker-accumulated data for the request's next output (CUMULATIVE:
-        append it to everything so far, in a ``GrowingTensor``; ``growing=False``: in a list that
-        each output concatenates, as the upstream-style comparison does)."""
-        if self.delivered is None:
-            self.delivered = {}
-        self.pending = True
-        held = self.delivered.get(key)
-        if growing and self.output_kind == RequestOutputKind.CUMULATIVE:
-            if held is None:
-                self.delivered[key] = (axis, GrowingTensor(tensor, axis))
-            else:
-                held[1].append(tensor)
-        elif held is None:
-            self.delivered[key] = (axis, [tensor])
+    def deliver(self, pieces: dict[str, tuple[int, torch.Tensor]]) -> None:
+        """Keep one delivery of worker-accumulated data (``{key: (axis, tensor)}``) for the request's
+        next output."""
+        if self.arrived is None:
+            self.arrived = [pieces]
         else:
-            held[1].append(tensor)
+            self.arrived.append(pieces)
 
     def take_payload(self, finished: bool) -> MultimodalPayload | None:
         """The payload due now (per output kind): the worker's pieces, then what the accumulator
         holds; frees the request's slots when ``finished``. A CUMULATIVE output with nothing new
         since the last one shares that one's payload."""
-        if not self.pending and self.accumulator is None:
+        if not self.arrived and self.accumulator is None:
             return self.last  # the common step of a stream between deliveries
         if self.stopwatch is None:
             return self._take_payload(finished)
-        with self.stopwatch, nvtx_range("frontend.payload"):
+        with self.stopwatch:
             return self._take_payload(finished)
 
     def _take_payload(self, finished: bool) -> MultimodalPayload | None:
         payload = None
-        self.pending = False
-        for key, (axis, pieces) in (self.delivered or {}).items():
-            if isinstance(pieces, GrowingTensor):  # CUMULATIVE: everything so far, a view
-                whole = pieces.view()
-            elif not pieces:
-                continue  # nothing new for this key since the last output
-            else:
-                whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=axis)
-                pieces[:] = [whole] if self.output_kind == RequestOutputKind.CUMULATIVE else []
-            if payload is None:
-                payload = MultimodalPayload()
-            payload.tensors[key] = whole
-            payload.axes[key] = axis
+        if self.arrived:
+            arrived, self.arrived = self.arrived, []
+            cumulative = self.output_kind == RequestOutputKind.CUMULATIVE
+            payload = MultimodalPayload(*(self._so_far(arrived) if cumulative else self._joined(arrived)))
         acc = self.accumulator
         if acc is not None and self.request_id in acc:
             emission = acc.collect(finished=[self.request_id] if finished else (), request_ids=[self.request_id])
@@ -191,6 +174,68 @@ class OmniRequestState(RequestState):
             self.last = payload or None
         return payload if payload else None
 
+    def _joined(self, arrived: list[dict[str, tuple[int, torch.Tensor]]]) -> tuple[dict, dict, dict]:
+        """DELTA and FINAL_ONLY: the deliveries since the last output as (tensors, metadata, axes),
+        a key's pieces concatenated where more than one arrived."""
+        if len(arrived) == 1:
+            (only,) = arrived
+            return {key: t for key, (_, t) in only.items()}, {}, {key: axis for key, (axis, _) in only.items()}
+        tensors, axes = {}, {}
+        for key in dict.fromkeys(key for pieces in arrived for key in pieces):
+            got = [pieces[key] for pieces in arrived if key in pieces]
+            axes[key] = axis = got[0][0]
+            tensors[key] = got[0][1] if len(got) == 1 else self._cat(key, [t for _, t in got], axis)
+        return tensors, {}, axes
+
+    def _so_far(self, arrived: list[dict[str, tuple[int, torch.Tensor]]]) -> tuple[dict, dict, dict]:
+        """CUMULATIVE: the deliveries appended to everything so far, as (tensors, metadata, axes):
+        views of a ``GrowingTensor`` per key, sized at the first piece for ``max_tokens``; in the
+        upstream style, a list concatenated anew."""
+        if self.so_far is None:
+            self.so_far = {}
+        for pieces in arrived:
+            for key, (axis, tensor) in pieces.items():
+                held = self.so_far.get(key)
+                if held is None:
+                    self.so_far[key] = (axis, [tensor] if self.upstream else
+                                        GrowingTensor(tensor, axis, self._expected_length(key, arrived)))
+                elif self.upstream:
+                    held[1].append(tensor)
+                else:
+                    try:
+                        held[1].append(tensor)
+                    except ValueError as exc:
+                        raise TensorConsolidationError(str(exc), request_id=self.request_id, key=key) from None
+        tensors = {}
+        for key, (axis, data) in self.so_far.items():
+            if isinstance(data, GrowingTensor):
+                tensors[key] = data.view()
+            else:
+                tensors[key] = data[0] if len(data) == 1 else self._cat(key, data, axis)
+                data[:] = [tensors[key]]
+        return tensors, {}, {key: axis for key, (axis, _) in self.so_far.items()}
+
+    def _cat(self, key: str, pieces: list[torch.Tensor], axis: int) -> torch.Tensor:
+        try:
+            return torch.cat(pieces, dim=axis)
+        except RuntimeError as exc:
+            raise TensorConsolidationError(f"pieces do not concatenate: {exc}", request_id=self.request_id,
+                                           key=key) from None
+
+    def _expected_length(self, key: str, arrived: list[dict[str, tuple[int, torch.Tensor]]]) -> int:
+        """The length along its axis of all of ``key``'s data if every output token brings as much
+        as those so far did (the output tokens so far go with the data so far: the scheduler paces
+        them together); 0 when that cannot be told; at most ``_PRESIZE_BYTES``."""
+        limit = self.max_tokens_param
+        tokens = self.detokenizer.num_output_tokens() if self.detokenizer is not None else 0
+        got = [pieces[key] for pieces in arrived if key in pieces]
+        axis, first = got[0]
+        n = sum(t.shape[axis] for _, t in got)
+        if not limit or tokens <= 0 or first.numel() == 0:
+            return 0
+        frame_bytes = first.numel() // first.shape[axis] * first.element_size()
+        return min(-(-n * limit // tokens), _PRESIZE_BYTES // frame_bytes)
+
     def _payload_or_failure(self, finished: bool) -> MultimodalPayload | None:
         """``take_payload``, with a consolidation failure recorded for the processor (which fails the
         request visibly after the step) instead of raised into vLLM's loop."""
@@ -205,7 +250,7 @@ class OmniRequestState(RequestState):
 
     def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs):
         """vLLM's, with CUMULATIVE outputs thinned at ``stream_interval`` as vLLM thins DELTA ones."""
-        if (self.thin_cumulative and self.output_kind == RequestOutputKind.CUMULATIVE and self.stream_interval > 1
+        if (not self.upstream and self.output_kind == RequestOutputKind.CUMULATIVE and self.stream_interval > 1
                 and finish_reason is None and pooling_output is None and self.detokenizer is not None):
             tokens = self.detokenizer.num_output_tokens()
             if self.cumulative_sent and tokens - self.cumulative_sent < self.stream_interval:
@@ -222,7 +267,7 @@ class OmniRequestState(RequestState):
 
     def _new_completion_output(self, token_ids, finish_reason, stop_reason):
         base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
-        if self.accumulator is None and self.delivered is None:
+        if self.accumulator is None and self.arrived is None:
             return base
         payload = self._payload_or_failure(finish_reason is not None)
         return base if payload is None else MultimodalCompletionOutput.from_completion(base, payload)
@@ -230,7 +275,7 @@ class OmniRequestState(RequestState):
     def _new_pooling_output(self, pooling_output: torch.Tensor):
         """A request with pooling params that also produced multimodal output ends with its pooling
         output, which carries the payload due at finish (per its output kind)."""
-        if self.delivered is None and (self.accumulator is None or self.request_id not in self.accumulator):
+        if self.arrived is None and (self.accumulator is None or self.request_id not in self.accumulator):
             return super()._new_pooling_output(pooling_output)
         return MultimodalPoolingOutput(data=pooling_output, multimodal_output=self._payload_or_failure(True))
 
@@ -256,7 +301,7 @@ class MultimodalOutputProcessor(OutputProcessor):
     (``{"model_outputs": "audio"}``); ``accumulator_config``: pool sizing.
     """
 
-    thins_cumulative = True  # CUMULATIVE outputs at stream_interval (OmniRequestState.make_request_output)
+    upstream_style = False  # OmniRequestState.upstream for every request
 
     def __init__(self, tokenizer, *, log_stats: bool, stream_interval: int = 1,
                  output_modality: OutputModality | str = OutputModality.TEXT,
@@ -285,8 +330,8 @@ class MultimodalOutputProcessor(OutputProcessor):
         state = self.request_states.get(request.request_id)
         if new and state is not None and not isinstance(state, OmniRequestState):
             self.request_states[request.request_id] = state = OmniRequestState.adopt(state)
-        if new and state is not None and not self.thins_cumulative:
-            state.thin_cumulative = False
+        if new and state is not None and self.upstream_style:
+            state.upstream = True
 
     # ------------------------------------------------------------------ the step
 
@@ -348,11 +393,15 @@ class MultimodalOutputProcessor(OutputProcessor):
             logger.error("request %s failed: %s", eco.request_id, exc)
             self._failures.append((state, exc))
             return
-        state.stopwatch = self.stopwatch
-        if state.detokenizer is None and eco.pooling_output is None:
-            _give_completion_outputs(state)
-        for key, (axis, tensor) in eco.multimodal_delivered.items():
-            state.deliver(self._key_aliases.get(key, key), tensor, axis)
+        if state.arrived is None:  # its first delivery
+            state.stopwatch = self.stopwatch
+            state.failures = self._failures
+            if state.detokenizer is None and eco.pooling_output is None:
+                _give_completion_outputs(state)
+        pieces = eco.multimodal_delivered
+        if self._key_aliases:
+            pieces = {self._key_aliases.get(key, key): value for key, value in pieces.items()}
+        state.deliver(pieces)
 
     def _unknown(self, request_id: str, errors: list) -> None:
         """Output for a request without a state: one that finished or was aborted while the step was

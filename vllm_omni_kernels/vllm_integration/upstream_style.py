@@ -23,7 +23,7 @@ class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
     """Per-step chunks kept in per-request lists and concatenated for each output (module
     docstring); a key concatenates along its declared strategy's axis (default: along dim 0)."""
 
-    thins_cumulative = False
+    upstream_style = True
 
     def _accumulate(self, engine_core_outputs) -> None:
         for eco in engine_core_outputs:
@@ -37,9 +37,9 @@ class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
             if not isinstance(state, OmniRequestState):
                 continue
             state.stopwatch = self.stopwatch
-            for key, value in eco.multimodal_output.items():
-                axis = -1 if self._config.strategies.get(key) is Strategy.CONCAT_LAST else 0
-                state.deliver(key, value, axis, growing=False)
+            strategies = self._config.strategies
+            state.deliver({key: (-1 if strategies.get(key) is Strategy.CONCAT_LAST else 0, value)
+                           for key, value in eco.multimodal_output.items()})
 
 
 def upstream_worker_outputs(request_ids: list[str], batch: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
