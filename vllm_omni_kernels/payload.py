@@ -105,7 +105,7 @@ class GrowingTensor:
         """Copy ``piece`` in after the data so far; its other dimensions must be the data's
         (ValueError otherwise: a copy would broadcast where a concatenation refuses)."""
         shape, axis = piece.shape, self.axis
-        if (shape[1:] if axis == 0 else shape[:axis] + shape[axis + 1:]) != self._frame or len(shape) <= axis:
+        if len(shape) <= axis or (shape[1:] if axis == 0 else shape[:axis] + shape[axis + 1:]) != self._frame:
             raise ValueError(f"cannot append a piece of shape {tuple(shape)} along axis {axis} to data "
                              f"of shape {tuple(self.view().shape)}")
         k = shape[axis]

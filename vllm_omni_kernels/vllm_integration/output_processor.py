@@ -6,9 +6,10 @@ and everything else to vLLM. Nothing in it depends on the modality. Text and poo
 therefore behave exactly as with vLLM's processor.
 
 * Data the worker accumulated (``multimodal_delivered``, views into the step's received buffer) is
-  handed through as it is: no copy, no re-accumulation. A request's pieces wait for its next
-  output (vLLM may skip steps: ``stream_interval``, FINAL_ONLY) and are concatenated only if more
-  than one arrived; CUMULATIVE outputs concatenate everything so far.
+  handed through as it is: no copy, no re-accumulation. A request's deliveries wait for its next
+  output (vLLM may skip steps: ``stream_interval``, FINAL_ONLY) and a key's pieces are concatenated
+  only if more than one arrived; a CUMULATIVE output is a view of everything so far, appended in
+  place to a ``GrowingTensor`` sized at the first piece for the request's ``max_tokens``.
 * Plain per-step chunks (``multimodal_output``) are accumulated here, one batched append per key and
   device (``MultimodalAccumulator``).
 * A request whose output the worker failed (``multimodal_error``) fails visibly, as below.
@@ -199,13 +200,11 @@ class OmniRequestState(RequestState):
                 if held is None:
                     self.so_far[key] = (axis, [tensor] if self.upstream else
                                         GrowingTensor(tensor, axis, self._expected_length(key, arrived)))
-                elif self.upstream:
+                    continue
+                try:
                     held[1].append(tensor)
-                else:
-                    try:
-                        held[1].append(tensor)
-                    except ValueError as exc:
-                        raise TensorConsolidationError(str(exc), request_id=self.request_id, key=key) from None
+                except ValueError as exc:  # the GrowingTensor's: the frame changed
+                    raise TensorConsolidationError(str(exc), request_id=self.request_id, key=key) from None
         tensors = {}
         for key, (axis, data) in self.so_far.items():
             if isinstance(data, GrowingTensor):
