@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -165,7 +166,12 @@ async def drive(url: str, plans: list[list[Stream]], start_at: float, time_limit
     server keeps an idle connection for 5 s) the process's HTTP client opens one connection per
     client with a ``/health`` request each, as clients with kept-alive connections have them: what
     httpx does on first use in a fresh process and the connections' set-up are not the server's
-    time to first byte. The streams then take pooled connections."""
+    time to first byte. The streams then take pooled connections. The process's heap so far (its
+    imports, an earlier round's streams) is frozen first, as vLLM's API server freezes its own once
+    it is up: a full collection of it would stall every client of the process at once, which is not
+    the server's time to first byte."""
+    gc.collect()
+    gc.freeze()
     async with httpx.AsyncClient(base_url=url, timeout=time_limit,
                                  limits=httpx.Limits(max_connections=len(plans) + 8)) as client:
         await asyncio.sleep(max(0.0, start_at - 1.0 - time.perf_counter()))
