@@ -185,7 +185,7 @@ class OmniRequestState(RequestState):
         for key in dict.fromkeys(key for pieces in arrived for key in pieces):
             got = [pieces[key] for pieces in arrived if key in pieces]
             axes[key] = axis = got[0][0]
-            tensors[key] = got[0][1] if len(got) == 1 else self._cat(key, [t for _, t in got], axis)
+            tensors[key] = self._cat(key, [t for _, t in got], axis)
         return tensors, {}, axes
 
     def _so_far(self, arrived: list[dict[str, tuple[int, torch.Tensor]]]) -> tuple[dict, dict, dict]:
@@ -210,11 +210,14 @@ class OmniRequestState(RequestState):
             if isinstance(data, GrowingTensor):
                 tensors[key] = data.view()
             else:
-                tensors[key] = data[0] if len(data) == 1 else self._cat(key, data, axis)
+                tensors[key] = self._cat(key, data, axis)
                 data[:] = [tensors[key]]
         return tensors, {}, {key: axis for key, (axis, _) in self.so_far.items()}
 
     def _cat(self, key: str, pieces: list[torch.Tensor], axis: int) -> torch.Tensor:
+        """A key's pieces as one tensor (the piece itself when there is one)."""
+        if len(pieces) == 1:
+            return pieces[0]
         try:
             return torch.cat(pieces, dim=axis)
         except RuntimeError as exc:

@@ -26,6 +26,7 @@ class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
     upstream_style = True
 
     def _accumulate(self, engine_core_outputs) -> None:
+        strategies = self._config.strategies
         for eco in engine_core_outputs:
             if not isinstance(eco, OmniEngineCoreOutput):
                 continue
@@ -37,7 +38,6 @@ class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
             if not isinstance(state, OmniRequestState):
                 continue
             state.stopwatch = self.stopwatch
-            strategies = self._config.strategies
             state.deliver({key: (-1 if strategies.get(key) is Strategy.CONCAT_LAST else 0, value)
                            for key, value in eco.multimodal_output.items()})
 
