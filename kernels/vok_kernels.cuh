@@ -167,13 +167,31 @@ __device__ __forceinline__ void row_gather(char* __restrict__ base, const i64* _
     }
     return;
   }
+  // An int job: each thread loads up to VOK_GATHER_INT_PER_THREAD elements before it stores any, so
+  // a run record (layout.RUN_ELEMS: that many per thread of a block) costs one memory round trip, not
+  // one per element of a thread; a job of more elements than its blocks cover at once loops.
+  constexpr int kInts = VOK_GATHER_INT_PER_THREAD;
   const bool s_wide = kind & VOK_INT_SRC64, d_wide = kind & VOK_INT_DST64;
   int* ibase = reinterpret_cast<int*>(base);
-  for (i64 e = (i64)blockIdx.y * VOK_GATHER_THREADS + threadIdx.x; e < count; e += (i64)gridDim.y * VOK_GATHER_THREADS) {
-    const int lo = ibase[src + (s_wide ? 2 * e : e)];
-    const int hi = s_wide ? ibase[src + 2 * e + 1] : (lo < 0 ? -1 : 0);
-    ibase[dst + (d_wide ? 2 * e : e)] = lo;
-    if (d_wide) ibase[dst + 2 * e + 1] = hi;
+  const i64 step = (i64)gridDim.y * VOK_GATHER_THREADS;
+  for (i64 e0 = (i64)blockIdx.y * VOK_GATHER_THREADS + threadIdx.x; e0 < count; e0 += step * kInts) {
+    int lo[kInts], hi[kInts];
+#pragma unroll
+    for (int k = 0; k < kInts; ++k) {
+      const i64 e = e0 + k * step;
+      if (e < count) {
+        lo[k] = ibase[src + (s_wide ? 2 * e : e)];
+        if (s_wide) hi[k] = ibase[src + 2 * e + 1];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kInts; ++k) {
+      const i64 e = e0 + k * step;
+      if (e < count) {
+        ibase[dst + (d_wide ? 2 * e : e)] = lo[k];
+        if (d_wide) ibase[dst + 2 * e + 1] = s_wide ? hi[k] : (lo[k] < 0 ? -1 : 0);  // int32: sign-extended
+      }
+    }
   }
 }
 

@@ -18,7 +18,7 @@ talker's engine does (``llm.talker_stream_interval``). Every finished request's 
 sample for sample against what its frames decode to.
 Prints one line per path and a ratio line; ``--out`` writes JSON (``plot.py`` draws it).
 
-Usage: python profiling/bench_output_path.py [--streams 64,256] [--frames 40] [--steps 200] [--device cuda] [--profile]
+Usage: python profiling/bench_output_path.py [--streams 64,256] [--frames 40] [--steps 200] [--device cuda] [--profile worker|frontend]
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class _Stream:
 
 
 def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cadence: int,
-          profile: cProfile.Profile | None = None) -> dict:
+          profile: cProfile.Profile | None = None, profiled: str = "worker") -> dict:
     options = talker_processor_options(path)
     processor = options.processor_cls(None, log_stats=False, stream_interval=talker_stream_interval(cadence),
                                       output_modality=options.output_modality,
@@ -110,7 +110,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
         finishing = [s.rid for s in live if s.produced + 1 == s.frames]
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if profile is not None and step >= 20:
+        if profile is not None and profiled == "worker" and step >= 20:
             profile.enable()
         t0 = time.perf_counter()
         if acc is not None:
@@ -135,9 +135,13 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
         frames_out = encoder.encode(message)
         t2 = time.perf_counter()
         mm0 = processor.stopwatch.seconds + decoder.multimodal_seconds
+        if profile is not None and profiled == "frontend" and step >= 20:
+            profile.enable()
         decoded = decoder.decode(frames_out)
         result = processor.process_outputs(decoded.outputs)
         t3 = time.perf_counter()
+        if profile is not None:
+            profile.disable()
         mm1 = processor.stopwatch.seconds + decoder.multimodal_seconds
         by_id = {s.rid: s for s in live}
         for out in result.request_outputs:
@@ -188,7 +192,8 @@ def main() -> None:
     ap.add_argument("--cadence", type=int, default=4 * tk.FRAME_SAMPLES)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--profile", action="store_true", help="cProfile of this package's worker step, after the run")
+    ap.add_argument("--profile", choices=("worker", "frontend"), default=None,
+                    help="cProfile of this package's worker step or frontend, after the run")
     args = ap.parse_args()
     results = []
     for B in (int(b) for b in args.streams.split(",")):
@@ -202,7 +207,8 @@ def main() -> None:
                   flush=True)
         if args.profile:
             prof = cProfile.Profile()
-            bench("worker", B, args.frames, min(args.steps, 100), torch.device(args.device), args.cadence, prof)
+            bench("worker", B, args.frames, min(args.steps, 100), torch.device(args.device), args.cadence, prof,
+                  args.profile)
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
             print(text.getvalue())

@@ -54,7 +54,7 @@ kernels = {
                                         "src_ptr": "*fp32", "F": "i64"}, ring | {"SINGLE": False}),
     "ring_read": (_ring_read_kernel, {"arena_ptr": "*fp32", "meta_ptr": "*i64", "out_ptr": "*fp32", "F": "i64"}, ring),
     "gather": (_row_gather_kernel, {"fbase": "*bf16", "ibase": "*i32", "table": "*i64", "W": "i64"},
-               {"BLOCK_F": 2048, "BLOCK_I": 128, "ALIGN": 8, "PDL": on}),
+               {"BLOCK_F": 2048, "BLOCK_I": 1024, "ALIGN": 8, "PDL": on}),
 }
 out = {}
 for name, (fn, args, consts) in kernels.items():

@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..ops.layout import INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, JOB_WORDS
+from ..ops.layout import INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, JOB_WORDS, RUN_ELEMS
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
 _INTS = (int, np.integer)
-RUN_ELEMS = 1024  # int elements per record of a run of rows (8 per thread of a CUDA gather block)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ INT_SRC64, INT_DST64 = 2, 4
 # Block shapes of the CUDA kernels (the Triton ones choose theirs in triton_ring / triton_gather).
 RING_THREADS, RING_PER_THREAD = 256, 8  # a ring block copies RING_THREADS * RING_PER_THREAD elements
 GATHER_THREADS, GATHER_BLOCK_BYTES = 128, 4096  # a float row is copied in blocks of GATHER_BLOCK_BYTES
+GATHER_INT_PER_THREAD = 8  # int elements a gather thread loads before it stores (a run record: one round trip)
+RUN_ELEMS = GATHER_THREADS * GATHER_INT_PER_THREAD  # int elements per record of a run of rows
 
 
 def gather_row_blocks(width: int, elem_size: int) -> int:
@@ -67,7 +69,7 @@ def cuda_defines() -> list[str]:
               "POS": POS, "LIN_STRIDE": LIN_STRIDE, "HEAD_SHIFT": HEAD_SHIFT, "JOB_WORDS": JOB_WORDS,
               "JOB_INT": JOB_INT, "INT_SRC64": INT_SRC64, "INT_DST64": INT_DST64,
               "RING_THREADS": RING_THREADS, "RING_PER_THREAD": RING_PER_THREAD, "GATHER_THREADS": GATHER_THREADS,
-              "GATHER_BLOCK_BYTES": GATHER_BLOCK_BYTES}
+              "GATHER_BLOCK_BYTES": GATHER_BLOCK_BYTES, "GATHER_INT_PER_THREAD": GATHER_INT_PER_THREAD}
     return [f"-DVOK_{k}={v}" for k, v in values.items()]
 
 

@@ -25,7 +25,7 @@ from .triton_gdc import wait_previous_grid
 MAX_BLOCK_F = 2048
 ELEMS_PER_WARP = 512
 MAX_WARPS = 4
-BLOCK_I = 128
+BLOCK_I = layout.RUN_ELEMS  # int elements per program at once: a run record in one round trip
 JOB_WORDS = tl.constexpr(layout.JOB_WORDS)
 JOB_INT = tl.constexpr(layout.JOB_INT)
 INT_SRC64 = tl.constexpr(layout.INT_SRC64)
