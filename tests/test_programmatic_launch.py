@@ -44,7 +44,7 @@ _COMPILE = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from vllm_omni_kernels.ops.triton_gather import _row_gather_kernel
+from vllm_omni_kernels.ops.triton_gather import BLOCK_I, _row_gather_kernel
 from vllm_omni_kernels.ops.triton_ring import _ring_read_kernel, _ring_write_kernel
 
 on = sys.argv[1] == "1"
@@ -54,7 +54,7 @@ kernels = {
                                         "src_ptr": "*fp32", "F": "i64"}, ring | {"SINGLE": False}),
     "ring_read": (_ring_read_kernel, {"arena_ptr": "*fp32", "meta_ptr": "*i64", "out_ptr": "*fp32", "F": "i64"}, ring),
     "gather": (_row_gather_kernel, {"fbase": "*bf16", "ibase": "*i32", "table": "*i64", "W": "i64"},
-               {"BLOCK_F": 2048, "BLOCK_I": 1024, "ALIGN": 8, "PDL": on}),
+               {"BLOCK_F": 2048, "BLOCK_I": BLOCK_I, "ALIGN": 8, "PDL": on}),
 }
 out = {}
 for name, (fn, args, consts) in kernels.items():
