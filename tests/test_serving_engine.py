@@ -93,3 +93,25 @@ def test_a_cpu_talker_leaves_half_the_cores_to_the_api_servers():
     assert talker_cpu_threads(None, environ={}, cores=1) == 1
     assert talker_cpu_threads(None, environ={"OMP_NUM_THREADS": "3"}, cores=16) is None  # the user's setting
     assert talker_cpu_threads(3, environ={"OMP_NUM_THREADS": "1"}, cores=16) == 3  # the option wins
+
+
+def test_the_talkers_audio_and_codes_are_what_they_are_defined_as():
+    """decode_frames against its definition in Python integers (sample t of codebook q:
+    ``(t * step_q) mod 2**16 - 2**15``, summed, times 2**-18), frames far along included; the
+    talker's heads as one matmul against the per-codebook contraction."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, tk.CODEBOOK_SIZE, (5, tk.CODEBOOKS), generator=g)
+    frames = torch.tensor([0, 1, 777, 2**20 + 3, 2**24 - 1])
+    got = tk.decode_frames(codes, frames)
+    for b in range(5):
+        steps = [1 + (int(codes[b, q]) * 37 + q * 101) % 2039 for q in range(tk.CODEBOOKS)]
+        for i in (0, 1, 999, tk.FRAME_SAMPLES - 1):
+            t = int(frames[b]) * tk.FRAME_SAMPLES + i
+            want = sum((t * s) % 65536 - 32768 for s in steps) * 2.0 ** -18
+            assert got[b, i].item() == want, (b, i)
+    talker = tk.ToyTalker(0)
+    last, frame = torch.randint(0, tk.VOCAB, (6,), generator=g), torch.randint(0, 9000, (6,), generator=g)
+    context = talker.prompt_context(torch.randint(0, tk.TEXT_VOCAB, (6, 9), generator=g), torch.full((6,), 9))
+    h = tk._fold(tk._fold(talker.embed[last] + talker.position[frame % tk._POSITIONS] + context) @ talker.mix)
+    logits = torch.einsum("bh,qhc->bqc", h, talker.heads)
+    assert torch.equal(talker(last, frame, context), (logits * tk.CODEBOOK_SIZE + talker.rank).argmax(-1))

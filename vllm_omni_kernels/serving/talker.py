@@ -52,6 +52,10 @@ class ToyTalker(nn.Module):
         self.position = weights(_POSITIONS, _HIDDEN, bound=8)
         self.mix = weights(_HIDDEN, _HIDDEN, bound=4)
         self.heads = weights(CODEBOOKS, _HIDDEN, CODEBOOK_SIZE, bound=4)
+        # the heads as one [H, CODEBOOKS * CODEBOOK_SIZE] matrix, made once: one matmul per step, no
+        # per-step permutation of the weights (integer sums are exact in any order)
+        self.register_buffer("heads_flat", self.heads.detach().permute(1, 0, 2).reshape(_HIDDEN, -1).contiguous(),
+                             persistent=False)
         # logit * CODEBOOK_SIZE + a rank of its own per code: no two logits tie (all below 2**22)
         self.register_buffer("rank", torch.randperm(CODEBOOK_SIZE, generator=g).float(), persistent=False)
 
@@ -69,7 +73,7 @@ class ToyTalker(nn.Module):
     def forward(self, last_token: torch.Tensor, frame: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         h = _fold(self.embed[last_token] + self.position[frame % _POSITIONS] + context)
         h = _fold(h @ self.mix)
-        logits = torch.einsum("bh,qhc->bqc", h, self.heads)
+        logits = (h @ self.heads_flat).view(-1, CODEBOOKS, CODEBOOK_SIZE)
         return (logits * CODEBOOK_SIZE + self.rank).argmax(-1)
 
 
@@ -81,11 +85,13 @@ def _fold(x: torch.Tensor) -> torch.Tensor:
 def decode_frames(codes: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
     """Audio of codec frames: ``codes`` ``[B, CODEBOOKS]`` int64 at frame indices ``frame`` ``[B]``
     -> ``[B, FRAME_SAMPLES]`` float32. Integer arithmetic, then one exact scaling: the same bits on
-    any device."""
+    any device. Sample t of codebook q is ``(t * step_q) mod 2**16 - 2**15``, computed in int32 from
+    ``t mod 2**16`` (the product stays below 2**31) with masks for the modulo."""
     t = frame[:, None] * FRAME_SAMPLES + torch.arange(FRAME_SAMPLES, device=codes.device)  # [B, T] absolute
-    step = 1 + (codes * 37 + torch.arange(CODEBOOKS, device=codes.device) * 101) % 2039  # [B, Q]
-    saw = (t[:, None, :] * step[:, :, None]) % 65536 - 32768  # [B, Q, T]
-    return (saw.sum(1).to(torch.float32) * _SCALE)
+    step = 1 + (codes * 37 + torch.arange(CODEBOOKS, device=codes.device) * 101) % 2039  # [B, Q], below 2**11
+    t16 = (t & 0xFFFF).to(torch.int32)
+    saw = ((t16[:, None, :] * step.to(torch.int32)[:, :, None]) & 0xFFFF) - 32768  # [B, Q, T]
+    return saw.sum(1, dtype=torch.int32).to(torch.float32) * _SCALE
 
 
 def expected_audio(codes: torch.Tensor) -> torch.Tensor:
