@@ -140,7 +140,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
         decoded = decoder.decode(frames_out)
         result = processor.process_outputs(decoded.outputs)
         t3 = time.perf_counter()
-        if profile is not None:
+        if profile is not None and profiled == "frontend":
             profile.disable()
         mm1 = processor.stopwatch.seconds + decoder.multimodal_seconds
         by_id = {s.rid: s for s in live}

@@ -51,13 +51,18 @@ class ToyTalker(nn.Module):
         self.embed = weights(VOCAB, _HIDDEN, bound=8)
         self.position = weights(_POSITIONS, _HIDDEN, bound=8)
         self.mix = weights(_HIDDEN, _HIDDEN, bound=4)
-        self.heads = weights(CODEBOOKS, _HIDDEN, CODEBOOK_SIZE, bound=4)
-        # the heads as one [H, CODEBOOKS * CODEBOOK_SIZE] matrix, made once: one matmul per step, no
-        # per-step permutation of the weights (integer sums are exact in any order)
-        self.register_buffer("heads_flat", self.heads.detach().permute(1, 0, 2).reshape(_HIDDEN, -1).contiguous(),
-                             persistent=False)
+        heads = weights(CODEBOOKS, _HIDDEN, CODEBOOK_SIZE, bound=4)
+        # kept as one [H, CODEBOOKS * CODEBOOK_SIZE] matrix: a step's logits are one matmul, with no
+        # permutation of the weights (integer sums are exact in any order); ``heads`` views it
+        self.heads_flat = nn.Parameter(heads.detach().permute(1, 0, 2).reshape(_HIDDEN, -1).contiguous(),
+                                       requires_grad=False)
         # logit * CODEBOOK_SIZE + a rank of its own per code: no two logits tie (all below 2**22)
         self.register_buffer("rank", torch.randperm(CODEBOOK_SIZE, generator=g).float(), persistent=False)
+
+    @property
+    def heads(self) -> torch.Tensor:
+        """The per-codebook heads ``[CODEBOOKS, H, CODEBOOK_SIZE]`` (a view of ``heads_flat``)."""
+        return self.heads_flat.view(_HIDDEN, CODEBOOKS, CODEBOOK_SIZE).permute(1, 0, 2)
 
     @property
     def hidden_size(self) -> int:
