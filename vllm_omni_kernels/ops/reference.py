@@ -30,6 +30,9 @@ class _Elements:
         bits = _BITS.get(t.element_size())
         if t.device.type == "cpu" and bits is not None:
             size = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+            if size == t.numel() and t.is_contiguous():  # the tensor is the rest of its storage
+                self.np = t.detach().reshape(-1).view(bits).numpy()
+                return
             flat = torch.as_strided(t.detach(), (size,), (1,), t.storage_offset()) if size > 0 else \
                 torch.empty(0, dtype=t.dtype)  # (an empty tensor may start past its storage's end)
             self.np = flat.view(bits).numpy()
@@ -55,16 +58,21 @@ def _copy(arena: _Elements, lin: _Elements, row, pos: int, frame_elems: int, las
     back to back) and numpy sees them, the run is a copy between two numpy slices."""
     n, cap, stride = row[N], row[CAP], row[LIN_STRIDE]
     first = min(n, cap - pos)
-    contiguous = arena.np is not None and (frame_elems == 1 if last else stride == frame_elems)
+    if arena.np is not None and (frame_elems == 1 if last else stride == frame_elems):
+        a, flat = arena.np, lin.np
+        r, f, m = row[BASE] + pos * frame_elems, row[LIN_OFF], first * frame_elems
+        rest = (n - first) * frame_elems  # the run after the wrap, from the region's start
+        if into_ring:
+            a[r:r + m] = flat[f:f + m]
+            if rest:
+                a[row[BASE]:row[BASE] + rest] = flat[f + m:f + m + rest]
+        else:
+            flat[f:f + m] = a[r:r + m]
+            if rest:
+                flat[f + m:f + m + rest] = a[row[BASE]:row[BASE] + rest]
+        return
     for ring_at, lin_at, k in ((pos, 0, first), (0, first, n - first)):
         if not k:
-            continue
-        if contiguous:
-            r, f, m = row[BASE] + ring_at * frame_elems, row[LIN_OFF] + lin_at * frame_elems, k * frame_elems
-            if into_ring:
-                arena.np[r:r + m] = lin.np[f:f + m]
-            else:
-                lin.np[f:f + m] = arena.np[r:r + m]
             continue
         ring = arena.run(row[BASE], ring_at, k, frame_elems, cap if last else frame_elems, last)
         flat = lin.run(row[LIN_OFF], lin_at, k, frame_elems, stride, last)
@@ -75,27 +83,35 @@ def _copy(arena: _Elements, lin: _Elements, row, pos: int, frame_elems: int, las
             dst.copy_(src)
 
 
+def _rows(meta: torch.Tensor, rows: int) -> list[list[int]]:
+    """The launch's metadata rows as Python ints (through numpy on the CPU, several times faster)."""
+    head = meta[:rows]
+    return (head.numpy() if head.device.type == "cpu" else head.cpu().numpy()).tolist()
+
+
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool) -> None:
     """Copy each row's chunk from ``src`` into its ring region at the head; advance the head. The
-    heads are read once and written once per launch."""
-    table = meta[:rows].tolist()
+    heads are read and written in place through numpy (a CPU ``state``) or a host copy of it."""
+    table = _rows(meta, rows)
     if not table:
         return
-    heads = state.tolist()
+    host = state if state.device.type == "cpu" else state.cpu()
+    heads = host.numpy()
     ring, lin = _Elements(arena), _Elements(src)
     for row in table:
         n, cap, slot = row[N], row[CAP], row[SLOT]
-        pos = row[POS] if row[POS] >= 0 else heads[slot] >> HEAD_SHIFT
+        pos = row[POS] if row[POS] >= 0 else int(heads[slot]) >> HEAD_SHIFT
         if n:
             _copy(ring, lin, row, pos, frame_elems, last, into_ring=True)
         heads[slot] = ((pos + n) % cap) << HEAD_SHIFT
-    state.copy_(torch.tensor(heads, dtype=state.dtype))
+    if host is not state:
+        state.copy_(host)
 
 
 def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool) -> None:
     """Copy each row's ring span starting at POS into ``out`` at LIN_OFF (contiguous per row)."""
     ring, lin = _Elements(arena), _Elements(out)
-    for row in meta[:rows].tolist():
+    for row in _rows(meta, rows):
         if row[N]:
             _copy(ring, lin, row, row[POS], frame_elems, last, into_ring=False)
 
