@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
               f"on the wire/step; slots held after: {s['slots_held_after']}")
     for key, ratio in summary.get("ratios", {}).items():
         if ratio is not None:
-            print(f"upstream-style / this package, {key}: {ratio:.1f}x")
+            print(f"upstream-style / this package, {key}: {ratio:.3g}x")
     print(f"{'' if args.no_wavs else 'WAVs, '}summary.json and simulate.png in {args.out}")
     ok = all(s["finished_exact"] + s["aborted_checked"] + s["failed_as_expected"] == s["requests"]
              and s["slots_held_after"] == 0 for s in summary["paths"].values())
