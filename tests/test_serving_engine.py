@@ -23,6 +23,7 @@ from vllm.v1.executor import Executor  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.vllm_integration.llm import (  # noqa: E402
     OmniLLM, omni_vllm_config, talker_engine_args)
+from vllm_omni_kernels.vllm_integration.scheduler import OmniAsyncScheduler, OmniScheduler  # noqa: E402
 from vllm_omni_kernels.vllm_integration.simulate import SimConfig, run  # noqa: E402
 from vllm_omni_kernels.vllm_integration.talker_model import make_model_dir  # noqa: E402
 from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder  # noqa: E402
@@ -54,13 +55,28 @@ def test_vllm_own_async_client_loses_all_audio_silently(tmp_path):
 
 
 def test_two_hundred_streams_over_zmq_every_sample_exact(tmp_path):
+    """Under async scheduling (vLLM's AsyncScheduler), which a CPU talker has only when asked for:
+    the other engine tests here, the main job's and the speech server's run the CPU default."""
     cfg = SimConfig(requests=200, concurrency=32, min_frames=2, max_frames=9, abort_every=10, bad_every=50,
-                    cadence=2 * tk.FRAME_SAMPLES, device="cpu", paths=("worker",), out_dir=str(tmp_path),
-                    progress=False, write_wavs=False)
+                    cadence=2 * tk.FRAME_SAMPLES, device="cpu", async_scheduling=True, paths=("worker",),
+                    out_dir=str(tmp_path), progress=False, write_wavs=False)
     s = run(cfg)["paths"]["worker"]
+    assert s["async_scheduling"] is True
     assert s["requests"] == 200 and s["failed_as_expected"] == 4 and s["aborted_checked"] == 20
     assert s["finished_exact"] == 176  # every sample of every finished request (simulate._check raises otherwise)
     assert s["slots_held_after"] == 0 and s["engine_steps"] > 0
+
+
+@pytest.mark.parametrize("device, wanted, on", [("cpu", None, False), ("cpu", True, True), ("cuda", None, True),
+                                                ("cuda", False, False)])
+def test_async_scheduling_is_on_for_a_talker_on_cuda_unless_the_arguments_name_it(tmp_path, device, wanted, on):
+    """On the CPU the talker's forward runs inside ``execute_model``: scheduling a step ahead would
+    overlap nothing and hold every output back by one step. The config alone (no engine starts)."""
+    model = make_model_dir(tmp_path / "model")
+    args = talker_engine_args(model, device=device, async_scheduling=wanted)
+    sched = omni_vllm_config(args, UsageContext.ENGINE_CONTEXT).scheduler_config
+    assert sched.async_scheduling is on
+    assert sched.scheduler_cls is (OmniAsyncScheduler if on else OmniScheduler)
 
 
 def test_sync_engine_in_its_own_process_and_in_process(tmp_path):

@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="audio samples a streaming request receives at a time (the first chunk at once)")
     sim.add_argument("--device", default="auto", help="where the talker and the rings run: auto (GPU if present), "
                                                       "cpu, cuda")
+    sim.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                     help="vLLM's async scheduling (default: on for a talker on CUDA, off on the CPU)")
     sim.add_argument("--in-process", action="store_true", help="the engine core in this process (default: its own)")
     sim.add_argument("--paths", default="worker,upstream", help="output paths to run: worker, upstream")
     sim.add_argument("--out", default="out/simulate", help="where WAVs, summary.json and the PNG go")
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = SimConfig(requests=args.requests, concurrency=args.concurrency, max_frames=args.max_frames,
                     arrival_ms=args.arrival_ms, kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
-                    sync_check=args.sync_check, cadence=args.cadence, device=args.device, in_process=args.in_process,
+                    sync_check=args.sync_check, cadence=args.cadence, device=args.device,
+                    async_scheduling=args.async_scheduling, in_process=args.in_process,
                     paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()), out_dir=args.out,
                     seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
                     bad_every=args.bad_every)
@@ -92,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['final_only_ms_p50']:.1f} ms, p99 {s['final_only_ms_p99']:.1f} ms; client event loop late p50 "
               f"{s['client_loop_lag_ms_p50']:.1f} ms, p99 {s['client_loop_lag_ms_p99']:.1f}, max "
               f"{s['client_loop_lag_ms_max']:.1f} ms, longest garbage collection {s['client_gc_ms_max']:.1f} ms")
-        print(f"  engine step {s['step_ms_median']:.2f} ms, {s['streams_per_step']:.0f} streams/step")
+        print(f"  engine step {s['step_ms_median']:.2f} ms, {s['streams_per_step']:.0f} streams/step, async scheduling "
+              f"{'on' if s['async_scheduling'] else 'off'}")
         print(f"  output path: worker {s['worker_output_path_us_median']:.1f} us/step (p99 "
               f"{s['worker_output_path_us_p99']:.1f}), frontend {s['frontend_multimodal_us_per_step']:.1f} us/step, "
               f"{s['d2h_copies_per_step']:.2f} device-to-host copies/step, {s['wire_bytes_per_step'] / 1024:.1f} KiB "

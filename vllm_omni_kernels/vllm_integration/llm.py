@@ -10,9 +10,12 @@ the two ``__init__`` below are vLLM's own, step for step, with those two objects
 engine core runs in its own process (vLLM's default, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) or in
 process (``=0``; ``OmniLLM`` only, as for vLLM).
 
-Async scheduling: ``TalkerExecutor`` supports it, so it is on for the talker unless the engine
-arguments turn it off (vLLM's CPU platform turns it off for vLLM's own CPU worker, which is not
-what runs here).
+Async scheduling (``TalkerExecutor`` supports it): the engine arguments decide when they name it;
+otherwise it is on for a talker on CUDA, where a step's kernels run while the engine core schedules
+the next one, and off for a talker on the CPU, as vLLM's CPU platform has it: there the step's
+forward runs inside ``execute_model`` and nothing overlaps, so scheduling ahead only holds every
+output back by one step (vLLM's platform decides for vLLM's own worker, not for where this
+executor puts the talker).
 """
 
 from __future__ import annotations
@@ -133,11 +136,14 @@ async def warm_up(engine: AsyncLLM, requests: int | None = None) -> None:
 
 def omni_vllm_config(engine_args: EngineArgs, usage_context: UsageContext) -> VllmConfig:
     """vLLM's config for ``engine_args`` with this package's scheduler class (the async variant when
-    async scheduling is on, which it is for ``TalkerExecutor`` unless the arguments say no)."""
+    async scheduling is on: for ``TalkerExecutor`` as the arguments say, else when the talker runs on
+    CUDA; module docstring)."""
     config = engine_args.create_engine_config(usage_context)
     sched = config.scheduler_config
-    if Executor.get_class(config) is TalkerExecutor and engine_args.async_scheduling is not False:
-        sched.async_scheduling = True
+    if Executor.get_class(config) is TalkerExecutor:
+        wanted = engine_args.async_scheduling
+        sched.async_scheduling = (WorkerOptions.from_config(config).torch_device().type == "cuda"
+                                  if wanted is None else bool(wanted))
     chosen = sched.scheduler_cls
     if not (isinstance(chosen, type) and issubclass(chosen, MultimodalChannel)):
         sched.scheduler_cls = OmniAsyncScheduler if sched.async_scheduling else OmniScheduler

@@ -52,6 +52,7 @@ class SimConfig:
     sync_check: bool = False  # run the worker's step under CUDA's sync-debug mode "error"
     cadence: int = 4 * tk.FRAME_SAMPLES  # audio samples a streaming request gets at a time
     device: str = "auto"
+    async_scheduling: bool | None = None  # None: on for a talker on CUDA, off on the CPU (llm.py)
     in_process: bool = False
     paths: tuple[str, ...] = PATHS
     out_dir: str = "out/simulate"
@@ -133,6 +134,7 @@ def _engine_args(cfg: SimConfig, path: str, model: Path):
     extra = {"omni": omni}
     return talker_engine_args(model, device=cfg.device, cadence=cfg.cadence, output_path=path,
                               max_num_seqs=max(cfg.concurrency, 8), disable_log_stats=True,
+                              async_scheduling=cfg.async_scheduling,
                               args_cls=EngineArgs if cfg.in_process else AsyncEngineArgs,
                               additional_config=extra)
 
@@ -157,7 +159,8 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
     steps = max(engine_stats["output_steps"], 1)
     messages = max(client["messages"], 1)
     return {
-        "path": path, "device": engine_stats["device"], "requests": len(results), **checked,
+        "path": path, "device": engine_stats["device"], "async_scheduling": engine_stats["async_scheduling"],
+        "requests": len(results), **checked,
         "audio_seconds": samples / tk.SAMPLE_RATE, "wall_seconds": wall,
         "audio_seconds_per_wall_second": samples / tk.SAMPLE_RATE / wall,
         "ttfa_ms_p50": _pct(ttfa, 50) * 1e3, "ttfa_ms_p99": _pct(ttfa, 99) * 1e3,

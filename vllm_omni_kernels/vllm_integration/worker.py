@@ -129,6 +129,10 @@ class TalkerWorker:
         if threads is not None:
             torch.set_num_threads(threads)
         sched = vllm_config.scheduler_config
+        # What the engine core steps with (its batch queue is set from it next). An engine core in its
+        # own process runs vLLM's config checks again once it is built, which on vLLM's CPU platform
+        # reset the flag; read later, it would no longer say how the engine runs.
+        self.async_scheduling = bool(sched.async_scheduling)
         self.max_requests = int(sched.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.model = OmniTalkerForTTS(vllm_config=vllm_config).to(self.device)
@@ -202,6 +206,7 @@ class TalkerWorker:
         steps = np.diff(self._step_starts) * 1e6 if len(self._step_starts) > 1 else np.zeros(1)
         copies = self.acc.copies if self.options.output_path == "worker" else self._upstream_copies
         return {**self.stats, "copies": copies, "device": str(self.device), "output_path": self.options.output_path,
+                "async_scheduling": self.async_scheduling,
                 "output_path_us_median": float(np.median(us)), "output_path_us_p99": float(np.percentile(us, 99)),
                 "output_path_us_mean": float(us.mean()), "step_us_median": float(np.median(steps)),
                 "first_chunk_at": dict(self.first_chunk_at), "accumulator": _plain(self.acc.stats()),
