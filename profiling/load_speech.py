@@ -184,8 +184,8 @@ async def drive(url: str, plans: list[list[Stream]], start_at: float, time_limit
     it; returns when they started and when the last one ended. A second before the start (the
     server keeps an idle connection for 5 s) the process's HTTP client opens one connection per
     client with a ``/health`` request each, as clients with kept-alive connections have them: what
-    the HTTP client does on first use in a fresh process and the connections' set-up are not the server's
-    time to first byte. The streams then take pooled connections. The process's heap so far (its
+    the HTTP client does on first use in a fresh process and the connections' set-up are not the
+    server's time to first byte. The streams then take pooled connections. The process's heap so far (its
     imports, an earlier round's streams) is frozen first, as vLLM's API server freezes its own once
     it is up: a full collection of it would stall every client of the process at once, which is not
     the server's time to first byte."""
