@@ -7,6 +7,7 @@ vLLM's own routes stay vLLM's."""
 import asyncio
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -32,8 +33,8 @@ def running_server(tmp_path_factory, *options: str):
     model = make_model_dir(tmp_path_factory.mktemp("talker"))
     port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
-    proc = start_server(model, port, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND),
-                        "--max-input-chars", "3000", *options, cwd=ROOT)
+    proc = start_server(model, port, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND + 2),
+                        "--max-inflight", str(BOUND), "--max-input-chars", "3000", *options, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, log)
@@ -108,7 +109,8 @@ def test_streamed_audio_is_the_talkers_samples(server, fmt, sample_format):
         chunks = list(r.iter_raw())
     data = b"".join(chunks)
     want = expected(server, text, "nova")
-    if fmt == "wav":
+    if fmt == "wav":  # a header of unknown length: RIFF and data sizes 0xFFFFFFFF, then the samples
+        assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff" and data[36:44] == b"data\xff\xff\xff\xff"
         samples, rate = read_wav(data)
         assert rate == tk.SAMPLE_RATE
         data = samples.tobytes()
@@ -122,6 +124,11 @@ def test_whole_file_is_the_talkers_samples(server, fmt):
                    json={"input": text, "voice": "echo", "response_format": fmt, "sample_format": "f32", "speed": 1.5})
     assert r.status_code == 200
     assert int(r.headers["content-length"]) == len(r.content)
+    assert r.headers["content-type"] == f"audio/{fmt}" and r.headers["x-audio-format"] == fmt
+    assert r.headers["x-audio-sample-rate"] == str(tk.SAMPLE_RATE) and r.headers["x-audio-sample-format"] == "f32le"
+    if fmt == "wav":  # a complete file: its sizes are the real ones
+        assert struct.unpack_from("<I", r.content, 4)[0] == len(r.content) - 8
+        assert struct.unpack_from("<I", r.content, 40)[0] == len(r.content) - 44
     want = expected(server, text, "echo", 1.5)
     got = read_wav(r.content)[0] if fmt == "wav" else np.frombuffer(r.content, "<f4")
     assert got.tobytes() == want.astype("<f4").tobytes()
@@ -151,9 +158,10 @@ def test_a_disconnect_aborts_the_request_and_frees_its_slots(server):
 
 
 def hold_the_bound_and_ask_once_more(server) -> None:
-    """BOUND streams held open, then one more request: 503 with Retry-After, nothing queued; the
-    server takes requests again once they are gone."""
-    idle(server)
+    """BOUND streams held open, then one more request: 503 with Retry-After, nothing queued (it is
+    neither served later nor seen by the engine); the server takes requests again once they are
+    gone."""
+    before = idle(server)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server["url"], timeout=60,
@@ -181,7 +189,7 @@ def hold_the_bound_and_ask_once_more(server) -> None:
 
     asyncio.run(scenario())
     s = idle(server)
-    assert s["rejected"] >= 1
+    assert s["rejected"] == before["rejected"] + 1 and s["served"] == before["served"] + BOUND
     r = httpx.post(f"{server['url']}/v1/audio/speech", json={"input": "again", "response_format": "pcm"}, timeout=60)
     assert r.status_code == 200
 
@@ -246,6 +254,12 @@ BAD = [
     ({"voice": "alloy"}, "body.input"),
     ({"input": "x", "speed": 10}, "body.speed"),
     ({"input": "x", "stream": "sometimes"}, "body.stream"),
+    ({"input": "x", "stream": "true"}, "body.stream"),  # JSON types, never converted
+    ({"input": "x", "stream": 1}, "body.stream"),
+    ({"input": "x", "speed": "fast"}, "body.speed"),
+    ({"input": "x", "speed": "2"}, "body.speed"),
+    ({"input": "x", "voice": 3}, "body.voice"),
+    ({"input": "x", "response_format": ["pcm"]}, "body.response_format"),
     ({"input": "x", "sample_format": "f64"}, "body.sample_format"),
     ({"input": "y" * 3001}, "input"),  # over --max-input-chars
     ({"input": "y" * 2500, "speed": 0.25}, "input"),  # 10000 frames: past max_model_len
@@ -254,13 +268,15 @@ BAD = [
 
 @pytest.mark.parametrize("body, param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
 def test_bad_requests_get_400_and_leave_the_engine_alone(server, body, param):
-    idle(server)
-    steps = stats(server)["worker"]["steps"]
+    before = idle(server)
     r = httpx.post(f"{server['url']}/v1/audio/speech", json=body, timeout=30)
     assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["code"] == 400 and err["param"] == param and err["message"]
-    assert stats(server)["worker"]["steps"] == steps
+    err = r.json()["error"]  # OpenAI's error shape, as vLLM writes it (its validation errors are "Bad Request")
+    assert err["code"] == 400 and err["type"] in ("BadRequestError", "Bad Request") and err["param"] == param
+    assert err["message"]
+    after = stats(server)  # nothing admitted, nothing stepped
+    assert (after["served"], after["rejected"], after["worker"]["steps"]) == \
+        (before["served"], before["rejected"], before["worker"]["steps"])
 
 
 def test_unknown_model_is_404_and_non_json_is_400(server):

@@ -61,12 +61,16 @@ class SpeechFailedError(Exception):
 
 
 class SpeechRequest(OpenAIBaseModel):
-    model: str | None = None
-    input: str
-    voice: str = "alloy"
-    response_format: str = "wav"
-    speed: float = Field(default=1.0, ge=0.25, le=4.0)
-    stream: bool = False
+    """The request body. Values are taken as JSON types, never converted: ``"2"`` for ``speed`` or
+    ``"true"`` / ``1`` for ``stream`` is a 400, as OpenAI's schema has it (an integer ``speed`` is a
+    number)."""
+
+    model: str | None = Field(default=None, strict=True)
+    input: str = Field(strict=True)
+    voice: str = Field(default="alloy", strict=True)
+    response_format: str = Field(default="wav", strict=True)
+    speed: float = Field(default=1.0, ge=0.25, le=4.0, strict=True)
+    stream: bool = Field(default=False, strict=True)
     sample_format: Literal["s16", "f32"] = "s16"
 
 
