@@ -52,8 +52,6 @@ from vllm_omni_kernels.vllm_integration.worker import talker_output_keys  # noqa
 from vllm_omni_kernels.serving.worker_accumulator import WorkerAccumulator  # noqa: E402
 
 KINDS = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
-EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE: EmitPolicy.CUMULATIVE,
-        RequestOutputKind.FINAL_ONLY: EmitPolicy.FINAL_ONLY}
 
 
 class _Stream:
@@ -91,7 +89,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
         if acc is not None:
             final_only = s.kind == RequestOutputKind.FINAL_ONLY
             held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if final_only else None
-            acc.add_request(s.rid, EMIT[s.kind], row=s.row, frames=held)  # as the talker's worker does
+            acc.add_request(s.rid, EmitPolicy[s.kind.name], row=s.row, frames=held)  # as the talker's worker does
         live.append(s)
 
     for k in range(B):  # staggered: request k has produced k * frames / B frames when timing starts

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.vllm
 
 def test_vllm_own_async_client_loses_all_audio_silently(tmp_path):
     """vLLM's AsyncLLM with this package's scheduler and worker: requests finish normally with
-    zero audio and no error (what a decoder installed after construction left users with)."""
+    zero audio and no error (as with any client whose decoder is set after construction: its output
+    task has taken vLLM's decoder by then)."""
     model = make_model_dir(tmp_path / "model")
     args = talker_engine_args(model, max_num_seqs=4, args_cls=AsyncEngineArgs, disable_log_stats=True)
     config = omni_vllm_config(args, UsageContext.ENGINE_CONTEXT)

@@ -40,8 +40,8 @@ class MultimodalPayload:
 
         A chain of merges (AsyncLLM merges every output its consumer has not read into the first)
         copies each piece once: the merged tensors grow in a ``GrowingTensor`` that the result
-        carries on, instead of concatenating everything so far at every merge, which made a consumer
-        that fell behind fall further behind."""
+        carries on. Concatenating everything so far at every merge would copy each piece again at
+        every later merge (quadratic), so a consumer that falls behind would fall further behind."""
         if not later:
             return self
         merged = MultimodalPayload(dict(self.tensors), {**self.metadata, **later.metadata}, {**self.axes, **later.axes})

@@ -27,7 +27,7 @@ from .triton_gdc import launch_dependents, wait_previous_grid
 
 # Rows of more than SINGLE_MAX elements: BLOCK elements per program, MULTI_WARPS warps, doubled for a
 # launch of at most SMALL_GRID programs (latency-bound: more threads issue the loads sooner).
-# profiling/sweep_block.py on the H200: 1024 x 4 warps best at 64x48000, 1024 x 8 at 8x48000.
+# Measured on the H200: 1024 x 4 warps best at 64x48000, 1024 x 8 at 8x48000.
 BLOCK = 1024
 SINGLE_MAX = 4096  # rows up to this many elements are copied by one program each
 MULTI_WARPS = 4

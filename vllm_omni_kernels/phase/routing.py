@@ -97,10 +97,6 @@ class RoutingPlan:
         mtp_rows = np.flatnonzero(in_mtp).astype(np.int64)
         return cls(tuple(steps), mtp_rows, phase.start[mtp_rows].copy(), int(num_tokens))
 
-    @property
-    def num_mtp(self) -> int:
-        return int(self.mtp_rows.size)
-
 
 def _check_spans(phase: PhaseBatch, request_ids: Sequence[str], num_tokens: int) -> None:
     bad = np.flatnonzero((phase.start < 0) | (phase.span < 0))

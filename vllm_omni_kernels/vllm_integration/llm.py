@@ -101,10 +101,9 @@ def talker_stream_interval(cadence: int | None) -> int:
 def talker_processor_options(output_path: str = "worker") -> ProcessorOptions:
     """The frontend for the talker's output: audio CONCAT_LAST, codes CONCAT_DIM0; for the
     upstream-style path (``output_path="upstream"``) its per-request concatenating processor."""
-    from ..modality import TensorAccumulationStrategy as S
     from .upstream_style import UpstreamStyleOutputProcessor
 
-    strategies = {"audio": S.CONCAT_LAST, "codes": S.CONCAT_DIM0}
+    strategies = {"audio": TensorAccumulationStrategy.CONCAT_LAST, "codes": TensorAccumulationStrategy.CONCAT_DIM0}
     if output_path == "upstream":
         return ProcessorOptions("audio", strategies, processor_cls=UpstreamStyleOutputProcessor)
     return ProcessorOptions("audio", strategies)

@@ -63,8 +63,6 @@ logger = logging.getLogger(__name__)
 
 _PRESIZE_BYTES = 64 << 20  # the most a CUMULATIVE key's tensor is sized for at its first piece
 _GONE_KEPT = 65536  # finished or aborted request ids remembered, to tell a late output from a stranger
-_EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE: EmitPolicy.CUMULATIVE,
-         RequestOutputKind.FINAL_ONLY: EmitPolicy.FINAL_ONLY}
 
 
 class AccumulationFailedError(TensorAccumulationError, GenerationError):
@@ -453,7 +451,7 @@ class MultimodalOutputProcessor(OutputProcessor):
         acc = self._accumulators.get(device)
         if acc is None:
             acc = self._accumulators[device] = MultimodalAccumulator(self._config, device)
-        acc.add_request(state.request_id, emit=_EMIT[state.output_kind])
+        acc.add_request(state.request_id, emit=EmitPolicy[state.output_kind.name])
         state.accumulator = acc
         state.failures = self._failures
         state.stopwatch = self.stopwatch

@@ -14,7 +14,7 @@ data lies back to back in it and their frame counts (``MultimodalRegion``), so t
 builds nothing per request and the client cuts every request's tensor with one ``split`` per key.
 
 Absent fields cost nothing (trailing defaults are omitted), and frames without them (plain
-``EngineCoreOutput``) decode as before.
+``EngineCoreOutput``) decode as vLLM's own.
 
 vLLM's client decodes every frame as ``EngineCoreOutputs``: decoded that way the fields would be
 dropped, and a tensor under ``Any`` arrives as its raw ``[dtype, shape, buffer index]`` triple whose

@@ -61,8 +61,6 @@ from .talker_model import OmniTalkerForTTS
 from .upstream_style import upstream_worker_outputs
 
 _HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
-_EMIT = {RequestOutputKind.DELTA: EmitPolicy.DELTA, RequestOutputKind.CUMULATIVE: EmitPolicy.CUMULATIVE,
-         RequestOutputKind.FINAL_ONLY: EmitPolicy.FINAL_ONLY}
 
 
 @dataclass
@@ -279,7 +277,7 @@ class TalkerWorker:
                 kind = params.output_kind if params is not None else RequestOutputKind.FINAL_ONLY
                 frames = int(min(self._max_tokens[row], self.max_model_len - len(prompt)))  # what it will hold
                 held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if kind == RequestOutputKind.FINAL_ONLY else None
-                self.acc.add_request(new.req_id, _EMIT[kind], row=row, frames=held)
+                self.acc.add_request(new.req_id, EmitPolicy[kind.name], row=row, frames=held)
                 opened.append(new.req_id)
             rows.append(row)
             prompts.append(prompt)
