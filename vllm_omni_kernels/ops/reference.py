@@ -1,12 +1,13 @@
 """Plain-copy versions of every kernel op (torch, and numpy views on the CPU): the semantics oracle,
 and the path for CPU tensors.
 
-The ring copies take exactly what the kernels take (``layout.py``) and loop over rows in Python, so
-they read the metadata back to the host, and copy each row's span in at most two runs (the ring
-wraps once at most); the row gather copies the blocks of a ``GatherJobs`` directly. That is fine on
-the CPU and for tests; the GPU paths never do it. On CPU tensors a run is a numpy view of the
-tensor's memory (about a microsecond to make, where ``torch.as_strided`` takes several): the
-serving path on a CPU copies every request's chunk this way each step.
+The ring copies take exactly what the kernels take (``layout.py``), read the metadata back to the
+host, and copy each row's span in at most two runs (the ring wraps once at most); the row gather
+copies the blocks of a ``GatherJobs`` directly. The GPU paths never do this; the serving path on a
+CPU does, every step: there a launch's runs are computed for all rows at once with numpy and each
+is one copy between numpy slices of the tensors' memory (a tenth of a microsecond for a frame of
+audio, where a strided view of either side costs several), and only spans with strided elements
+(CONCAT_LAST with channels, CONCAT_DIM0 sources with padded frames) go row by row through views.
 """
 
 from __future__ import annotations
@@ -53,21 +54,12 @@ class _Elements:
 
 def _copy(arena: _Elements, lin: _Elements, row, pos: int, frame_elems: int, last: bool, into_ring: bool) -> None:
     """Copy the row's span of N frames between its ring region (from ring frame ``pos``) and ``lin``
-    (from LIN_OFF), in at most two runs: the ring wraps once at most. The arena and ``lin`` share
-    dtype and device. Where both sides of a run are contiguous elements (one channel, or frames
-    back to back) and numpy sees them, the run is a copy between two numpy slices."""
+    (from LIN_OFF), in at most two runs (the ring wraps once at most), through strided views. The
+    arena and ``lin`` share dtype and device."""
     n, cap, stride = row[N], row[CAP], row[LIN_STRIDE]
     first = min(n, cap - pos)
-    contiguous = arena.np is not None and (frame_elems == 1 if last else stride == frame_elems)
     for ring_at, lin_at, k in ((pos, 0, first), (0, first, n - first)):
         if not k:
-            continue
-        if contiguous:
-            r, f, m = row[BASE] + ring_at * frame_elems, row[LIN_OFF] + lin_at * frame_elems, k * frame_elems
-            if into_ring:
-                arena.np[r:r + m] = lin.np[f:f + m]
-            else:
-                lin.np[f:f + m] = arena.np[r:r + m]
             continue
         ring = arena.run(row[BASE], ring_at, k, frame_elems, cap if last else frame_elems, last)
         flat = lin.run(row[LIN_OFF], lin_at, k, frame_elems, stride, last)
@@ -78,37 +70,56 @@ def _copy(arena: _Elements, lin: _Elements, row, pos: int, frame_elems: int, las
             dst.copy_(src)
 
 
-def _rows(meta: torch.Tensor, rows: int) -> list[list[int]]:
-    """The launch's metadata rows as Python ints (through numpy: about twice as fast as torch's ``tolist``)."""
+def _copy_rows(arena: _Elements, lin: _Elements, m: np.ndarray, pos: np.ndarray, frame_elems: int, last: bool,
+               into_ring: bool) -> None:
+    """Copy every row's span (``_copy``). Where a span's elements lie back to back on both sides (one
+    channel, or frames back to back in ``lin``) and numpy sees both tensors, the two runs of every
+    row are computed at once and each is one copy between numpy slices."""
+    F = frame_elems
+    if arena.np is None or lin.np is None or (F != 1 if last else (m[:, LIN_STRIDE] != F).any()):
+        for row, p in zip(m.tolist(), pos.tolist()):
+            if row[N]:
+                _copy(arena, lin, row, p, F, last, into_ring)
+        return
+    first = np.minimum(m[:, N], m[:, CAP] - pos)
+    ring0, lin0, k0 = m[:, BASE] + pos * F, m[:, LIN_OFF], first * F  # up to the ring's end
+    ring1, lin1, k1 = m[:, BASE], lin0 + k0, (m[:, N] - first) * F  # the rest, from the ring's start
+    ring, flat = (arena.np, ring0, ring1), (lin.np, lin0, lin1)
+    (dst, dst0, dst1), (src, src0, src1) = (ring, flat) if into_ring else (flat, ring)
+    for d0, s0, c0, d1, s1, c1 in zip(dst0.tolist(), src0.tolist(), k0.tolist(), dst1.tolist(), src1.tolist(),
+                                      k1.tolist()):
+        dst[d0:d0 + c0] = src[s0:s0 + c0]
+        if c1:
+            dst[d1:d1 + c1] = src[s1:s1 + c1]
+
+
+def _meta(meta: torch.Tensor, rows: int) -> np.ndarray:
+    """The launch's metadata rows as an int64 numpy array (read back from the device if needed)."""
     head = meta[:rows]
-    return (head.numpy() if head.device.type == "cpu" else head.cpu().numpy()).tolist()
+    return head.numpy() if head.device.type == "cpu" else head.cpu().numpy()
 
 
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool) -> None:
     """Copy each row's chunk from ``src`` into its ring region at the head; advance the head. The
     heads are read and written in place through numpy (a CPU ``state``) or a host copy of it."""
-    table = _rows(meta, rows)
-    if not table:
+    m = _meta(meta, rows)
+    if not len(m):
         return
     host = state if state.device.type == "cpu" else state.cpu()
     heads = host.numpy()
-    ring, lin = _Elements(arena), _Elements(src)
-    for row in table:
-        n, cap, slot = row[N], row[CAP], row[SLOT]
-        pos = row[POS] if row[POS] >= 0 else int(heads[slot]) >> HEAD_SHIFT
-        if n:
-            _copy(ring, lin, row, pos, frame_elems, last, into_ring=True)
-        heads[slot] = ((pos + n) % cap) << HEAD_SHIFT
+    slots = m[:, SLOT]
+    pos = np.where(m[:, POS] >= 0, m[:, POS], heads[slots] >> HEAD_SHIFT)
+    _copy_rows(_Elements(arena), _Elements(src), m, pos, frame_elems, last, into_ring=True)
+    heads[slots] = ((pos + m[:, N]) % m[:, CAP]) << HEAD_SHIFT
     if host is not state:
         state.copy_(host)
 
 
 def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool) -> None:
     """Copy each row's ring span starting at POS into ``out`` at LIN_OFF (contiguous per row)."""
-    ring, lin = _Elements(arena), _Elements(out)
-    for row in _rows(meta, rows):
-        if row[N]:
-            _copy(ring, lin, row, row[POS], frame_elems, last, into_ring=False)
+    m = _meta(meta, rows)
+    if len(m):
+        _copy_rows(_Elements(arena), _Elements(out), m, m[:, POS], frame_elems, last, into_ring=False)
 
 
 def row_gather(jobs) -> None:
