@@ -9,6 +9,7 @@ Per step and path it times, on the host:
   packed, one asynchronous copy), or the upstream style's per-key ``.cpu()`` and per-request slices;
 * wire: the scheduler's message (this package's: ``HeldTokens.thin`` and
   ``scheduler.outputs_with_channel``) and vLLM's ``MsgpackEncoder`` (the engine core's side);
+* floor (CUDA): the step's launches and copy alone, from resident metadata (``launch_floor_us``);
 * frontend: this package's ``OmniMsgpackDecoder`` and ``MultimodalOutputProcessor.process_outputs``
   (or ``UpstreamStyleOutputProcessor``'s): the whole, and its multimodal share (what ``simulate``
   reports).
@@ -41,7 +42,9 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason  # noqa: E402
 from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
 
+from vllm_omni_kernels import ops  # noqa: E402
 from vllm_omni_kernels.accumulator import EmitPolicy  # noqa: E402
+from vllm_omni_kernels.ops import layout  # noqa: E402
 from vllm_omni_kernels.ring import PaddedBatch  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.vllm_integration.llm import talker_processor_options, talker_stream_interval  # noqa: E402
@@ -171,6 +174,57 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
             **{f"{k}_us_median": v for k, v in us.items()}, "wire_bytes_per_step": float(np.median(wire_bytes))}
 
 
+def launch_floor_us(B: int, cadence_frames: int, steps: int = 2000) -> float:
+    """Host microseconds per step of the worker path's device work alone, with nothing planned: the
+    step's four ring launches (each key's write of B rows, each key's read of the B / cadence rows
+    due) from metadata resident on the device, and the side-stream copy of their bytes to pinned
+    memory with its event. No implementation that makes these launches from Python costs less on
+    this host; the worker's own figure is this plus its planning."""
+    dev, F, T, due = torch.device("cuda"), tk.CODEBOOKS, tk.FRAME_SAMPLES, max(1, B // cadence_frames)
+    launches = []
+    for key, frame, n, dtype in (("audio", 1, T, torch.float32), ("codes", F, 1, torch.int64)):
+        cap = 4 * cadence_frames * n
+        arena = torch.zeros(B * cap * frame, dtype=dtype, device=dev)
+        src = torch.zeros(B * n * frame, dtype=dtype, device=dev)
+        out = torch.zeros(due * cadence_frames * n * frame, dtype=dtype, device=dev)
+        meta = np.zeros((B, layout.META_COLS), np.int64)
+        meta[:, layout.SLOT] = np.arange(B)
+        meta[:, layout.BASE], meta[:, layout.CAP] = np.arange(B) * cap * frame, cap
+        meta[:, layout.LIN_OFF], meta[:, layout.N], meta[:, layout.POS] = np.arange(B) * n * frame, n, -1
+        meta[:, layout.LIN_STRIDE] = n if frame == 1 else frame
+        read = meta[:due].copy()
+        read[:, layout.LIN_OFF], read[:, layout.N], read[:, layout.POS] = (np.arange(due) * cadence_frames * n * frame,
+                                                                          cadence_frames * n, 0)
+        state = torch.zeros(B, dtype=torch.int64, device=dev)
+        kw = {"frame_elems": frame, "last": frame == 1}
+        launches.append((arena, state, torch.from_numpy(meta).to(dev), src, torch.from_numpy(read).to(dev), out, kw,
+                         n * frame, cadence_frames * n * frame))
+    nbytes = sum(out.numel() * out.element_size() for *_, out, _, _, _ in launches)
+    pack = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    side, mark = torch.cuda.Stream(dev), torch.cuda.Event()
+
+    def step():
+        for arena, state, meta, src, read, out, kw, write_elems, read_elems in launches:
+            ops.ring_write(arena, state, meta, src, rows=B, max_elems=write_elems, **kw)
+            ops.ring_read(arena, read, out, rows=due, max_elems=read_elems, **kw)
+        mark.record()
+        side.wait_event(mark)
+        with torch.cuda.stream(side):
+            host.copy_(pack, non_blocking=True)
+        side.record_event()
+
+    runs = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps // 5):
+            step()
+        runs.append((time.perf_counter() - t0) * 1e6 / (steps // 5))
+        torch.cuda.synchronize()
+    return float(np.median(runs))
+
+
 def _check(s: _Stream) -> None:
     """The stream's audio against what its codes decode to (streams that started mid-way too: their
     frames count from ``frames - produced`` at the start)."""
@@ -211,6 +265,10 @@ def main() -> None:
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
             print(text.getvalue())
         w, u = pair["worker"], pair["upstream"]
+        if args.device == "cuda":
+            w["worker_launch_floor_us"] = launch_floor_us(B, args.cadence // tk.FRAME_SAMPLES)
+            print(f"   floor B={B}: the worker step's launches and copy alone, from resident metadata: "
+                  f"{w['worker_launch_floor_us']:.0f} us", flush=True)
         print(f"   ratio B={B}: upstream / this package: worker {u['worker_us_median'] / w['worker_us_median']:.2f}x, "
               f"frontend {u['frontend_us_median'] / w['frontend_us_median']:.2f}x, frontend multimodal "
               f"{u['frontend_multimodal_us_median'] / max(w['frontend_multimodal_us_median'], 1e-9):.2f}x", flush=True)
