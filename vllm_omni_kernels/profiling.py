@@ -37,4 +37,3 @@ def _make_range():
 
 nvtx_range = _make_range()
 nvtx_range.__doc__ = "Context manager marking a named nvtx range (no-op when disabled)."
-
