@@ -225,6 +225,7 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
                                 break
                 except TensorAccumulationError as exc:
                     res.error = str(exc)
+                _settle(res)
                 if bar is not None:
                     bar.update(1)
                 return res
@@ -365,6 +366,14 @@ def _take(res: _Result, out) -> None:
     res.finished = out.finished and not res.plan.abort
 
 
+def _settle(res: _Result) -> None:
+    """A finished request's DELTA pieces as one tensor per key: the pieces are views that keep the
+    steps' received buffers alive, and every one is an object each full garbage collection of the
+    client walks while later requests stream (thousands of requests in flight or done)."""
+    if len(res.audio) > 1:
+        res.audio, res.codes = [torch.cat(res.audio)], [torch.cat(res.codes)]
+
+
 def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
     """Where two sample sequences differ, in words (for the check's error)."""
     if got.shape != want.shape:
@@ -395,8 +404,7 @@ def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool) -> dic
         expected = tk.expected_audio(codes)
         if not torch.equal(audio, expected):
             raise AssertionError(f"{p.rid} ({p.kind}): audio differs from what its {codes.shape[0]} frames decode "
-                                 f"to: {_difference(audio, expected)}; {len(r.audio)} payloads of "
-                                 f"{[a.numel() for a in r.audio][:12]} samples")
+                                 f"to: {_difference(audio, expected)}; {r.payloads} payloads")
         if r.tokens[:codes.shape[0]] != (codes[:, 0] + tk.TEXT_VOCAB).tolist():
             raise AssertionError(f"{p.rid}: codes do not match the request's sampled tokens")
         if p.abort:
