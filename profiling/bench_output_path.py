@@ -28,6 +28,7 @@ import argparse
 import cProfile
 import io
 import json
+import math
 import pstats
 import sys
 import time
@@ -44,8 +45,10 @@ from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
 
 from vllm_omni_kernels import ops  # noqa: E402
 from vllm_omni_kernels.accumulator import EmitPolicy  # noqa: E402
-from vllm_omni_kernels.ops import layout  # noqa: E402
-from vllm_omni_kernels.ring import PaddedBatch  # noqa: E402
+from vllm_omni_kernels.modality import TensorAccumulationStrategy as Strategy  # noqa: E402
+from vllm_omni_kernels.ring import PaddedBatch, RingPool  # noqa: E402
+from vllm_omni_kernels.ring.graph import StaticAppend  # noqa: E402
+from vllm_omni_kernels.ring.planner import plan_read  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.vllm_integration.llm import talker_processor_options, talker_stream_interval  # noqa: E402
 from vllm_omni_kernels.vllm_integration.scheduler import HeldTokens, outputs_with_channel  # noqa: E402
@@ -174,40 +177,55 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
             **{f"{k}_us_median": v for k, v in us.items()}, "wire_bytes_per_step": float(np.median(wire_bytes))}
 
 
+def floor_launches(B: int, cadence_frames: int, device: torch.device):
+    """The worker step's four ring launches with nothing planned, as one callable: for each of the
+    talker's keys (``talker_output_keys``), a ``StaticAppend`` of B requests' chunks (its rows
+    resident on the device) and a read of the B / cadence requests due, a cadence interval each,
+    from rows the read planner made once. Returns (the callable, the bytes the reads write)."""
+    due = max(1, B // cadence_frames)
+    ids = [f"r{i}" for i in range(B)]
+    launches, nbytes = [], 0
+    for key in talker_output_keys(cadence_frames * tk.FRAME_SAMPLES):
+        n = tk.FRAME_SAMPLES if key.strategy is Strategy.CONCAT_LAST else 1  # a frame's chunk, in ring frames
+        frames = 1 << (4 * cadence_frames * n - 1).bit_length()  # a slot: four cadence intervals, a power of two
+        pool = RingPool(key.name, key.dtype, key.frame_shape, device, key.strategy,
+                        budget_bytes=B * frames * math.prod(key.frame_shape) * key.dtype.itemsize,
+                        initial_frames=frames, max_slots=B, growth=False)
+        for rid in ids:
+            pool.alloc(rid)
+        shape = (B, *key.frame_shape, n) if pool.last else (B, n, *key.frame_shape)
+        append = StaticAppend(pool, ids, torch.zeros(shape, dtype=key.dtype, device=device), np.full(B, n))
+        append.prepare(1)
+        slots = pool.slots(ids[:due])
+        pool.advance(slots, np.full(due, (cadence_frames - 1) * n))  # a cadence interval unread in each
+        rows = np.zeros((due, pool.table.shape[1]), np.int64)
+        starts, frames = plan_read(pool.table, slots, np.zeros(due, np.int64), pool.frame_elems, pool.last, rows)
+        out = torch.empty(int(frames.sum()) * pool.frame_elems, dtype=key.dtype, device=device)
+        launches.append((append, pool, torch.from_numpy(rows).to(device), out, int(frames.max()) * pool.frame_elems))
+        nbytes += out.numel() * out.element_size()
+
+    def launch_all() -> None:
+        for append, pool, read, out, max_elems in launches:
+            append.launch()
+            ops.ring_read(pool.arena, read, out, rows=due, frame_elems=pool.frame_elems, last=pool.last,
+                          max_elems=max_elems)
+
+    return launch_all, nbytes
+
+
 def launch_floor_us(B: int, cadence_frames: int, steps: int = 2000) -> float:
-    """Host microseconds per step of the worker path's device work alone, with nothing planned: the
-    step's four ring launches (each key's write of B rows, each key's read of the B / cadence rows
-    due) from metadata resident on the device, and the side-stream copy of their bytes to pinned
-    memory with its event. No implementation that makes these launches from Python costs less on
-    this host; the worker's own figure is this plus its planning."""
-    dev, F, T, due = torch.device("cuda"), tk.CODEBOOKS, tk.FRAME_SAMPLES, max(1, B // cadence_frames)
-    launches = []
-    for key, frame, n, dtype in (("audio", 1, T, torch.float32), ("codes", F, 1, torch.int64)):
-        cap = 4 * cadence_frames * n
-        arena = torch.zeros(B * cap * frame, dtype=dtype, device=dev)
-        src = torch.zeros(B * n * frame, dtype=dtype, device=dev)
-        out = torch.zeros(due * cadence_frames * n * frame, dtype=dtype, device=dev)
-        meta = np.zeros((B, layout.META_COLS), np.int64)
-        meta[:, layout.SLOT] = np.arange(B)
-        meta[:, layout.BASE], meta[:, layout.CAP] = np.arange(B) * cap * frame, cap
-        meta[:, layout.LIN_OFF], meta[:, layout.N], meta[:, layout.POS] = np.arange(B) * n * frame, n, -1
-        meta[:, layout.LIN_STRIDE] = n if frame == 1 else frame
-        read = meta[:due].copy()
-        read[:, layout.LIN_OFF], read[:, layout.N], read[:, layout.POS] = (np.arange(due) * cadence_frames * n * frame,
-                                                                          cadence_frames * n, 0)
-        state = torch.zeros(B, dtype=torch.int64, device=dev)
-        kw = {"frame_elems": frame, "last": frame == 1}
-        launches.append((arena, state, torch.from_numpy(meta).to(dev), src, torch.from_numpy(read).to(dev), out, kw,
-                         n * frame, cadence_frames * n * frame))
-    nbytes = sum(out.numel() * out.element_size() for *_, out, _, _, _ in launches)
+    """Host microseconds per step of the worker path's device work alone, with nothing planned
+    (``floor_launches``), and the side-stream copy of the reads' bytes to pinned memory with its
+    event. No implementation that makes these launches from Python costs less on this host; the
+    worker's own figure is this plus its planning."""
+    dev = torch.device("cuda")
+    launch_all, nbytes = floor_launches(B, cadence_frames, dev)
     pack = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
     host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
     side, mark = torch.cuda.Stream(dev), torch.cuda.Event()
 
     def step():
-        for arena, state, meta, src, read, out, kw, write_elems, read_elems in launches:
-            ops.ring_write(arena, state, meta, src, rows=B, max_elems=write_elems, **kw)
-            ops.ring_read(arena, read, out, rows=due, max_elems=read_elems, **kw)
+        launch_all()
         mark.record()
         side.wait_event(mark)
         with torch.cuda.stream(side):
