@@ -18,6 +18,8 @@ to end on both sides (a batch's token ids or codes at consecutive offsets) go as
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,6 +61,18 @@ class Sources:
     stride: np.ndarray
     rows: np.ndarray
     words: np.ndarray
+
+
+_DTYPE_OF = operator.attrgetter("dtype")
+
+
+def _read_sources(srcs: list[torch.Tensor], floating: bool) -> Sources:
+    """``Sources`` of checked sources of any layout, read source by source."""
+    n = len(srcs)
+    words = np.ones(n, np.int64) if floating else np.fromiter((t.element_size() // 4 for t in srcs), np.int64, n)
+    return Sources(np.fromiter((t.data_ptr() for t in srcs), np.int64, n),
+                   np.fromiter((t.stride(0) for t in srcs), np.int64, n),
+                   np.fromiter((t.shape[0] for t in srcs), np.int64, n), words)
 
 
 def _as_rows(rows) -> np.ndarray:
@@ -199,54 +213,61 @@ class GatherJobs:
         srcs = list(srcs)
         if len(starts) != len(srcs):
             raise ValueError(f"{len(starts)} destination starts for {len(srcs)} sources")
-        # One pass reads what the checks and the encoder need of every source; a source that differs
-        # from the rest (another dtype, device or layout, or not a tensor) sends the block through the
-        # per-source checks, which convert it or raise naming it.
+        # The common block (contiguous tensors of the block's kind) is read attribute by attribute
+        # over all sources at once; any other goes through the per-source checks, which convert a
+        # source or raise naming it, and is then read source by source.
+        self._float_source(dst, dst) if floating else self._int_source(dst, dst)  # the destination's checks
         try:
-            seen = [(t.dtype, t.get_device(), t.shape, t.stride(), t.data_ptr()) for t in srcs]
-        except AttributeError:
-            seen = None
-        if seen is None or not self._uniform(dst, seen, floating):
+            info = self._contiguous_sources(dst, srcs, floating)
+        except TypeError:  # a source that is not a tensor
+            info = None
+        if info is None:
             srcs = self._checked_each(dst, starts, srcs, floating)
-            seen = [(t.dtype, t.get_device(), t.shape, t.stride(), t.data_ptr()) for t in srcs]
-        rows = np.fromiter((m[2][0] for m in seen), np.int64, len(seen))
-        if len(rows) and (starts.min() < 0 or (starts + rows).max() > dst.shape[0]):
+            info = _read_sources(srcs, floating)
+        if len(starts) and (starts.min() < 0 or (starts + info.rows).max() > dst.shape[0]):
             self._checked_each(dst, starts, srcs, floating)  # raises, naming the source
-        total = int(rows.sum())
+        total = int(info.rows.sum())
         if not total:
             return
-        ptr = np.fromiter((m[4] for m in seen), np.int64, len(seen))
-        stride = np.fromiter((m[3][0] for m in seen), np.int64, len(seen))
-        if floating:
-            words = np.ones(len(seen), np.int64)
-        else:
-            words = np.fromiter((m[0].itemsize // 4 for m in seen), np.int64, len(seen))
         self._outputs.setdefault(id(dst), dst)
-        block = (srcs, Sources(ptr, stride, rows, words), dst, starts)
+        block = (srcs, info, dst, starts)
         if floating:
             self.float_blocks.append(block)
             self.n_float += total
-            live = rows > 0
+            live = info.rows > 0
             self.aligned = (self.aligned and self._aligned(dst) and self._width_aligned
-                            and not (ptr[live] % 16).any() and not (stride[live] % self._vector).any())
+                            and not (info.ptr[live] % 16).any() and not (info.stride[live] % self._vector).any())
         else:
             self.int_blocks.append(block)
             self.n_int += total
 
-    def _uniform(self, dst, seen, floating: bool) -> bool:
-        """Whether every source has what the block needs (dtype, device, rank, row width and
-        contiguous rows) and the destination is valid: the common case, checked with sets."""
+    def _contiguous_sources(self, dst, srcs: list, floating: bool) -> Sources | None:
+        """``Sources`` of a block whose sources are all contiguous tensors on the launch's device with
+        the destination's rank and row width (float: the launch's dtype; int: int32 or int64), read
+        one attribute at a time over all sources; None for any other block (``TypeError`` when a
+        source is not a tensor)."""
+        n, T = len(srcs), torch.Tensor
         dev = self.device.index if self.is_cuda else -1
-        if {m[1] for m in seen} != {dev}:
-            return False
+        if (set(map(T.get_device, srcs)) != {dev} or set(map(T.dim, srcs)) != {dst.dim()}
+                or not all(map(T.is_contiguous, srcs))):
+            return None
+        dtypes = set(map(_DTYPE_OF, srcs))
         if floating:
-            self._float_source(dst, dst)  # the destination's own checks
-            return ({m[0] for m in seen} == {self.dtype} and {len(m[2]) for m in seen} == {2}
-                    and {m[2][1] for m in seen} == {self.width} and {m[3][1] for m in seen} == {1})
-        self._int_source(dst, dst)
-        if not {m[0] for m in seen} <= set(INT_DTYPES) or {len(m[2]) for m in seen} != {dst.dim()}:
-            return False
-        return dst.dim() == 1 or ({m[2][1] for m in seen} == {dst.shape[1]} and {m[3][1] for m in seen} == {1})
+            if dtypes != {self.dtype}:
+                return None
+            width, words = self.width, np.ones(n, np.int64)
+        else:
+            if not dtypes <= set(INT_DTYPES):
+                return None
+            width = dst.shape[1] if dst.dim() == 2 else 1
+            words = (np.full(n, dtypes.pop().itemsize // 4, np.int64) if len(dtypes) == 1
+                     else np.fromiter(map(T.element_size, srcs), np.int64, n) // 4)
+        elems = np.fromiter(map(T.numel, srcs), np.int64, n)
+        if not width or (dst.dim() == 2 and (elems != width).any()
+                         and set(map(T.size, srcs, itertools.repeat(1, n))) != {width}):
+            return None  # rows of no elements, or of a width to check source by source
+        return Sources(np.fromiter(map(T.data_ptr, srcs), np.int64, n), np.full(n, width, np.int64), elems // width,
+                       words)
 
     def _checked_each(self, dst, starts, srcs, floating: bool) -> list[torch.Tensor]:
         """Every source through the one-source checks (converted where they convert); the first that
