@@ -181,16 +181,6 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
         with backend_variant(name):
             record(f"ours_append[{name}]", event_ms(appends_only, repeats, setup=reset),
                    "eager appends only (slot reset and finish not timed)")
-            if trace:  # the host's share of an eager step (the kernel's share: trace_kernels, at the end)
-                reset()
-                t0 = time.perf_counter()
-                appends_only()
-                host = (time.perf_counter() - t0) * 1e6 / steps
-                torch.cuda.synchronize()
-                floor = host_floor_us(steps)
-                result.setdefault("eager_trace", {})[name] = {"host_us_per_append": host, "host_floor_us": floor}
-                print(f"  eager [{name}]: {host:.2f} us of host per append call (floor: tiny.zero_() "
-                      f"{floor:.2f} us)", flush=True)
             got = ours_eager()
             torch.cuda.synchronize()
             assert torch.equal(got[B - 1], torch.cat([sources[s][B - 1] for s in range(steps)])), name
@@ -204,6 +194,8 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
 
             record(f"ours_kernel_ingraph[{name}]", event_ms(gb.replay, repeats, setup=rewind_b), "append kernels only")
             del gb, sb
+    if trace:  # the host's share of an eager step (the kernel's share: trace_kernels, at the end)
+        eager_host_us(result, appends_only, reset, steps, repeats)
     # The copy reference moves the same bytes the same way: one static source, a fresh destination
     # every step (as the ring writes new arena memory every step), so neither is served from L2.
     del pool, sa, g1, gN
@@ -222,6 +214,34 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
     del sources
     torch.cuda.empty_cache()
     return result
+
+
+def eager_host_us(result: dict, appends, reset, steps: int, repeats: int) -> None:
+    """Host microseconds per eager append call of every backend, into ``result["eager_trace"]``:
+    ``max(repeats, 5)`` rounds, each timing ``steps`` appends of every backend in turn and then the
+    host's floor (``host_floor_us``), so that a shared host's drift reaches every backend alike;
+    medians over the rounds."""
+    names = backend_variants(backend.kernel_backends())
+    runs: dict[str, list[float]] = {name: [] for name in names + ["floor"]}
+    for _ in range(max(repeats, 5)):
+        for name in names:
+            with backend_variant(name):
+                reset()
+                appends()  # binds the backend's step
+                torch.cuda.synchronize()
+                reset()
+                t0 = time.perf_counter()
+                appends()
+                runs[name].append((time.perf_counter() - t0) * 1e6 / steps)
+                torch.cuda.synchronize()
+        runs["floor"].append(host_floor_us(steps))
+    floor = statistics.median(runs["floor"])
+    for name in names:
+        host = statistics.median(runs[name])
+        result.setdefault("eager_trace", {})[name] = {"host_us_per_append": host, "host_us_runs": runs[name],
+                                                      "host_floor_us": floor}
+        print(f"  eager [{name}]: {host:.2f} us of host per append call, median of {len(runs[name])} rounds "
+              f"(floor: tiny.zero_() {floor:.2f} us)", flush=True)
 
 
 def trace_kernels(result: dict, steps: int) -> None:
