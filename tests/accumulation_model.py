@@ -114,7 +114,7 @@ def run_episode(seed: int, device: str | torch.device = "cpu", *, max_requests: 
                 rid = arrivals.pop(0)
                 emit = EMITS[int(rng.integers(0, 3))]
                 interval = int(rng.integers(1, 4))
-                acc.add_request(rid, emit=emit, stream_interval=interval)
+                acc.add_request(rid, emit=emit)
                 model[rid] = _Model(emit, interval)
                 live.append(rid)
         if not live:
@@ -191,7 +191,9 @@ def _step_outputs(active, model, rng, gen, device, longest) -> dict:
 
 def _check_collect(acc, model, finished, seed, device) -> int:
     due = {r for r, m in model.items() if r in finished or (m.emit is not EmitPolicy.FINAL_ONLY and m.steps >= m.interval)}
-    payloads = acc.collect(finished, to_cpu=device.type == "cuda").wait()
+    # a streaming request's output is due every ``interval`` of its steps (the caller's pacing, as
+    # vLLM's stream_interval paces the output processor)
+    payloads = acc.collect(finished, request_ids=[r for r, m in model.items() if m.steps >= m.interval])
     assert set(payloads) == due, f"seed {seed}: payloads for {sorted(payloads)}, due {sorted(due)}"
     for rid, payload in payloads.items():
         m = model[rid]

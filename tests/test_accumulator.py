@@ -25,8 +25,8 @@ def test_every_strategy_in_one_final_only_request(acc):
         errs = acc.append_step(["a"], {"audio": [audio[step]], "codes": [codes[step]], "sr": [24000 + step],
                                        "frames": [torch.tensor([step, step])], "scale": [torch.tensor(0.5 * step)]})
         assert errs == []
-        assert acc.collect().payloads == {}  # FINAL_ONLY: nothing before finish
-    (p,) = acc.collect(["a"]).payloads.values()
+        assert acc.collect(request_ids=["a"]) == {}  # FINAL_ONLY: nothing before finish
+    (p,) = acc.collect(["a"]).values()
     assert torch.equal(p.tensors["audio"], torch.cat(audio)) and p.primary_tensor is p.tensors["audio"]
     assert torch.equal(p.tensors["codes"], torch.cat(codes))
     assert [t.tolist() for t in p.tensors["frames"]] == [[0, 0], [1, 1], [2, 2]]
@@ -34,14 +34,14 @@ def test_every_strategy_in_one_final_only_request(acc):
     assert "a" not in acc and acc.stats()["bytes_used"] == 0
 
 
-def test_delta_and_cumulative_streams_with_interval(acc):
-    acc.add_request("d", emit=EmitPolicy.DELTA, stream_interval=2)
+def test_delta_and_cumulative_streams_at_the_callers_interval(acc):
+    acc.add_request("d", emit=EmitPolicy.DELTA)
     acc.add_request("c", emit=EmitPolicy.CUMULATIVE)
     chunks = [torch.randn(2, 3) for _ in range(5)]
     deltas, cumul = [], []
     for step, ch in enumerate(chunks):
         acc.append_step(["d", "c"], {"audio": PaddedBatch(torch.stack([ch, ch]), [3, 3])})
-        out = acc.collect(["d", "c"] if step == 4 else []).payloads
+        out = acc.collect(["d", "c"] if step == 4 else [], request_ids=["d", "c"] if step % 2 else ["c"])
         if "d" in out:
             deltas.append(out["d"].tensors["audio"])
         cumul.append(out["c"].tensors["audio"])
@@ -63,7 +63,7 @@ def test_bad_values_are_skipped_for_that_request_only(acc):
     errs = acc.append_step(["a", "ghost"], {"audio": [good, good]})
     assert [e.request_id for e in errs] == ["ghost"]
     assert acc.accumulation_errors == 3
-    out = acc.collect(["a", "b", "c", "d"]).payloads
+    out = acc.collect(["a", "b", "c", "d"])
     assert torch.equal(out["a"].tensors["audio"], torch.cat([good, good, good, good]))
     assert out["b"].metadata["audio"] == "oops" and "audio" not in out["b"].tensors
     assert float(out["c"].metadata["audio"]) == 3.0 and torch.equal(out["d"].tensors["audio"], good)
@@ -78,7 +78,7 @@ def test_undeclared_key_strategy_is_per_request(acc):
     chunks = [torch.randn(3), torch.randn(2)]
     for c in chunks:
         assert acc.append_step(["a", "b"], {"wave": [torch.tensor(0.25), c]}) == []
-    out = acc.collect(["a", "b"]).payloads
+    out = acc.collect(["a", "b"])
     assert float(out["a"].metadata["wave"]) == 0.25 and "wave" not in out["a"].tensors
     assert torch.equal(out["b"].tensors["wave"], torch.cat(chunks)) and "wave" not in out["b"].metadata
 
@@ -88,7 +88,7 @@ def test_batch_with_one_unknown_request_still_appends_the_others(acc):
     data = torch.randn(2, 6)
     errs = acc.append_step(["a", "nobody"], {"audio": PaddedBatch(data, [4, 6])})
     assert [e.request_id for e in errs] == ["nobody"]
-    assert torch.equal(acc.collect(["a"]).payloads["a"].tensors["audio"], data[0, :4])
+    assert torch.equal(acc.collect(["a"])["a"].tensors["audio"], data[0, :4])
 
 
 def test_consolidation_error_fails_only_that_request(acc):
@@ -99,7 +99,7 @@ def test_consolidation_error_fails_only_that_request(acc):
     with pytest.raises(TensorConsolidationError) as info:
         acc.collect(["a", "b"])
     assert info.value.request_id == "a" and "a" not in acc and "b" in acc
-    assert torch.equal(acc.collect(["b"]).payloads["b"].tensors["audio"], torch.ones(3))
+    assert torch.equal(acc.collect(["b"])["b"].tensors["audio"], torch.ones(3))
 
 
 def test_lifecycle_errors_and_abort(acc):
@@ -114,8 +114,6 @@ def test_lifecycle_errors_and_abort(acc):
         acc.collect(["a"])
     with pytest.raises(ValueError):
         acc.append_step(["x"], {"audio": torch.ones(3)})
-    with pytest.raises(ValueError):
-        MultimodalAccumulator().add_request("z", stream_interval=0)
     assert acc.stats()["bytes_used"] == 0
 
 
@@ -125,7 +123,7 @@ def test_image_rows_default_to_concat_dim0():
     rows = [torch.randn(2, 3, 4), torch.randn(1, 3, 4)]
     for r in rows:
         acc.append_step(["i"], {"image": [r]})
-    assert torch.equal(acc.collect(["i"]).payloads["i"].tensors["image"], torch.cat(rows))
+    assert torch.equal(acc.collect(["i"])["i"].tensors["image"], torch.cat(rows))
 
 
 def test_initial_frames_per_key():
@@ -145,7 +143,7 @@ def test_a_consolidation_error_costs_no_other_request_its_unread_data(acc):
     with pytest.raises(TensorConsolidationError) as info:
         acc.collect(["f"], request_ids=["d"])
     assert info.value.request_id == "f" and "f" not in acc
-    assert torch.equal(acc.collect(["d"]).payloads["d"].tensors["audio"], torch.ones(3))
+    assert torch.equal(acc.collect(["d"])["d"].tensors["audio"], torch.ones(3))
 
 
 def test_padded_batch_for_a_list_key_is_an_error_for_its_requests_only(acc):
@@ -155,7 +153,7 @@ def test_padded_batch_for_a_list_key_is_an_error_for_its_requests_only(acc):
                                         "audio": [torch.ones(2), torch.ones(1)], "sr": [16000, 24000]})
     assert sorted((e.request_id, e.key) for e in errs) == [("a", "frames"), ("b", "frames")]
     assert all(isinstance(e, TensorAccumulationError) for e in errs)
-    out = acc.collect(["a", "b"]).payloads
+    out = acc.collect(["a", "b"])
     assert torch.equal(out["a"].tensors["audio"], torch.ones(2)) and out["b"].metadata["sr"] == 24000
 
 
@@ -163,7 +161,7 @@ def test_chunk_that_requires_grad_does_not_cost_later_keys(acc):
     acc.add_request("a")
     w = torch.ones(2, requires_grad=True)
     assert acc.append_step(["a"], {"audio": [w * 2], "codes": [torch.ones(1, 4, dtype=torch.int64)]}) == []
-    p = acc.collect(["a"]).payloads["a"]
+    p = acc.collect(["a"])["a"]
     assert torch.equal(p.tensors["audio"], torch.full((2,), 2.0)) and p.tensors["codes"].shape == (1, 4)
 
 
@@ -171,4 +169,4 @@ def test_structural_errors_are_raised_before_anything_is_appended(acc):
     acc.add_request("a")
     with pytest.raises(ValueError):
         acc.append_step(["a"], {"audio": [torch.ones(2)], "codes": [torch.ones(1, 4), torch.ones(1, 4)]})
-    assert "audio" not in acc.collect(["a"]).payloads["a"].tensors
+    assert "audio" not in acc.collect(["a"])["a"].tensors

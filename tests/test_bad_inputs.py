@@ -102,7 +102,7 @@ def test_bad_input_fails_only_its_request_and_key(case, backend_name, use_backen
     if case.kept:
         expect["bad"].append(audio[ids.index("bad")][: case.kept])
     good_step(2)  # the accumulator goes on, for the bad request too
-    got = acc.collect(IDS).payloads
+    got = acc.collect(IDS)
     for rid in IDS:
         assert torch.equal(got[rid].tensors["audio"], torch.cat(expect[rid])), rid
     assert acc.accumulation_errors == len(errors) and acc.stats()["bytes_used"] == 0

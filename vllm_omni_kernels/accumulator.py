@@ -9,9 +9,10 @@ CONCAT_DIM0 / CONCAT_LAST keys go to ``RingPool`` slots (one launch per pool per
 CUDA, the torch reference on CPU), APPEND_LIST keys to a host list, REPLACE values to the payload's
 metadata. A ``PaddedBatch`` carries concatenating keys only.
 
-Emission (``collect``): DELTA drains the unread data every ``stream_interval`` steps and at finish;
-CUMULATIVE consolidates everything so far on the same schedule; FINAL_ONLY consolidates once, at
-finish. Finished and aborted requests free their slots.
+Emission (``collect``): the caller says which requests' output is due (vLLM's output processor:
+when it builds a request's output, at vLLM's ``stream_interval``) and which finished. DELTA drains
+what arrived since the last emission; CUMULATIVE consolidates everything so far; FINAL_ONLY
+consolidates once, at finish. Finished and aborted requests free their slots.
 
 Errors: a bad value for one request (wrong type, dtype or frame shape for its slot, device, unknown
 request, overflow that cannot grow) skips that request's value for that key with a
@@ -64,27 +65,12 @@ class AccumulatorConfig:
 @dataclass
 class _Request:
     emit: EmitPolicy
-    interval: int
-    steps: int = 0
     pools: dict[str, RingPool] = field(default_factory=dict)
     lists: dict[str, list[Any]] = field(default_factory=dict)
     list_emitted: dict[str, int] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     order: dict[str, None] = field(default_factory=dict)  # keys in first-seen order
     strategies: dict[str, Strategy] = field(default_factory=dict)  # fixed by each key's first value
-
-
-@dataclass
-class Emission:
-    """Payloads of one ``collect``; with ``to_cpu`` the copies are in flight until ``wait()``."""
-
-    payloads: dict[str, MultimodalPayload]
-    event: Any = None
-
-    def wait(self) -> dict[str, MultimodalPayload]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.payloads
 
 
 class MultimodalAccumulator:
@@ -101,12 +87,10 @@ class MultimodalAccumulator:
 
     # --------------------------------------------------------------- lifecycle
 
-    def add_request(self, request_id: str, emit: EmitPolicy = EmitPolicy.FINAL_ONLY, stream_interval: int = 1) -> None:
+    def add_request(self, request_id: str, emit: EmitPolicy = EmitPolicy.FINAL_ONLY) -> None:
         if request_id in self._requests:
             raise TensorAccumulationError("request added twice", request_id=request_id)
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
-        self._requests[request_id] = _Request(emit=emit, interval=stream_interval)
+        self._requests[request_id] = _Request(emit=emit)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -138,10 +122,6 @@ class MultimodalAccumulator:
             if len(chunks) != len(request_ids):
                 raise ValueError(f"outputs[{key!r}] has {len(chunks)} values for {len(request_ids)} requests")
         errors: list[TensorAccumulationError] = []
-        for rid in request_ids:
-            req = self._requests.get(rid)
-            if req is not None:
-                req.steps += 1
         for key, chunks in outputs.items():
             if isinstance(chunks, PaddedBatch):
                 self._append_batch(key, request_ids, chunks, errors)
@@ -284,27 +264,19 @@ class MultimodalAccumulator:
 
     # --------------------------------------------------------------- emit
 
-    def collect(self, finished: Iterable[str] = (), *, to_cpu: bool = False,
-                request_ids: Iterable[str] | None = None) -> Emission:
-        """Payloads due this step per the requests' emit policies; finished requests are emitted
-        (if anything is due) and then freed. With ``to_cpu`` each pool's output is copied to pinned
-        host memory in one non-blocking copy; call ``Emission.wait()`` before reading.
-
-        ``request_ids``: emit exactly these requests now (plus ``finished``), whatever their step
-        counters: for a caller that decides itself when a request's output is due (vLLM's output
-        processor emits when it builds a completion output).
+    def collect(self, finished: Iterable[str] = (), *, request_ids: Iterable[str] = ()) -> dict[str, MultimodalPayload]:
+        """The payloads of ``request_ids`` (whose output the caller builds now) and of ``finished``,
+        per their emit policies (a FINAL_ONLY request has one only at finish); finished requests are
+        then freed.
 
         Raises:
             TensorConsolidationError: for a request whose output cannot be produced; that request
                 is freed, every other request is left as it was (call ``collect`` again for them).
         """
         finished = set(finished)
-        if request_ids is not None:
-            wanted = set(request_ids) | finished
-            due = [(rid, self._requests[rid], rid in finished) for rid in wanted if rid in self._requests]
-        else:
-            due = [(rid, req, rid in finished) for rid, req in self._requests.items()
-                   if rid in finished or (req.emit is not EmitPolicy.FINAL_ONLY and req.steps >= req.interval)]
+        requests = self._requests
+        due = [(rid, requests[rid], rid in finished) for rid in set(request_ids) | finished
+               if rid in requests and (rid in finished or requests[rid].emit is not EmitPolicy.FINAL_ONLY)]
         for rid in finished:
             if rid not in self._requests:
                 raise TensorAccumulationError("finish of an unknown or already finished request", request_id=rid)
@@ -322,15 +294,11 @@ class MultimodalAccumulator:
                 raise
         tensors: dict[str, dict[str, torch.Tensor]] = {rid: {} for rid, _, _ in due}
         axes: dict[str, int] = {}
-        event = None
         for pool, drain_ids, cons_ids in by_pool.values():
             for ids, read in ((drain_ids, pool.drain), (cons_ids, pool.consolidate)):
                 if not ids:
                     continue
-                outs = read(ids)
-                if to_cpu and pool.device.type != "cpu" and outs:
-                    outs, event = _to_pinned(outs)
-                for rid, out in zip(ids, outs):
+                for rid, out in zip(ids, read(ids)):
                     tensors[rid][pool.key] = out
                     axes[pool.key] = -1 if pool.last else 0
         payloads: dict[str, MultimodalPayload] = {}
@@ -345,13 +313,12 @@ class MultimodalAccumulator:
                     start = req.list_emitted.get(key, 0) if req.emit is EmitPolicy.DELTA else 0
                     payload.tensors[key] = list(items[start:])
                     req.list_emitted[key] = len(items)
-            req.steps = 0
             payloads[rid] = payload
             if done:
                 del self._requests[rid]
                 for pool in req.pools.values():
                     pool.free(rid)
-        return Emission(payloads, event)
+        return payloads
 
     # --------------------------------------------------------------- introspection
 
@@ -372,13 +339,3 @@ class MultimodalAccumulator:
             "pools": per_pool,
         }
 
-
-def _to_pinned(outs: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event]:
-    """One non-blocking D2H of the buffer behind ``outs`` (views of one tensor); views into the copy."""
-    base = outs[0]._base if outs[0]._base is not None else outs[0]
-    host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
-    host.copy_(base, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    views = [torch.as_strided(host, o.shape, o.stride(), o.storage_offset()) for o in outs]
-    return views, event

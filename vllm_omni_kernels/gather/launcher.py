@@ -37,7 +37,6 @@ class RowGather:
         self.anchor = torch.zeros(8, dtype=dtype, device=self.device)  # every offset counts from its address
         self._staging = PinnedStaging(1, self.capacity.words, self.device)
         self._static_aligned: bool | None = None  # the alignment promise baked into a captured kernel
-        self._static_jobs = 0
         self._resident = self.table
         self.launches = 0
 
@@ -80,7 +79,7 @@ class RowGather:
         """
         if self._static_aligned and not self.jobs.aligned:
             raise ValueError("the captured gather assumes 16-byte aligned rows; these jobs are not aligned")
-        _, self._static_jobs = self._encode(resident=True)
+        self._encode(resident=True)
 
     def run_static(self, grid_rows: int) -> None:
         """The one kernel of a captured step: reads the resident table; ``grid_rows`` >= its jobs."""

@@ -158,8 +158,7 @@ class OmniRequestState(RequestState):
             payload = MultimodalPayload(*(self._so_far(arrived) if cumulative else self._joined(arrived)))
         acc = self.accumulator
         if acc is not None and self.request_id in acc:
-            emission = acc.collect(finished=[self.request_id] if finished else (), request_ids=[self.request_id])
-            own = emission.wait().get(self.request_id)
+            own = acc.collect([self.request_id] if finished else (), request_ids=[self.request_id]).get(self.request_id)
             if own and payload is not None:
                 for key, value in own.tensors.items():
                     if key not in payload.tensors:

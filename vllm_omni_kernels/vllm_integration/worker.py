@@ -335,7 +335,7 @@ class TalkerWorker:
         finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
         self.stats["samples"] += B * tk.FRAME_SAMPLES
         if self.options.output_path == "upstream":
-            return self._run_upstream(req_ids, sampling, ids, opened, rows, codes, bad)
+            return self._run_upstream(req_ids, sampling, ids, opened, rows, codes)
         tokens = self.acc.head(B, torch.int64)
         torch.add(codes[:, 0], tk.TEXT_VOCAB, out=tokens)
         audio = self._advance(rows, codes, tokens)
@@ -352,7 +352,7 @@ class TalkerWorker:
         self._note_output_path(t0, packed.host.numel() if packed is not None else 0)
         return _StepOutput(req_ids, sampling, packed, None, opened, failed, {})
 
-    def _run_upstream(self, req_ids, sampling, ids, opened, rows, codes, bad) -> _StepOutput:
+    def _run_upstream(self, req_ids, sampling, ids, opened, rows, codes) -> _StepOutput:
         """The comparison path: every key's batched output copied to the host each step (one blocking
         copy per key, as ``tensor.cpu()`` does) and sliced per request into plain per-step chunks."""
         tokens = codes[:, 0] + tk.TEXT_VOCAB
