@@ -30,10 +30,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.inputs.engine import tokens_input
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils.gc_utils import freeze_gc_heap
 
 from ..errors import TensorAccumulationError
 from ..serving import talker as tk
 from ..serving.wav import read_wav, write_wav_f32
+from .llm import OmniAsyncLLM, OmniLLM, talker_engine_args, talker_processor_options, warm_up
 
 KINDS = ("delta", "cumulative", "final_only")
 PATHS = ("worker", "upstream")
@@ -124,10 +130,6 @@ def run(cfg: SimConfig) -> dict:
 
 
 def _engine_args(cfg: SimConfig, path: str, model: Path):
-    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
-
-    from .llm import talker_engine_args
-
     omni = {"sync_debug": cfg.sync_check}
     if cfg.bad_every and path == "worker":
         omni["bad_prompt_token"] = 1  # "<s>", in no other prompt
@@ -188,10 +190,6 @@ def _pct(values, q) -> float:
 
 
 async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
-    from vllm.utils.gc_utils import freeze_gc_heap
-
-    from .llm import OmniAsyncLLM, talker_processor_options, warm_up
-
     engine = OmniAsyncLLM.from_engine_args(_engine_args(cfg, path, model),
                                            processor_options=talker_processor_options(path))
     pauses: list[float] = []
@@ -247,6 +245,7 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         if note_pause in gc.callbacks:
             gc.callbacks.remove(note_pause)
         engine.shutdown()
+        engine = None  # nothing that keeps this frame (a traceback) keeps the engine past its run
         gc.unfreeze()
 
 
@@ -274,11 +273,6 @@ async def _loop_lag(lags: list[float], period: float = 0.001) -> None:
 
 
 def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
-    from vllm import SamplingParams
-    from vllm.inputs.engine import tokens_input
-
-    from .llm import OmniLLM, talker_processor_options
-
     engine = OmniLLM.from_engine_args(_engine_args(cfg, path, model), enable_multiprocessing=False,
                                       processor_options=talker_processor_options(path))
     try:
@@ -328,16 +322,11 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
 def _request(plan: _Plan):
     """The prompt and sampling parameters of a planned request (a malformed one ends its prompt with
     token 1, the worker's cue)."""
-    from vllm import SamplingParams
-    from vllm.inputs.engine import tokens_input
-
     params = SamplingParams(max_tokens=plan.frames, output_kind=_kind(plan.kind), detokenize=False)
     return tokens_input(plan.prompt + ([1] if plan.bad else [])), params
 
 
 def _kind(name: str):
-    from vllm.sampling_params import RequestOutputKind
-
     return {"delta": RequestOutputKind.DELTA, "cumulative": RequestOutputKind.CUMULATIVE,
             "final_only": RequestOutputKind.FINAL_ONLY}[name]
 
