@@ -142,8 +142,9 @@ def check_far_apart_rows(device, backend, monkeypatch, graph: bool = False):
 def random_each_call(seed: int, floating: bool, device="cpu"):
     """One random ``rows_each``/``ints_each`` call, ``(srcs, starts, dst)``, for the many-source
     checkers: mostly plain sources (views at any row of a larger tensor, so aligned or not, 0 to 3
-    rows), now and then one that is not (another dtype, a strided row, another width or rank, not a
-    tensor), and start rows that may fall outside ``dst``."""
+    rows), now and then one that is not (another dtype, a strided row, another width or rank, a
+    row's element count in another shape, not a tensor), and start rows that may fall outside
+    ``dst``."""
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
     if floating:
@@ -154,6 +155,8 @@ def random_each_call(seed: int, floating: bool, device="cpu"):
         wrong = [big.to(torch.float64 if dtype is torch.float32 else torch.float32)[:1],
                  random_tensor((2, 2 * width), dtype, device, g)[:, ::2], big[:1, :max(width - 1, 0)],
                  big[0], "not a tensor"]
+        if width > 1:  # a row's element count in another shape
+            wrong.append(big[:1].reshape(width, 1))
     else:
         one_d = rng.random() < 0.5
         width = 1 if one_d else 5
@@ -163,7 +166,7 @@ def random_each_call(seed: int, floating: bool, device="cpu"):
         other = random_tensor((16,) if one_d else (16, 5), dtypes[int(rng.integers(2))], device, g)
         wrong = [big.float()[:1], big[:1].unsqueeze(0) if one_d else big[:1, :4], "not a tensor"]
         if not one_d:
-            wrong.append(random_tensor((2, 10), torch.int32, device, g)[:, ::2])
+            wrong += [random_tensor((2, 10), torch.int32, device, g)[:, ::2], big[:1].reshape(5, 1)]
     srcs = []
     for _ in range(int(rng.integers(1, 9))):
         if rng.random() < 0.08:

@@ -89,6 +89,20 @@ def test_many_source_blocks_copy_as_their_sources_recorded_one_by_one(seed, dtyp
         assert all(torch.equal(got[k], want[k]) for k in want), key
 
 
+@pytest.mark.parametrize("floating", [True, False])
+def test_a_many_source_call_names_a_source_with_a_rows_elements_in_another_shape(floating):
+    """Every source holds one row's element count, one of them as a column: that one is named, as
+    ``rows``/``ints`` would refuse it alone, and nothing is recorded."""
+    width = 8
+    dst = torch.zeros(6, width, dtype=torch.float32 if floating else torch.int64)
+    rows = torch.arange(4 * width).reshape(4, width).to(dst.dtype)
+    srcs = [rows[0:1], rows[1:2], rows[2:3].reshape(width, 1), rows[3:4]]
+    jobs = GatherJobs(torch.float32, width if floating else 1, "cpu")
+    with pytest.raises(ValueError) as info:
+        (jobs.rows_each if floating else jobs.ints_each)(dst, np.arange(4), srcs)
+    assert info.value.index == 2 and jobs.n_float == jobs.n_int == 0 and not jobs.float_blocks + jobs.int_blocks
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), floating=st.booleans())
 def test_a_bad_source_of_a_many_source_call_is_named_and_nothing_is_recorded(seed, floating):

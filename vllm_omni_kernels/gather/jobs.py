@@ -18,7 +18,6 @@ to end on both sides (a batch's token ids or codes at consecutive offsets) go as
 
 from __future__ import annotations
 
-import itertools
 import operator
 from dataclasses import dataclass, field
 
@@ -63,7 +62,7 @@ class Sources:
     words: np.ndarray
 
 
-_DTYPE_OF = operator.attrgetter("dtype")
+_DTYPE_OF, _SHAPE_OF = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 def _read_sources(srcs: list[torch.Tensor], floating: bool) -> Sources:
@@ -248,26 +247,26 @@ class GatherJobs:
         source is not a tensor)."""
         n, T = len(srcs), torch.Tensor
         dev = self.device.index if self.is_cuda else -1
-        if (set(map(T.get_device, srcs)) != {dev} or set(map(T.dim, srcs)) != {dst.dim()}
-                or not all(map(T.is_contiguous, srcs))):
+        if set(map(T.get_device, srcs)) != {dev} or not all(map(T.is_contiguous, srcs)):
             return None
+        shapes = set(map(_SHAPE_OF, srcs))
+        width = self.width if floating else (dst.shape[1] if dst.dim() == 2 else 1)
+        if ({len(s) for s in shapes} != {dst.dim()} or not width
+                or (dst.dim() == 2 and {s[1] for s in shapes} != {width})):
+            return None  # another rank or row width (the per-source checks name it), or rows of no elements
         dtypes = set(map(_DTYPE_OF, srcs))
         if floating:
             if dtypes != {self.dtype}:
                 return None
-            width, words = self.width, np.ones(n, np.int64)
+            words = np.ones(n, np.int64)
         else:
             if not dtypes <= set(INT_DTYPES):
                 return None
-            width = dst.shape[1] if dst.dim() == 2 else 1
             words = (np.full(n, dtypes.pop().itemsize // 4, np.int64) if len(dtypes) == 1
                      else np.fromiter(map(T.element_size, srcs), np.int64, n) // 4)
-        elems = np.fromiter(map(T.numel, srcs), np.int64, n)
-        if not width or (dst.dim() == 2 and (elems != width).any()
-                         and set(map(T.size, srcs, itertools.repeat(1, n))) != {width}):
-            return None  # rows of no elements, or of a width to check source by source
-        return Sources(np.fromiter(map(T.data_ptr, srcs), np.int64, n), np.full(n, width, np.int64), elems // width,
-                       words)
+        rows = np.fromiter(map(T.numel, srcs), np.int64, n) // width
+        # contiguous rows lie ``width`` apart (a one-row source's own stride is never used)
+        return Sources(np.fromiter(map(T.data_ptr, srcs), np.int64, n), np.full(n, width, np.int64), rows, words)
 
     def _checked_each(self, dst, starts, srcs, floating: bool) -> list[torch.Tensor]:
         """Every source through the one-source checks (converted where they convert); the first that
