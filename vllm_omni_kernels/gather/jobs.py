@@ -54,7 +54,8 @@ Block = tuple
 @dataclass(frozen=True, slots=True)
 class Sources:
     """What the encoder needs of a many-source block's sources, read once when it is recorded:
-    address, row stride (elements), rows and int32 words per element (int sources; 1 for float)."""
+    address, row stride (elements; never read for a one-row source), rows and int32 words per
+    element (int sources; 1 for float)."""
 
     ptr: np.ndarray
     stride: np.ndarray
