@@ -278,7 +278,7 @@ class MultimodalAccumulator:
         due = [(rid, requests[rid], rid in finished) for rid in set(request_ids) | finished
                if rid in requests and (rid in finished or requests[rid].emit is not EmitPolicy.FINAL_ONLY)]
         for rid in finished:
-            if rid not in self._requests:
+            if rid not in requests:
                 raise TensorAccumulationError("finish of an unknown or already finished request", request_id=rid)
         by_pool: dict[int, tuple[RingPool, list[str], list[str]]] = {}
         for rid, req, _ in due:

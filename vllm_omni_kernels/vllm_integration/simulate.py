@@ -303,6 +303,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
                 if aborting:
                     engine.abort_request([res.plan.rid])
                 if out.finished or aborting or res.error is not None:
+                    _settle(res)
                     results.append(live.pop(out.request_id))
                     if bar is not None:
                         bar.update(1)
@@ -317,6 +318,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
         return sorted(results, key=lambda r: r.plan.rid), stats, client, wall
     finally:
         engine.engine_core.shutdown()
+        engine = None  # as in _serve_async: nothing that keeps this frame keeps the engine past its run
 
 
 def _request(plan: _Plan):
