@@ -203,32 +203,29 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         d0 = (decoder.messages, decoder.bytes, decoder.seconds, decoder.multimodal_seconds)
         processor.stopwatch.seconds = 0.0
         bar = _bar(cfg, path)
-        sem = asyncio.Semaphore(cfg.concurrency)
         lags: list[float] = []
         ticker = asyncio.create_task(_loop_lag(lags))
         t0 = time.perf_counter()
 
         async def one(plan: _Plan) -> _Result:
-            await asyncio.sleep(plan.arrival)
-            async with sem:
-                res = _Result(plan, start=time.perf_counter())
-                prompt, params = _request(plan)
-                try:
-                    # closed when left early: its frame (and the engine it holds) goes now, not at exit
-                    async with contextlib.aclosing(engine.generate(prompt, params, request_id=plan.rid)) as stream:
-                        async for out in stream:
-                            _take(res, out)
-                            if plan.abort and res.first_audio is not None:
-                                await engine.abort(plan.rid)
-                                break
-                except TensorAccumulationError as exc:
-                    res.error = str(exc)
-                _settle(res)
-                if bar is not None:
-                    bar.update(1)
-                return res
+            res = _Result(plan, start=time.perf_counter())
+            prompt, params = _request(plan)
+            try:
+                # closed when left early: its frame (and the engine it holds) goes now, not at exit
+                async with contextlib.aclosing(engine.generate(prompt, params, request_id=plan.rid)) as stream:
+                    async for out in stream:
+                        _take(res, out)
+                        if plan.abort and res.first_audio is not None:
+                            await engine.abort(plan.rid)
+                            break
+            except TensorAccumulationError as exc:
+                res.error = str(exc)
+            _settle(res)
+            if bar is not None:
+                bar.update(1)
+            return res
 
-        results = await asyncio.gather(*(one(p) for p in plans))
+        results = await _send(plans, one, cfg.concurrency)
         wall = time.perf_counter() - t0
         ticker.cancel()
         if bar is not None:
@@ -247,6 +244,27 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         engine.shutdown()
         engine = None  # nothing that keeps this frame (a traceback) keeps the engine past its run
         gc.unfreeze()
+
+
+async def _send(plans: list[_Plan], one, concurrency: int) -> list[_Result]:
+    """Every plan's request through ``one``, in arrival order, at most ``concurrency`` at a time: as
+    many senders as that, each taking the next plan once its last request is done and sending it at
+    its arrival (or at once, when it arrived while every sender was busy). Requests that wait are
+    plans in a list, not tasks, coroutines and timers for the client's collections to walk."""
+    t0 = time.perf_counter()
+    queue = iter(plans)  # shared: each plan goes to the sender that takes it first
+
+    async def sender() -> list[_Result]:
+        done = []
+        for plan in queue:
+            wait = plan.arrival - (time.perf_counter() - t0)
+            if wait > 0:
+                await asyncio.sleep(wait)
+            done.append(await one(plan))
+        return done
+
+    per_sender = await asyncio.gather(*(sender() for _ in range(max(1, min(concurrency, len(plans))))))
+    return sorted((r for done in per_sender for r in done), key=lambda r: r.plan.rid)
 
 
 def _gc_pauses(pauses: list[float]):
