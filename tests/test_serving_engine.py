@@ -64,7 +64,7 @@ def test_two_hundred_streams_over_zmq_every_sample_exact(tmp_path):
     s = run(cfg)["paths"]["worker"]
     assert s["async_scheduling"] is True
     assert s["requests"] == 200 and s["failed_as_expected"] == 4 and s["aborted_checked"] == 20
-    assert s["finished_exact"] == 176  # every sample of every finished request (simulate._Check raises otherwise)
+    assert s["finished_exact"] == 176  # every sample of every finished request (simulate._check raises otherwise)
     assert s["slots_held_after"] == 0 and s["engine_steps"] > 0
 
 

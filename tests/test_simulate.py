@@ -50,3 +50,27 @@ def test_info_reports_backends(capsys):
     assert main(["info"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["backends"]["cpu"]["ring_write"]["backend"] in ("torch", "triton")
+
+
+@pytest.mark.vllm
+def test_the_check_finds_one_altered_sample():
+    pytest.importorskip("vllm")
+    import torch
+
+    from vllm_omni_kernels.serving import talker as tk
+    from vllm_omni_kernels.vllm_integration.simulate import _check, _Plan, _Result, _settle
+
+    def result(rid: str, alter: bool) -> _Result:
+        codes = torch.randint(0, tk.CODEBOOK_SIZE, (3, tk.CODEBOOKS), generator=torch.Generator().manual_seed(1))
+        audio = tk.expected_audio(codes).clone()
+        if alter:
+            audio[2 * tk.FRAME_SAMPLES + 5] += 1e-3
+        r = _Result(_Plan(rid, [5], 3, "delta", False, False, 0.0))
+        r.audio, r.codes = list(audio.split(tk.FRAME_SAMPLES)), list(codes.split(1))
+        r.tokens = (codes[:, 0] + tk.TEXT_VOCAB).tolist()
+        _settle(r)
+        return r
+
+    assert _check([result("req-good", alter=False)], None, bad_fails=True)["finished_exact"] == 1
+    with pytest.raises(AssertionError, match=r"req-bad .*1 of 5760 samples differ, from sample 3845 .*frame 2"):
+        _check([result("req-ok", alter=False), result("req-bad", alter=True)], None, bad_fails=True)

@@ -42,6 +42,12 @@ from ..serving.wav import read_wav, write_wav_f32
 from .llm import OmniAsyncLLM, OmniLLM, talker_engine_args, talker_processor_options, warm_up
 
 KINDS = ("delta", "cumulative", "final_only")
+# The async client freezes its heap (``gc.freeze``) each time this many more requests have finished.
+# It holds every finished request's data for the check after the run; frozen, that data is never
+# walked by a garbage collection, and a full collection of the client (it stops the event loop
+# that delivers every stream's output) costs what the requests in flight cost, not what the run
+# has served so far. The heap is unfrozen after the run.
+_FREEZE_EVERY = 256
 PATHS = ("worker", "upstream")
 
 
@@ -91,8 +97,6 @@ class _Result:
     first_audio_wall: float | None = None  # time.time, to meet the worker's clock
     finished: bool = False
     error: str | None = None
-    outcome: str = ""  # once checked: "exact", "aborted" (checked up to the abort) or "failed" (as planned)
-    samples: int = 0  # audio samples received
 
 
 def _plans(cfg: SimConfig) -> list[_Plan]:
@@ -145,17 +149,14 @@ def _engine_args(cfg: SimConfig, path: str, model: Path):
 
 def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path) -> dict:
     t_start = time.perf_counter()
-    check = _Check(keep_audio=path == "worker" and cfg.write_wavs, bad_fails=path == "worker")
     if cfg.in_process:
-        results, engine_stats, client, wall = _serve_in_process(cfg, path, model, plans, check)
+        results, engine_stats, client, wall = _serve_in_process(cfg, path, model, plans)
     else:
-        results, engine_stats, client, wall = asyncio.run(_serve_async(cfg, path, model, plans, check))
+        results, engine_stats, client, wall = asyncio.run(_serve_async(cfg, path, model, plans))
         gc.collect()  # the shut-down engine, if a cycle holds it, goes while the interpreter is whole
-    if check.keep_audio:
-        _write_wavs(results, out / "wav")
-    checked = {name: sum(r.outcome == outcome for r in results) for name, outcome in
-               (("finished_exact", "exact"), ("aborted_checked", "aborted"), ("failed_as_expected", "failed"))}
-    samples = sum(r.samples for r in results)
+    checked = _check(results, out / "wav" if (path == "worker" and cfg.write_wavs) else None,
+                     bad_fails=path == "worker")
+    samples = sum(sum(a.numel() for a in r.audio) for r in results)
     # A streaming request's first audio is its first chunk; a FINAL_ONLY one's is its whole file, at
     # its end: that is its own figure, never mixed into the time to first audio.
     streaming = [r for r in results if r.plan.kind != "final_only" and r.first_audio is not None]
@@ -194,7 +195,7 @@ def _pct(values, q) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], check: _Check):
+async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
     engine = OmniAsyncLLM.from_engine_args(_engine_args(cfg, path, model),
                                            processor_options=talker_processor_options(path))
     pauses: list[float] = []
@@ -211,6 +212,7 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         lags: list[float] = []
         ticker = asyncio.create_task(_loop_lag(lags))
         t0 = time.perf_counter()
+        held = [0]  # finished requests held since the heap was last frozen
 
         async def one(plan: _Plan) -> _Result:
             res = _Result(plan, start=time.perf_counter())
@@ -225,7 +227,11 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
                             break
             except TensorAccumulationError as exc:
                 res.error = str(exc)
-            check(res)
+            _settle(res)
+            held[0] += 1
+            if held[0] == _FREEZE_EVERY:
+                gc.freeze()  # what the client holds for the check (docstring of _FREEZE_EVERY)
+                held[0] = 0
             if bar is not None:
                 bar.update(1)
             return res
@@ -295,7 +301,7 @@ async def _loop_lag(lags: list[float], period: float = 0.001) -> None:
         lags.append(max(0.0, loop.time() - due))
 
 
-def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], check: _Check):
+def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
     engine = OmniLLM.from_engine_args(_engine_args(cfg, path, model), enable_multiprocessing=False,
                                       processor_options=talker_processor_options(path))
     try:
@@ -326,7 +332,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
                 if aborting:
                     engine.abort_request([res.plan.rid])
                 if out.finished or aborting or res.error is not None:
-                    check(res)
+                    _settle(res)
                     results.append(live.pop(out.request_id))
                     if bar is not None:
                         bar.update(1)
@@ -380,6 +386,14 @@ def _take(res: _Result, out) -> None:
     res.finished = out.finished and not res.plan.abort
 
 
+def _settle(res: _Result) -> None:
+    """A finished request's DELTA pieces as one tensor per key: the pieces are views that keep the
+    steps' received buffers alive, and every one is an object each full garbage collection of the
+    client walks while later requests stream (thousands of requests in flight or done)."""
+    if len(res.audio) > 1:
+        res.audio, res.codes = [torch.cat(res.audio)], [torch.cat(res.codes)]
+
+
 def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
     """Where two sample sequences differ, in words (for the check's error)."""
     if got.shape != want.shape:
@@ -389,38 +403,24 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
             f"(frame {int(bad[0]) // tk.FRAME_SAMPLES} to {int(bad[-1]) // tk.FRAME_SAMPLES})")
 
 
-class _Check:
-    """Checks a request the moment it ends: every sample against what its codes decode to, its codes
-    against its tokens, its length against its ``max_tokens``; raises ``AssertionError`` on any
-    difference. Then its data is dropped (``keep_audio``: its audio is kept for its WAV, written
-    after the run): a client that holds every finished request's data walks it in every full
-    garbage collection while later requests stream. ``bad_fails``: the requests planned with a
-    malformed chunk must have failed with its error (the comparison path has no such check and
-    serves them as any other)."""
-
-    def __init__(self, keep_audio: bool, bad_fails: bool):
-        self.keep_audio = keep_audio
-        self.bad_fails = bad_fails
-
-    def __call__(self, r: _Result) -> None:
+def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool) -> dict:
+    """Every sample of every request against what its codes decode to; raises on any difference.
+    ``bad_fails``: the requests planned with a malformed chunk must have failed with its error (the
+    comparison path has no such check and serves them as any other)."""
+    exact = aborted = failed = 0
+    if wav_dir is not None:
+        wav_dir.mkdir(parents=True, exist_ok=True)
+    for r in results:
         p = r.plan
-        audio = torch.cat(r.audio) if r.audio else torch.zeros(0)
-        r.samples = audio.numel()
-        if p.bad and self.bad_fails:
+        if p.bad and bad_fails:
             if r.error is None or "dtype" not in r.error:
                 raise AssertionError(f"{p.rid}: its malformed chunk should have failed it, got {r.error!r}")
-            r.outcome = "failed"
-        else:
-            r.outcome = self._compare(r, audio)
-        r.audio = [audio] if self.keep_audio and r.outcome == "exact" else []
-        r.codes, r.tokens = [], []
-
-    @staticmethod
-    def _compare(r: _Result, audio: torch.Tensor) -> str:
-        p = r.plan
+            failed += 1
+            continue
         if r.error is not None:
             raise AssertionError(f"{p.rid}: failed: {r.error}")
         codes = torch.cat(r.codes) if r.codes else torch.zeros(0, tk.CODEBOOKS, dtype=torch.int64)
+        audio = torch.cat(r.audio) if r.audio else torch.zeros(0)
         expected = tk.expected_audio(codes)
         if not torch.equal(audio, expected):
             raise AssertionError(f"{p.rid} ({p.kind}): audio differs from what its {codes.shape[0]} frames decode "
@@ -428,28 +428,21 @@ class _Check:
         if r.tokens[:codes.shape[0]] != (codes[:, 0] + tk.TEXT_VOCAB).tolist():
             raise AssertionError(f"{p.rid}: codes do not match the request's sampled tokens")
         if p.abort:
-            return "aborted"
+            aborted += 1
+            continue
         if codes.shape[0] != p.frames or len(r.tokens) != p.frames:
             raise AssertionError(f"{p.rid} ({p.kind}): {codes.shape[0]} frames and {len(r.tokens)} tokens, "
                                  f"expected {p.frames}")
         if p.kind == "final_only" and r.payloads != 1:
             raise AssertionError(f"{p.rid}: FINAL_ONLY got {r.payloads} payloads")
-        return "exact"
-
-
-def _write_wavs(results: list[_Result], wav_dir: Path) -> None:
-    """Every exact request's audio as a WAV, read back and compared."""
-    wav_dir.mkdir(parents=True, exist_ok=True)
-    for r in results:
-        if r.outcome != "exact":
-            continue
-        audio = r.audio[0].numpy()
-        wav = wav_dir / f"{r.plan.rid}_{r.plan.kind}.wav"
-        write_wav_f32(wav, audio, tk.SAMPLE_RATE)
-        back, rate = read_wav(wav)
-        if rate != tk.SAMPLE_RATE or not np.array_equal(back, audio):
-            raise AssertionError(f"{r.plan.rid}: {wav} does not read back exactly")
-        r.audio = []
+        if wav_dir is not None:
+            wav = wav_dir / f"{p.rid}_{p.kind}.wav"
+            write_wav_f32(wav, audio.numpy(), tk.SAMPLE_RATE)
+            back, rate = read_wav(wav)
+            if rate != tk.SAMPLE_RATE or not np.array_equal(back, audio.numpy()):
+                raise AssertionError(f"{p.rid}: {wav} does not read back exactly")
+        exact += 1
+    return {"finished_exact": exact, "aborted_checked": aborted, "failed_as_expected": failed}
 
 
 def _bar(cfg: SimConfig, path: str):
