@@ -14,6 +14,8 @@ scheduler's own objects and only cuts their regions into each output's pieces.
 
 from __future__ import annotations
 
+import asyncio
+
 from vllm.v1.engine.core_client import AsyncMPClient, InprocClient, MPClient, SyncMPClient
 
 from .wire import OmniEngineCoreOutputs, OmniMsgpackDecoder, resolve_regions
@@ -34,7 +36,21 @@ class OmniSyncMPClient(SyncMPClient, OmniDecoding):
 
 
 class OmniAsyncMPClient(AsyncMPClient, OmniDecoding):
-    """vLLM's ``AsyncMPClient`` (``AsyncLLM``'s) decoding the multimodal channel."""
+    """vLLM's ``AsyncMPClient`` (``AsyncLLM``'s) decoding the multimodal channel, whose output
+    handler lets the event loop run before it takes a step's outputs that were already waiting.
+
+    ``AsyncLLM``'s output handler takes each step's outputs from this client and processes them;
+    awaiting a queue that holds some returns at once, so a client that fell behind the engine
+    processed every waiting step back to back while no stream ran: a stream's outputs of several
+    steps piled up (``AsyncLLM`` merges a DELTA request's unread outputs, a copy of its audio each
+    time), which made each step cost more, and the first audio of every request in flight waited
+    for the whole backlog. With one turn of the loop before each waiting step, the streams take the
+    last step's outputs before the next is processed."""
+
+    async def get_output_async(self):
+        if self.outputs_queue is not None and not self.outputs_queue.empty():
+            await asyncio.sleep(0)
+        return await super().get_output_async()
 
 
 class OmniInprocClient(InprocClient):
