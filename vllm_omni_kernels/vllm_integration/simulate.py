@@ -42,13 +42,13 @@ from ..serving.wav import read_wav, write_wav_f32
 from .llm import OmniAsyncLLM, OmniLLM, talker_engine_args, talker_processor_options, warm_up
 
 KINDS = ("delta", "cumulative", "final_only")
+PATHS = ("worker", "upstream")
 # The async client freezes its heap (``gc.freeze``) each time this many more requests have finished.
 # It holds every finished request's data for the check after the run; frozen, that data is never
 # walked by a garbage collection, and a full collection of the client (it stops the event loop
 # that delivers every stream's output) costs what the requests in flight cost, not what the run
 # has served so far. The heap is unfrozen after the run.
 _FREEZE_EVERY = 256
-PATHS = ("worker", "upstream")
 
 
 @dataclasses.dataclass
@@ -230,7 +230,7 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
             _settle(res)
             held[0] += 1
             if held[0] == _FREEZE_EVERY:
-                gc.freeze()  # what the client holds for the check (docstring of _FREEZE_EVERY)
+                gc.freeze()  # what the client holds for the check (the comment at _FREEZE_EVERY)
                 held[0] = 0
             if bar is not None:
                 bar.update(1)
