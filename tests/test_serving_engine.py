@@ -7,6 +7,7 @@ whole multimodal channel without an error; the first test shows that this run ca
 """
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -132,3 +133,44 @@ def test_the_talkers_audio_and_codes_are_what_they_are_defined_as():
     h = tk._fold(tk._fold(talker.embed[last] + talker.position[frame % tk._POSITIONS] + context) @ talker.mix)
     logits = torch.einsum("bh,qhc->bqc", h, talker.heads)
     assert torch.equal(talker(last, frame, context), (logits * tk.CODEBOOK_SIZE + talker.rank).argmax(-1))
+
+
+def test_a_client_behind_the_engine_hands_every_step_to_its_streams_before_the_next(tmp_path):
+    """The client's event loop is blocked while the engine core streams on, so every step of the
+    requests waits at once when it frees up. Each DELTA stream still takes each step's audio on its
+    own (one frame a step, cadence one frame): the waiting steps are not processed back to back with
+    the streams' outputs merged (``client.OmniAsyncMPClient.get_output_async``)."""
+    from vllm_omni_kernels.vllm_integration.llm import OmniAsyncLLM, talker_processor_options
+
+    model = make_model_dir(tmp_path / "model")
+    args = talker_engine_args(model, device="cpu", cadence=tk.FRAME_SAMPLES, max_num_seqs=4,
+                              args_cls=AsyncEngineArgs, disable_log_stats=True)
+    frames = 24
+
+    async def serve():
+        engine = OmniAsyncLLM.from_engine_args(args, processor_options=talker_processor_options("worker"))
+        try:
+            pieces = {f"r{i}": [] for i in range(3)}
+            started = asyncio.Event()
+
+            async def stream(rid):
+                params = SamplingParams(max_tokens=frames, output_kind=RequestOutputKind.DELTA, detokenize=False)
+                async for out in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), params, request_id=rid):
+                    payload = getattr(out.outputs[0], "multimodal_output", None)
+                    if payload is not None:
+                        pieces[rid].append(payload.tensors["audio"].numel())
+                    if all(pieces.values()):
+                        started.set()
+
+            streams = asyncio.gather(*(stream(rid) for rid in pieces))
+            await started.wait()
+            time.sleep(1.0)  # the client falls behind: the engine core runs on in its own process
+            await streams
+            return pieces
+        finally:
+            engine.shutdown()
+
+    pieces = asyncio.run(serve())
+    for rid, sizes in pieces.items():
+        assert sum(sizes) == frames * tk.FRAME_SAMPLES, rid
+        assert set(sizes) == {tk.FRAME_SAMPLES}, (rid, sizes)  # no output carries two steps' audio
