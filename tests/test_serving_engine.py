@@ -23,7 +23,7 @@ from vllm.v1.executor import Executor  # noqa: E402
 
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.vllm_integration.llm import (  # noqa: E402
-    OmniLLM, omni_vllm_config, talker_engine_args)
+    OmniAsyncLLM, OmniLLM, omni_vllm_config, talker_engine_args, talker_processor_options)
 from vllm_omni_kernels.vllm_integration.scheduler import OmniAsyncScheduler, OmniScheduler  # noqa: E402
 from vllm_omni_kernels.vllm_integration.simulate import SimConfig, run  # noqa: E402
 from vllm_omni_kernels.vllm_integration.talker_model import make_model_dir  # noqa: E402
@@ -140,8 +140,6 @@ def test_a_client_behind_the_engine_hands_every_step_to_its_streams_before_the_n
     requests waits at once when it frees up. Each DELTA stream still takes each step's audio on its
     own (one frame a step, cadence one frame): the waiting steps are not processed back to back with
     the streams' outputs merged (``client.OmniAsyncMPClient.get_output_async``)."""
-    from vllm_omni_kernels.vllm_integration.llm import OmniAsyncLLM, talker_processor_options
-
     model = make_model_dir(tmp_path / "model")
     args = talker_engine_args(model, device="cpu", cadence=tk.FRAME_SAMPLES, max_num_seqs=4,
                               args_cls=AsyncEngineArgs, disable_log_stats=True)
