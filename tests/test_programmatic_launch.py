@@ -39,6 +39,19 @@ def test_cpu_tensors_never_launch_with_it_and_the_report_names_the_setting():
         ops.set_programmatic_launch(True)
 
 
+def test_the_triton_launcher_keys_tensors_by_dtype_and_address_bits_and_goes_through_the_interpreter_here():
+    """``ops/triton_launch.py``: what selects a kernel is a tensor's dtype and the low 8 bits of
+    its address and any other argument's type and value; under the interpreter (these tests) every
+    launch goes through ``kernel[grid]``."""
+    from vllm_omni_kernels.ops import triton_launch, triton_ring
+
+    t = torch.zeros(64)
+    assert [triton_launch._spec(t[k:]) for k in (0, 1, 2, 4)] == [
+        (torch.float32, (t.data_ptr() + 4 * k) % 256) for k in (0, 1, 2, 4)]
+    assert triton_launch._spec(1) != triton_launch._spec(True) and triton_launch._spec(16) == (int, 16)
+    assert not triton_ring._write.direct
+
+
 # Compiled in a fresh process: under TRITON_INTERPRET (set for these tests) kernels do not compile.
 _COMPILE = """
 import json, sys

@@ -13,8 +13,9 @@ _ENABLED = os.environ.get("VLLM_OMNI_KERNELS_NVTX", "0") not in ("", "0")
 
 
 def _make_range():
+    off = contextlib.nullcontext()  # reusable: it does nothing on entry and exit
     if not _ENABLED:
-        return lambda name: contextlib.nullcontext()
+        return lambda name: off
     try:
         import nvtx  # type: ignore[import-not-found]
 
@@ -32,7 +33,7 @@ def _make_range():
                     torch.cuda.nvtx.range_pop()
 
             return _torch_range
-        return lambda name: contextlib.nullcontext()
+        return lambda name: off
 
 
 nvtx_range = _make_range()

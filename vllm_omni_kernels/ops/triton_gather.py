@@ -19,6 +19,7 @@ import triton.language as tl
 
 from . import layout, pdl
 from .triton_gdc import wait_previous_grid
+from .triton_launch import Launcher
 
 # Elements of a float row per program and warps per program: 2048 and 4 were the best or within 5%
 # of it for MTP and non-MTP steps at B=1024, H=4096, bf16 on the H200; 8 or 16 warps lose 10-40%.
@@ -68,6 +69,9 @@ def _row_gather_kernel(fbase, ibase, table, W, BLOCK_F: tl.constexpr, BLOCK_I: t
                 tl.store(ibase + dst + 2 * e + 1, hi, mask=m & d_wide)
 
 
+_gather = Launcher(_row_gather_kernel)
+
+
 def block_f(width: int) -> int:
     return min(MAX_BLOCK_F, triton.next_power_of_2(max(int(width), 16)))
 
@@ -82,6 +86,5 @@ def row_gather(base, table, outputs, *, width: int, grid_rows: int, aligned: boo
     blocks = triton.cdiv(max(int(width), 1), bf)
     warps = max(1, min(MAX_WARPS, bf // ELEMS_PER_WARP))
     on = pdl.for_tensor(base)
-    _row_gather_kernel[(grid_rows, blocks)](base, base.view(torch.int32), table, width, BLOCK_F=bf, BLOCK_I=BLOCK_I,
-                                            ALIGN=16 // base.element_size() if aligned else 1, PDL=on,
-                                            num_warps=warps, launch_pdl=on)
+    _gather((grid_rows, blocks), base, base.view(torch.int32), table, width, BLOCK_F=bf, BLOCK_I=BLOCK_I,
+            ALIGN=16 // base.element_size() if aligned else 1, PDL=on, num_warps=warps, launch_pdl=on)

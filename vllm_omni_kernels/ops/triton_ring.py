@@ -14,6 +14,7 @@ the device.
 
 With programmatic dependent launch (``pdl.py``; ``PDL``) a program first waits for the kernel ahead
 of it, and lets the next kernel be scheduled once it has issued its loads (as the CUDA kernels do).
+Launches go through ``triton_launch.Launcher`` (the compiled kernel, without Triton's per-call dispatch).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import triton.language as tl
 from . import layout
 from . import pdl
 from .triton_gdc import launch_dependents, wait_previous_grid
+from .triton_launch import Launcher
 
 # Rows of more than SINGLE_MAX elements: BLOCK elements per program, MULTI_WARPS warps, doubled for a
 # launch of at most SMALL_GRID programs (latency-bound: more threads issue the loads sooner).
@@ -134,6 +136,10 @@ def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
     tl.store(out_ptr + lin, vals, mask=mask)
 
 
+_write = Launcher(_ring_write_kernel)
+_read = Launcher(_ring_read_kernel)
+
+
 def _shape(max_elems: int, rows: int) -> tuple[int, int, int]:
     """(programs per row, elements per program, warps) for a launch of ``rows`` rows of at most
     ``max_elems`` elements."""
@@ -150,11 +156,8 @@ def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -
         return
     blocks, block, warps = _shape(max_elems, rows)
     on = pdl.for_tensor(arena)
-    _ring_write_kernel[(rows, blocks)](
-        arena, state, meta, src, frame_elems,
-        LAST=last, MONO=last and frame_elems == 1, BLOCK=block, SINGLE=blocks == 1, PDL=on, num_warps=warps,
-        launch_pdl=on,
-    )
+    _write((rows, blocks), arena, state, meta, src, frame_elems, LAST=last, MONO=last and frame_elems == 1,
+           BLOCK=block, SINGLE=blocks == 1, PDL=on, num_warps=warps, launch_pdl=on)
 
 
 def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
@@ -163,7 +166,5 @@ def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
         return
     blocks, block, warps = _shape(max_elems, rows)
     on = pdl.for_tensor(arena)
-    _ring_read_kernel[(rows, blocks)](
-        arena, meta, out, frame_elems,
-        LAST=last, MONO=last and frame_elems == 1, BLOCK=block, PDL=on, num_warps=warps, launch_pdl=on,
-    )
+    _read((rows, blocks), arena, meta, out, frame_elems, LAST=last, MONO=last and frame_elems == 1, BLOCK=block,
+          PDL=on, num_warps=warps, launch_pdl=on)

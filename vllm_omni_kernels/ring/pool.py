@@ -96,6 +96,7 @@ class _RepeatPlan:
     writes: int = -1
     pending: int = 0
     wanted: bool = False  # a step repeated this one: the planning path keeps its rows
+    result: AppendResult | None = None  # what a repeated append returns (every request appended)
 
 
 @dataclass
@@ -137,6 +138,7 @@ class RingPool:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = self.device.index if self.device.type == "cuda" else -1  # as Tensor.get_device()
         self.strategy = strategy
         self.last = strategy is Strategy.CONCAT_LAST
         self.growth = growth
@@ -420,7 +422,7 @@ class RingPool:
                 ids = tuple(request_ids)  # once: the repeat check, the slot lookup and the kept plan use it
                 data = chunks.data.detach() if chunks.data.requires_grad else chunks.data
                 if slots is None and self._launch_repeat(ids, data, chunks.lengths):
-                    return AppendResult(len(ids))
+                    return self._repeat.result
                 rows = self._rows_from_batch(ids, data, chunks.lengths, errors, slots)
                 keep = rows is not None and slots is None and not errors and rows[0].data_ptr() == data.data_ptr()
                 repeat = (ids, data) if keep else None
@@ -436,8 +438,8 @@ class RingPool:
         plan = self._repeat
         if plan is not None:
             plan.wanted = False  # set again below when this step repeats it
-        if plan is None or plan.version != self.version or data.shape != plan.shape or data.dtype != self.dtype \
-                or data.device != self.device or data.stride() != plan.stride or ids != plan.ids:
+        if plan is None or plan.version != self.version or ids != plan.ids or data.shape != plan.shape \
+                or data.dtype != self.dtype or data.get_device() != self._device_index or data.stride() != plan.stride:
             return False
         if isinstance(lengths, torch.Tensor):
             if lengths.device.type != "cpu":
@@ -619,6 +621,7 @@ class RingPool:
                 plan.meta = self._resident
                 plan.meta[:rows].copy_(torch.from_numpy(host[:rows]))
             plan.n, plan.slots, plan.max_elems = n.copy(), slots.copy(), max_elems  # room: found by the first repeat
+            plan.result = AppendResult(rows)
             meta = plan.meta
         else:
             meta = self._staging.for_kernel(i, rows, max_elems > UPLOAD_ELEMS)
