@@ -36,8 +36,8 @@ def _spec(arg):
 class Launcher:
     """``launcher(grid, *args, **kwargs)`` does what ``kernel[grid](*args, **kwargs)`` does.
 
-    ``args``: the kernel's leading parameters, positionally; ``kwargs``: its constexpr parameters
-    and Triton's launch options (``num_warps``, ``launch_pdl``, ...), by name.
+    ``args``: the kernel's leading parameters, positionally; ``kwargs``: every other parameter
+    (its constexprs) and Triton's launch options (``num_warps``, ``launch_pdl``, ...), by name.
     """
 
     def __init__(self, kernel):
@@ -53,12 +53,10 @@ class Launcher:
         key = (driver.active.get_current_device(), *map(_spec, args), *kwargs.items())
         found = self._compiled.get(key)
         if found is None:
+            rest = self._params[len(args):]
+            if set(rest) - kwargs.keys():  # the compiled kernel takes every parameter, defaults included
+                raise TypeError(f"{self.kernel.__name__}: pass {sorted(set(rest) - kwargs.keys())} by name")
             compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
-            constexprs = tuple(kwargs[name] for name in self._params[len(args):] if name in kwargs)
-            found = self._compiled[key] = (compiled, constexprs)
+            found = self._compiled[key] = (compiled, tuple(kwargs[name] for name in rest))
         compiled, constexprs = found
         compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
-
-    def cached(self) -> int:
-        """Specializations launched directly so far."""
-        return len(self._compiled)
