@@ -54,8 +54,9 @@ class Launcher:
         found = self._compiled.get(key)
         if found is None:
             rest = self._params[len(args):]
-            if set(rest) - kwargs.keys():  # the compiled kernel takes every parameter, defaults included
-                raise TypeError(f"{self.kernel.__name__}: pass {sorted(set(rest) - kwargs.keys())} by name")
+            missing = set(rest) - kwargs.keys()
+            if missing:  # the compiled kernel takes every parameter, defaults included
+                raise TypeError(f"{self.kernel.__name__}: pass {sorted(missing)} by name")
             compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
             found = self._compiled[key] = (compiled, tuple(kwargs[name] for name in rest))
         compiled, constexprs = found
