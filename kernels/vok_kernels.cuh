@@ -128,19 +128,21 @@ __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ aren
   }
 }
 
-// The fused row gather over a job table (layout.py). Grid (jobs, blocks). Job j < the table's count:
-// a float job copies its row's columns [y * B, (y + 1) * B) (B = VOK_GATHER_BLOCK_BYTES / S elements),
-// with 16-byte accesses when ALIGNED (the host checked every row start); an int job a strided share
-// of its elements. Jobs past the count (a captured grid replayed with fewer) exit.
+// The fused row gather over a row table (layout.py). Grid (rows, blocks). Row p < the table's count
+// copies its source row into its destination row (offset + row * stride, computed here from its
+// record): a float row its columns [y * B, (y + 1) * B) (B = VOK_GATHER_BLOCK_BYTES / S elements),
+// with 16-byte accesses when ALIGNED (the host checked every row start); an int row a strided share
+// of its elements. Rows past the count (a captured grid replayed with fewer) exit.
 template <int S, bool ALIGNED>
 __device__ __forceinline__ void row_gather(char* __restrict__ base, const i64* __restrict__ table, i64 W) {
   typedef typename Bits<S>::T T;
   wait_previous_grid();
   const i64 job = blockIdx.x;
   if (job >= table[0]) return;
-  const i64* rec = table + 1 + job * VOK_JOB_WORDS;
-  const i64 src = rec[0], dst = rec[1];
-  const int count = (int)(rec[2] & 0xFFFFFFFF), kind = (int)(rec[2] >> 32);
+  const i64* rec = table + 1 + job * VOK_ROW_WORDS;
+  const i64 src = rec[VOK_R_SRC] + rec[VOK_R_SRC_ROW] * rec[VOK_R_SRC_STRIDE];
+  const i64 dst = rec[VOK_R_DST] + rec[VOK_R_DST_ROW] * rec[VOK_R_DST_STRIDE];
+  const int count = (int)(rec[VOK_R_WORD] & 0xFFFFFFFF), kind = (int)(rec[VOK_R_WORD] >> 32);
   if (!(kind & VOK_JOB_INT)) {
     constexpr int kBlock = VOK_GATHER_BLOCK_BYTES;
     if (ALIGNED) {
@@ -167,9 +169,9 @@ __device__ __forceinline__ void row_gather(char* __restrict__ base, const i64* _
     }
     return;
   }
-  // An int job: each thread loads up to VOK_GATHER_INT_PER_THREAD elements before it stores any, so
-  // a run record (layout.RUN_ELEMS: that many per thread of a block) costs one memory round trip, not
-  // one per element of a thread; a job of more elements than its blocks cover at once loops.
+  // An int row: each thread loads up to VOK_GATHER_INT_PER_THREAD elements before it stores any, so a
+  // row of up to that many per thread of a block costs one memory round trip, not one per element of
+  // a thread; a row of more elements than its blocks cover at once loops.
   constexpr int kInts = VOK_GATHER_INT_PER_THREAD;
   const bool s_wide = kind & VOK_INT_SRC64, d_wide = kind & VOK_INT_DST64;
   int* ibase = reinterpret_cast<int*>(base);

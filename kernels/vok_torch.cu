@@ -1,6 +1,6 @@
 // The kernels of vok_kernels.cuh as torch custom ops: grid, checks and launch on the current stream,
 // registered with TORCH_LIBRARY (def + impl, as vLLM's csrc/torch_bindings.cpp does). Each schema
-// says what the op writes. The planning (metadata rows, job tables) is the Python planner's
+// says what the op writes. The planning (metadata rows, gather tables) is the Python planner's
 // (vllm_omni_kernels/ring/planner.py, gather/jobs.py); nothing here allocates or syncs.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -127,7 +127,7 @@ TORCH_LIBRARY(vllm_omni_kernels, m) {
         "bool last, int max_elems) -> ()");
   m.def("ring_read(Tensor arena, Tensor meta, Tensor(a!) out, int rows, int frame_elems, bool last, "
         "int max_elems) -> ()");
-  // `outputs`: the tensors the table's jobs write (addressed by offsets from `base`), named so the
+  // `outputs`: the tensors the table's blocks write (addressed by offsets from `base`), named so the
   // schema says what the op writes.
   m.def("row_gather(Tensor base, Tensor table, Tensor(a!)[] outputs, int width, int grid_rows, bool aligned) -> ()");
   m.def("set_programmatic_launch(bool enabled) -> ()", &set_programmatic_launch);

@@ -48,9 +48,8 @@ def make_gather_case(seed: int, dtype: torch.dtype, width: int, device="cpu", ro
     jobs += [("rows", "emb", int(emb_rows[k + 2]), "a", int(rng.integers(rows))),
              ("ints", "ids1d", int(rng.integers(rows)), "ids1d", int(rng.integers(rows))),
              ("ints", "ids32", int(id_rows[k]), "ids1d", 1)]
-    # Blocks of consecutive int rows on both sides (a batch's ids at consecutive offsets), which the
-    # encoders write as runs: leading rows and explicit rows; one-row jobs and one-row sources next
-    # to each other stay records of their own.
+    # Blocks of consecutive int rows on both sides (a batch's ids at consecutive offsets): leading
+    # rows and explicit rows; one-row jobs and one-row sources next to each other.
     first = int(rng.integers(0, rows))
     jobs += [("ints", "run_ids", np.arange(first, first + rows), "ids1d", None),
              ("ints", "run_codes", np.arange(rows - k, rows), "codes32", np.arange(k)),

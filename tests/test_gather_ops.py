@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from gather_cases import check_far_apart_rows, check_gather_case, make_gather_case, random_each_call, record_gather_case
 from vllm_omni_kernels.gather import GatherJobs, RowGather, TableLayout
-from vllm_omni_kernels.gather.jobs import RUN_ELEMS
-from vllm_omni_kernels.ops.layout import GATHER_JOB, INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, JOB_WORDS
+from vllm_omni_kernels.ops.layout import GATHER_ROW, INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, ROW_WORDS, RUN_ELEMS
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -33,30 +32,68 @@ def test_rows_far_apart_keep_every_bit_of_their_offsets(backend, monkeypatch):
     check_far_apart_rows("cpu", backend, monkeypatch, graph=backend == "triton")
 
 
-def test_the_table_holds_one_plain_record_per_job():
-    """The table is the job count, then ``GATHER_JOB`` records (src, dst, count, kind) with offsets
-    from the base (float elements, int32 words), then the values; read back with the dtype, every
-    record is what was recorded."""
+def test_the_table_holds_one_plain_record_per_row():
+    """The table is the row count, then ``GATHER_ROW`` records (each side's offset from the base in
+    float elements or int32 words, its row stride and its row; the count and the kind), then the
+    values; read back with the dtype, every record is what was recorded."""
     j = GatherJobs(torch.bfloat16, 8, "cpu")
     emb, src = torch.zeros(6, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16)
     ids, out = torch.arange(4), torch.zeros(10, dtype=torch.int32)
     flags = torch.zeros(3, dtype=torch.int64)
     j.rows(emb, [5, 2], src, [1, 3])
-    j.ints(out, [9, 0], ids, [2, 3])
+    j.rows(emb, 4, src)
+    j.ints(out, np.array([9, 0]), ids)
     j.values(flags, [7, -1, 2])
     base = emb.data_ptr() - 4096
     layout = TableLayout(jobs=8, values=4)
     table = np.zeros(layout.words, np.int64)
-    assert j.encode(table, layout, base, table_address := 1 << 20) == 5 and table[0] == 5
-    rec = table[1:1 + JOB_WORDS * 5].view(GATHER_JOB)
-    e = (emb.data_ptr() - base) // 2, (src.data_ptr() - base) // 2
-    assert rec[:2].tolist() == [(e[1] + 8, e[0] + 40, 8, JOB_FLOAT), (e[1] + 24, e[0] + 16, 8, JOB_FLOAT)]
+    assert j.encode(table, layout, base, table_address := 1 << 20) == 6 and table[0] == 6
+    rec = table[1:1 + ROW_WORDS * 6].view(GATHER_ROW)
+    e = (src.data_ptr() - base) // 2, (emb.data_ptr() - base) // 2
+    assert rec[:3].tolist() == [(e[0], 8, 1, e[1], 8, 5, 8, JOB_FLOAT), (e[0], 8, 3, e[1], 8, 2, 8, JOB_FLOAT),
+                                (e[0], 8, 0, e[1], 8, 4, 8, JOB_FLOAT)]
     w = (ids.data_ptr() - base) // 4, (out.data_ptr() - base) // 4
-    assert rec[2:4].tolist() == [(w[0] + 4, w[1] + 9, 1, JOB_INT | INT_SRC64), (w[0] + 6, w[1], 1, JOB_INT | INT_SRC64)]
-    values_at = 1 + JOB_WORDS * layout.jobs
-    assert rec[4].tolist() == ((table_address + 8 * values_at - base) // 4, (flags.data_ptr() - base) // 4, 3,
-                               JOB_INT | INT_DST64)
-    assert table[values_at:values_at + 2].view(np.int32)[:3].tolist() == [7, -1, 2]
+    assert rec[3:5].tolist() == [(w[0], 2, 0, w[1], 1, 9, 1, JOB_INT | INT_SRC64),
+                                 (w[0], 2, 1, w[1], 1, 0, 1, JOB_INT | INT_SRC64)]
+    assert rec[5].tolist() == ((table_address + 8 * layout.values_at - base) // 4, 0, 0, (flags.data_ptr() - base) // 4,
+                               0, 0, 3, JOB_INT | INT_DST64)
+    assert table[layout.values_at:layout.values_at + 2].view(np.int32)[:3].tolist() == [7, -1, 2]
+
+
+def test_many_sources_of_two_int_widths_are_the_rows_of_each():
+    """A many-source block of int32 and int64 sources is written as the rows of each width (a
+    record's kind holds one source width); each row's source is its own offset, stride 1."""
+    j = GatherJobs(torch.float32, 8, "cpu")
+    wide, narrow, out = torch.arange(6), torch.arange(4, dtype=torch.int32), torch.zeros(9, dtype=torch.int64)
+    j.ints_each(out, np.array([0, 1, 2, 5]), [wide[:1], narrow[1:2], wide[5:6], narrow[2:4]])
+    table = np.zeros(TableLayout(j.n_int).words, np.int64)
+    assert j.encode(table, TableLayout(j.n_int), 0, 0) == 5
+    rec = table[1:1 + ROW_WORDS * 5].view(GATHER_ROW)
+    assert (rec["kind"] & INT_SRC64).tolist() == [INT_SRC64] * 2 + [0] * 3
+    assert rec["src_row"].tolist() == [wide.data_ptr() // 4, wide.data_ptr() // 4 + 10, narrow.data_ptr() // 4 + 1,
+                                       narrow.data_ptr() // 4 + 2, narrow.data_ptr() // 4 + 3]
+    assert rec["dst_row"].tolist() == [0, 2, 1, 5, 6] and set(rec["src_stride"].tolist()) == {1}
+
+
+def test_consecutive_int_rows_go_as_runs():
+    """Int rows end to end on both sides (ids at consecutive offsets) are one record per
+    ``RUN_ELEMS`` elements of whole rows; rows out of order, a gap or source rows not consecutive
+    stay a record per row."""
+    j = GatherJobs(torch.float32, 8, "cpu")
+    ids, out = torch.arange(1300), torch.zeros(1400, dtype=torch.int32)
+    codes, code_out = torch.arange(1000, dtype=torch.int32).view(200, 5), torch.zeros(210, 5, dtype=torch.int64)
+    j.ints(out, np.arange(50, 1350), ids)                            # 1300 elements: three runs
+    j.ints(code_out, np.arange(5, 205), codes)                       # 200 rows of 5: two runs of whole rows
+    j.ints(out, np.array([1360, 1362]), ids[:2])                     # a gap
+    j.ints(out, np.array([1371, 1370]), ids[:2])                     # reversed
+    j.ints(code_out, np.arange(205, 208), codes, np.array([0, 1, 3]))  # source rows not consecutive
+    table = np.zeros(TableLayout(j.n_int).words, np.int64)
+    n = j.encode(table, TableLayout(j.n_int), 0, 0)
+    rec = table[1:1 + ROW_WORDS * n].view(GATHER_ROW)
+    per = RUN_ELEMS // 5
+    assert rec["count"].tolist() == [RUN_ELEMS, RUN_ELEMS, 1300 - 2 * RUN_ELEMS, per * 5, (200 - per) * 5] + [1] * 4 + [5] * 3
+    assert rec["dst_row"][:5].tolist() == [50, 50 + RUN_ELEMS, 50 + 2 * RUN_ELEMS, 5, 5 + per]
+    assert rec["src_row"][:5].tolist() == [0, RUN_ELEMS, 2 * RUN_ELEMS, 0, per]
 
 
 @settings(max_examples=12, deadline=None)
@@ -229,48 +266,9 @@ def test_static_launch_replays_the_prepared_table(use_backend):
         assert torch.equal(dst, want)
 
 
-def test_a_block_of_consecutive_int_rows_is_one_record_per_run():
-    """Ids at consecutive offsets (rows end to end on both sides) become one record per
-    ``RUN_ELEMS`` elements; rows out of order, a gap, source rows not consecutive or one-row jobs
-    stay a record per row."""
-    j = GatherJobs(torch.float32, 8, "cpu")
-    ids, out = torch.arange(300), torch.zeros(700, dtype=torch.int32)
-    codes, code_out = torch.arange(200, dtype=torch.int32).view(40, 5), torch.zeros(90, 5, dtype=torch.int64)
-    j.ints(out, np.arange(50, 350), ids)                      # 300 elements: one record
-    j.ints(code_out, np.arange(40), codes)                    # 200 elements: one record
-    j.ints(out, np.array([400, 402]), ids[:2])                # a gap: a record per row
-    j.ints(out, np.array([501, 500]), ids[:2])                # reversed: a record per row
-    j.ints(code_out, np.arange(40, 43), codes, np.array([0, 1, 3]))   # source rows not consecutive
-    j.ints(out, 600, ids, 7)                                  # one-row jobs: a record each
-    j.ints(out, 601, ids, 8)
-    layout = TableLayout(j.n_int)
-    table = np.zeros(layout.words, np.int64)
-    n = j.encode(table, layout, 0, 0)
-    rec = table[1:1 + JOB_WORDS * n].view(GATHER_JOB)
-    assert n == 1 + 1 + 2 + 2 + 3 + 2
-    assert rec[0].tolist()[:3] == (ids.data_ptr() // 4, out.data_ptr() // 4 + 50, 300)
-    assert rec[1].tolist()[:3] == (codes.data_ptr() // 4, code_out.data_ptr() // 4, 200)
-    assert rec["count"].tolist() == [300, 200, 1, 1, 1, 1, 5, 5, 5, 1, 1]
-    # A longer run goes as records of RUN_ELEMS elements (whole rows), each carried by its own block.
-    j.clear()
-    many, many_out = torch.arange(2500), torch.zeros(2600, dtype=torch.int64)
-    codes = torch.arange(3000, dtype=torch.int32).view(600, 5)
-    j.ints(many_out, np.arange(100, 2600), many)
-    j.ints(code_out.new_zeros(600, 5), np.arange(600), codes)
-    n = j.encode(table := np.zeros(TableLayout(j.n_int).words, np.int64), TableLayout(j.n_int), 0, 0)
-    rec = table[1:1 + JOB_WORDS * n].view(GATHER_JOB)
-    per = RUN_ELEMS // 5 * 5
-
-    def runs(total, size):
-        return [size] * (total // size) + ([total % size] if total % size else [])
-
-    assert rec["count"].tolist() == runs(2500, RUN_ELEMS) + runs(3000, per)
-    assert rec["src"][1] - rec["src"][0] == 2 * RUN_ELEMS and rec["dst"][1] - rec["dst"][0] == 2 * RUN_ELEMS
-
-
-def test_runs_of_int_rows_copy_as_their_rows(use_backend):
-    """A gather whose ids and codes are runs (records of many rows each; the ids three of them)
-    copies what the reference copies, on the Triton interpreter and the reference."""
+def test_many_int_rows_copy_as_the_reference(use_backend):
+    """A gather of many int rows (2500 ids, 200 rows of codes) copies what the reference copies, on
+    the Triton interpreter and the reference."""
     use_backend("triton")
     ids, codes = torch.arange(2500) * 7 - 1000, torch.arange(1000, dtype=torch.int32).view(200, 5)
     got = {}

@@ -10,10 +10,11 @@ Sources and destinations may be any tensors on the launch's device: the kernels 
 offsets from one base pointer (flat device address space), so one launch covers any number of hook
 outputs and runner buffers. The torch reference copies the recorded blocks directly.
 
-``encode`` is the one planner every kernel backend launches from: numpy over each recorded block,
-writing ``layout.GATHER_JOB`` records (``layout.py`` has the table). Consecutive int rows that lie end
-to end on both sides (a batch's token ids or codes at consecutive offsets) go as runs of up to
-``RUN_ELEMS`` elements, one record each.
+``encode`` is the one planner every kernel backend launches from: one ``layout.GATHER_ROW`` record
+per row, written a recorded block at a time (one broadcast of what its rows share and its two row
+lists as given: no per-row arithmetic on the host; ``layout.py`` has the table). Consecutive int rows
+that lie end to end on both sides (a batch's token ids or codes at consecutive offsets) go as runs of
+up to ``RUN_ELEMS`` elements, one record each.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..ops.layout import INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, JOB_WORDS, RUN_ELEMS
+from ..ops.layout import INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, R_DST_ROW, R_SRC_ROW, R_WORD, ROW_WORDS, RUN_ELEMS
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -33,14 +34,19 @@ _INTS = (int, np.integer)
 
 @dataclass(frozen=True)
 class TableLayout:
-    """The largest table a gather encodes: ``jobs`` records and ``values`` int32 values."""
+    """The largest table a gather encodes: ``jobs`` rows (float rows, int rows and value rows) and
+    ``values`` int32 values."""
 
     jobs: int
     values: int = 0
 
     @property
+    def values_at(self) -> int:
+        return 1 + ROW_WORDS * self.jobs
+
+    @property
     def words(self) -> int:
-        return 1 + JOB_WORDS * self.jobs + (self.values + 1) // 2
+        return self.values_at + (self.values + 1) // 2
 
 
 # A recorded block is a tuple (src, src_rows, dst, dst_rows): rows src[src_rows] to dst[dst_rows].
@@ -341,86 +347,92 @@ class GatherJobs:
     # ------------------------------------------------------------------ the table
 
     def encode(self, out: np.ndarray, layout: TableLayout, base: int, table: int) -> int:
-        """Write this launch's table into the flat int64 ``out`` (``layout.py``: the job count, the
-        records, the values) and return the job count. ``base``: the address every offset counts
+        """Write this launch's table into the flat int64 ``out`` (``layout.py``: the row count, the
+        records, the values) and return the row count. ``base``: the address every offset counts
         from (the launch's anchor, 16-byte aligned); ``table``: the address the kernel reads ``out``
-        at (where value jobs find their values).
+        at (where value rows find their values).
 
-        Raises ``ValueError`` when the jobs or values exceed ``layout``.
+        Raises ``ValueError`` when the rows or values exceed ``layout``.
         """
         if self.n_values > layout.values:
             raise ValueError(f"{self.n_values} values exceed the table's {layout.values}")
-        # The records as int64 words [job, (src, dst, count | kind << 32)]: GATHER_JOB, written by column.
-        records = out[1:1 + JOB_WORDS * layout.jobs].reshape(-1, JOB_WORDS)
+        records = out[1:layout.values_at].reshape(-1, ROW_WORDS)
         n = 0
         for block in self.float_blocks:
-            n = _put(records, n, *self._float_records(block, base))
+            n = self._float_rows(records, n, block, base)
         for block in self.int_blocks:
-            n = _put(records, n, *self._int_records(block, base))
-        values_at = 1 + JOB_WORDS * layout.jobs  # word of the first value
-        payload = out[values_at:values_at + (self.n_values + 1) // 2].view(np.int32)
+            n = self._int_rows(records, n, block, base)
+        payload = out[layout.values_at:layout.values_at + (self.n_values + 1) // 2].view(np.int32)
         first = 0
-        for dst, v in self.value_blocks:
+        for dst, v in self.value_blocks:  # one row of v.size elements, read from the table
             payload[first:first + v.size] = v
-            n = _put(records, n, (table + 8 * values_at - base) // 4 + first, (dst.data_ptr() - base) // 4,
-                     v.size | (JOB_INT | (INT_DST64 if dst.element_size() == 8 else 0)) << 32)
+            n = _put(records, n, v.size | (JOB_INT | (INT_DST64 if dst.element_size() == 8 else 0)) << 32,
+                     (table + 8 * layout.values_at - base) // 4 + first, 0, 0, (dst.data_ptr() - base) // 4, 0, 0)
             first += v.size
         out[0] = n
         return n
 
-    def _float_records(self, block: Block, base: int):
-        """(source offsets, destination offsets, count word) of a float block, in elements."""
+    def _float_rows(self, records: np.ndarray, n: int, block: Block, base: int) -> int:
+        """Write a float block's records (offsets in elements) from row ``n``; returns the next row."""
         src, src_rows, dst, dst_rows = block
-        es = self.elem_size
-        word = self.width | JOB_FLOAT << 32
-        d0, d_stride = (dst.data_ptr() - base) // es, dst.stride(0)
-        if type(src) is list:
+        es, word = self.elem_size, self.width | JOB_FLOAT << 32
+        d0 = (dst.data_ptr() - base) // es
+        if type(src) is list:  # each row's source has its own offset
             s_off, d = _each_rows(src_rows, dst_rows, base, es)
-            return s_off, d0 + d * d_stride, word
-        s0, s_stride = (src.data_ptr() - base) // es, src.stride(0)
-        if isinstance(dst_rows, int):
-            return s0 + src_rows * s_stride, d0 + dst_rows * d_stride, word
-        s = _arange(len(dst_rows)) if src_rows is None else src_rows
-        return s0 + s * s_stride, d0 + dst_rows * d_stride, word
+            return _put(records, n, word, 0, 1, s_off, d0, dst.stride(0), d)
+        return _put(records, n, word, (src.data_ptr() - base) // es, src.stride(0), src_rows, d0, dst.stride(0),
+                    dst_rows)
 
-    def _int_records(self, block: Block, base: int):
-        """(source offsets, destination offsets, count words) of an int block, in int32 words. Rows
-        that lie end to end on both sides go as runs of up to ``RUN_ELEMS`` elements."""
+    def _int_rows(self, records: np.ndarray, n: int, block: Block, base: int) -> int:
+        """Write an int block's records (offsets in int32 words) from row ``n``; returns the next row.
+        Rows that lie end to end on both sides go as runs of up to ``RUN_ELEMS`` elements."""
         src, src_rows, dst, dst_rows = block
         dw, width = dst.element_size() // 4, (dst.shape[1] if dst.dim() == 2 else 1)
-        d_kind = JOB_INT | (INT_DST64 if dw == 2 else 0)
         d0, d_stride = (dst.data_ptr() - base) // 4, dst.stride(0) * dw
-        if type(src) is list:
+        kind = JOB_INT | (INT_DST64 if dw == 2 else 0)
+        if type(src) is list:  # each row's source has its own offset; a record holds one source width
             s_off, d = _each_rows(src_rows, dst_rows, base, 4)
-            kind = d_kind | np.where(np.repeat(src_rows.words, src_rows.rows) == 2, INT_SRC64, 0)
-            return s_off, d0 + d * d_stride, width | kind << 32
+            live = src_rows.rows > 0
+            wide = np.repeat(src_rows.words[live], src_rows.rows[live]) == 2
+            if wide.all() or not wide.any():
+                return _put(records, n, width | (kind | (INT_SRC64 if wide[0] else 0)) << 32, 0, 1, s_off, d0,
+                            d_stride, d)
+            for part, k in ((wide, kind | INT_SRC64), (~wide, kind)):  # int64 and int32 sources
+                n = _put(records, n, width | k << 32, 0, 1, s_off[part], d0, d_stride, d[part])
+            return n
         sw = src.element_size() // 4
-        word = width | (d_kind | (INT_SRC64 if sw == 2 else 0)) << 32
+        kind |= INT_SRC64 if sw == 2 else 0
         s0, s_stride = (src.data_ptr() - base) // 4, src.stride(0) * sw
-        if isinstance(dst_rows, int):
-            return s0 + src_rows * s_stride, d0 + dst_rows * d_stride, word
-        rows = len(dst_rows)
-        if (rows > 1 and src.stride(0) == width == dst.stride(0)
-                and _consecutive(dst_rows) and (src_rows is None or _consecutive(src_rows))):
-            # End to end on both sides: runs of up to RUN_ELEMS elements, whole rows, one record each
-            # (one record per row at most, so the grid's rows cover them).
-            per = max(1, RUN_ELEMS // width)
-            first = _arange(-(-rows // per)) * per
-            s = 0 if src_rows is None else int(src_rows[0])
-            count = np.minimum(per, rows - first) * width
-            return (s0 + (s + first) * s_stride, d0 + (int(dst_rows[0]) + first) * d_stride,
-                    count | (word >> 32) << 32)
-        s = _arange(rows) if src_rows is None else src_rows
-        return s0 + s * s_stride, d0 + dst_rows * d_stride, word
+        d_run = (-1 if type(dst_rows) is int or src.stride(0) != width or dst.stride(0) != width
+                 else _run_start(dst_rows))
+        s_run = 0 if src_rows is None or d_run < 0 else _run_start(src_rows)
+        if d_run < 0 or s_run < 0:
+            return _put(records, n, width | kind << 32, s0, s_stride, src_rows, d0, d_stride, dst_rows)
+        # End to end on both sides: runs of whole rows from their first rows (one record per row at
+        # most, so the grid's rows cover them).
+        rows, per = len(dst_rows), max(1, RUN_ELEMS // width)
+        if rows <= per:
+            return _put(records, n, rows * width | kind << 32, s0, s_stride, s_run, d0, d_stride, d_run)
+        first = _arange(-(-rows // per)) * per
+        n = _put(records, n, 0, s0, s_stride, s_run + first, d0, d_stride, d_run + first)
+        records[n - len(first):n, R_WORD] = np.minimum(per, rows - first) * width | kind << 32
+        return n
 
 
-def _put(records: np.ndarray, n: int, src, dst, word) -> int:
-    """Write records (arrays, or scalars for one) at row ``n`` of ``records``; returns the next row."""
-    k = 1 if isinstance(dst, (int, np.integer)) else len(dst)
+def _put(records: np.ndarray, n: int, word: int, src: int, src_stride: int, src_rows, dst: int, dst_stride: int,
+         dst_rows) -> int:
+    """Write a block's records at row ``n`` of ``records``; returns the next row. Rows are int
+    arrays, None (the leading rows) or ints (one row)."""
+    k = 1 if type(dst_rows) is int else len(dst_rows)
     if n + k > len(records):
-        raise ValueError(f"{n + k} jobs exceed the table's {len(records)}")
+        raise ValueError(f"{n + k} rows exceed the table's {len(records)}")
     rec = records[n:n + k]
-    rec[:, 0], rec[:, 1], rec[:, 2] = src, dst, word
+    rec[:] = (src, src_stride, 0, dst, dst_stride, 0, word)  # GATHER_ROW's words
+    if k > 1 or type(src_rows) is not int:
+        rec[:, R_SRC_ROW] = _arange(k) if src_rows is None else src_rows
+        rec[:, R_DST_ROW] = dst_rows
+    else:
+        rec[0, R_SRC_ROW], rec[0, R_DST_ROW] = src_rows, dst_rows
     return n + k
 
 
@@ -441,8 +453,12 @@ def _arange(n: int) -> np.ndarray:
     return _ARANGE[:n]
 
 
-def _consecutive(rows: np.ndarray) -> bool:
-    return rows.size == 1 or (int(rows[-1]) - int(rows[0]) == rows.size - 1 and bool((np.diff(rows) == 1).all()))
+def _run_start(rows: np.ndarray) -> int:
+    """The first of ``rows`` when there are several, consecutive and increasing; else -1."""
+    first = int(rows[0])
+    if rows.size < 2 or int(rows[-1]) - first != rows.size - 1 or not (rows[1:] > rows[:-1]).all():
+        return -1
+    return first
 
 
 def _each_rows(info: Sources, starts: np.ndarray, base: int, unit: int) -> tuple[np.ndarray, np.ndarray]:

@@ -43,7 +43,7 @@ class RowGather:
     def _encode(self, resident: bool) -> tuple[torch.Tensor | None, int]:
         """Validate and encode the jobs: into the next pinned table (read in place), or with
         ``resident`` into the device table (through the pinned one). Returns the table the kernel
-        reads (None for the reference backend, which reads the jobs) and the job count."""
+        reads (None for the reference backend, which reads the jobs) and the row count."""
         jobs = self.jobs
         if jobs.n_float > self._max_float or jobs.n_int > self._max_int or jobs.n_values > self.capacity.values:
             raise ValueError(f"{jobs.n_float} float rows / {jobs.n_int} int jobs / {jobs.n_values} values exceed "

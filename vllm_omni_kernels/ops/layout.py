@@ -28,12 +28,18 @@ frame to write; the ticket counts the programs of a write launch that have read 
 its ticket and reads the head in one atomic add, and the one with the last ticket stores the new
 head with ticket 0. No program can read the head after it moved, and nobody waits for the update.
 
-Gather table: int64 words. Word 0 is the job count; job j is the ``GATHER_JOB`` record at words
-``1 + 3*j .. 3 + 3*j``; int32 values that value jobs copy follow the records. Every offset counts from
-the launch's one base pointer (the gather's anchor tensor): float jobs in elements of the launch's
-float dtype, int jobs in int32 words (a value job's source is its values in the table, whose
-address the encoder knows). A float job copies ``count`` (the row width) elements; an int job
-``count`` elements, each int32 or int64 on either side (``INT_SRC64``, ``INT_DST64``).
+Gather table: int64 words. Word 0 is the launch's program count P (a grid larger than P: the extra
+programs exit); program p's ``GATHER_ROW`` record is at words ``1 + 7*p .. 7 + 7*p``; the int32
+values that value rows copy follow the records. A record names one row copy: its source and
+destination as a tensor's offset, row stride and row (``src + src_row * src_stride``; a row of many
+sources has its own offset, stride 1), ``count`` elements and the ``kind``. Every offset counts
+from the launch's one base pointer (the gather's anchor tensor): float rows in elements of the
+launch's float dtype, int rows in int32 words (a value row's source is its values in the table,
+whose address the encoder knows). A float row copies the launch's row width; an int row ``count``
+elements, each int32 or int64 on either side (``INT_SRC64``, ``INT_DST64``), and int rows that lie
+end to end on both sides go as runs: a record of up to ``RUN_ELEMS`` elements from its first rows.
+A block of rows recorded with one call shares everything but the two rows, so the encoder writes a
+block with one broadcast and its two row lists, and the device does the arithmetic.
 """
 
 from __future__ import annotations
@@ -46,9 +52,11 @@ META_COLS = 8
 SLOT, LIN_OFF, N, BASE, CAP, POS, LIN_STRIDE, UNREAD = range(META_COLS)
 HEAD_SHIFT = 24  # ticket bits: a row has at most 2**31 / 2048 programs; heads up to 2**39 frames
 
-GATHER_JOB = np.dtype([("src", "<i8"), ("dst", "<i8"), ("count", "<i4"), ("kind", "<i4")])
-JOB_WORDS = GATHER_JOB.itemsize // 8
-JOB_FLOAT, JOB_INT = 0, 1  # kind, plus for int jobs the flags below
+GATHER_ROW = np.dtype([("src", "<i8"), ("src_stride", "<i8"), ("src_row", "<i8"), ("dst", "<i8"),
+                       ("dst_stride", "<i8"), ("dst_row", "<i8"), ("count", "<i4"), ("kind", "<i4")])
+ROW_WORDS = GATHER_ROW.itemsize // 8
+R_SRC, R_SRC_STRIDE, R_SRC_ROW, R_DST, R_DST_STRIDE, R_DST_ROW, R_WORD = range(ROW_WORDS)  # R_WORD: count | kind << 32
+JOB_FLOAT, JOB_INT = 0, 1  # kind, plus for int rows the flags below
 INT_SRC64, INT_DST64 = 2, 4
 
 # Block shapes of the CUDA kernels (the Triton ones choose theirs in triton_ring / triton_gather).
@@ -68,14 +76,17 @@ def gather_row_blocks(width: int, elem_size: int) -> int:
 def cuda_defines() -> list[str]:
     """The ``-D`` definitions ``kernels/vok_kernels.cuh`` is compiled with."""
     values = {"META_COLS": META_COLS, "SLOT": SLOT, "LIN_OFF": LIN_OFF, "N": N, "BASE": BASE, "CAP": CAP,
-              "POS": POS, "LIN_STRIDE": LIN_STRIDE, "HEAD_SHIFT": HEAD_SHIFT, "JOB_WORDS": JOB_WORDS,
-              "JOB_INT": JOB_INT, "INT_SRC64": INT_SRC64, "INT_DST64": INT_DST64,
+              "POS": POS, "LIN_STRIDE": LIN_STRIDE, "HEAD_SHIFT": HEAD_SHIFT, "ROW_WORDS": ROW_WORDS,
+              "R_SRC": R_SRC, "R_SRC_STRIDE": R_SRC_STRIDE, "R_SRC_ROW": R_SRC_ROW, "R_DST": R_DST,
+              "R_DST_STRIDE": R_DST_STRIDE, "R_DST_ROW": R_DST_ROW, "R_WORD": R_WORD, "JOB_INT": JOB_INT, "INT_SRC64": INT_SRC64, "INT_DST64": INT_DST64,
               "RING_THREADS": RING_THREADS, "RING_PER_THREAD": RING_PER_THREAD, "GATHER_THREADS": GATHER_THREADS,
               "GATHER_BLOCK_BYTES": GATHER_BLOCK_BYTES, "GATHER_INT_PER_THREAD": GATHER_INT_PER_THREAD}
     return [f"-DVOK_{k}={v}" for k, v in values.items()]
 
 
-assert GATHER_JOB.itemsize == 24 and GATHER_JOB.fields["count"][1] == 16  # the kernels read words 0, 1, 2
+# the kernels read the record by word (count | kind << 32 in one): the names above are the dtype's words
+assert [GATHER_ROW.fields[f][1] // 8 for f in ("src", "src_stride", "src_row", "dst", "dst_stride", "dst_row",
+                                               "count")] == list(range(ROW_WORDS))
 
 if __name__ == "__main__":  # CMake: the definitions, one per line
     sys.stdout.write("\n".join(cuda_defines()) + "\n")

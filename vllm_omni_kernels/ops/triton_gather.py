@@ -1,11 +1,11 @@
-"""Triton row gather: every job of a table in one launch (``layout.py`` has the table and its
+"""Triton row gather: every row of a table in one launch (``layout.py`` has the table and its
 records; ``gather/jobs.py`` makes them).
 
-Grid ``(jobs, blocks)``: program ``(j, b)`` copies columns ``[b*BLOCK_F, (b+1)*BLOCK_F)`` of float job
-``j``, or a strided share of int job ``j``'s elements. The job count is read from the table on the
-device, so a grid sized for more jobs (a captured graph replayed with fewer) is correct: the extra
-programs exit. Float rows whose starts the host has checked to be 16-byte aligned are copied with
-vector accesses (``ALIGN``).
+Grid ``(rows, blocks)``: program ``(j, b)`` copies columns ``[b*BLOCK_F, (b+1)*BLOCK_F)`` of float row
+``j``, or a strided share of int row ``j``'s elements (offset + row * stride of each side, from its
+record). The row count is read from the table on the device, so a grid sized for more rows (a
+captured graph replayed with fewer) is correct: the extra programs exit. Float rows whose starts the
+host has checked to be 16-byte aligned are copied with vector accesses (``ALIGN``).
 
 With programmatic dependent launch (``pdl.py``; ``PDL``) a program first waits for the kernel ahead
 of it; the gather lets the next kernel start as its programs exit (as the CUDA kernel does).
@@ -26,8 +26,15 @@ from .triton_launch import Launcher
 MAX_BLOCK_F = 2048
 ELEMS_PER_WARP = 512
 MAX_WARPS = 4
-BLOCK_I = layout.RUN_ELEMS  # int elements per program at once: a run record in one round trip
-JOB_WORDS = tl.constexpr(layout.JOB_WORDS)
+BLOCK_I = layout.GATHER_THREADS * layout.GATHER_INT_PER_THREAD  # int elements per program at once
+ROW_WORDS = tl.constexpr(layout.ROW_WORDS)
+R_SRC = tl.constexpr(layout.R_SRC)
+R_SRC_STRIDE = tl.constexpr(layout.R_SRC_STRIDE)
+R_SRC_ROW = tl.constexpr(layout.R_SRC_ROW)
+R_DST = tl.constexpr(layout.R_DST)
+R_DST_STRIDE = tl.constexpr(layout.R_DST_STRIDE)
+R_DST_ROW = tl.constexpr(layout.R_DST_ROW)
+R_WORD = tl.constexpr(layout.R_WORD)
 JOB_INT = tl.constexpr(layout.JOB_INT)
 INT_SRC64 = tl.constexpr(layout.INT_SRC64)
 INT_DST64 = tl.constexpr(layout.INT_DST64)
@@ -41,10 +48,10 @@ def _row_gather_kernel(fbase, ibase, table, W, BLOCK_F: tl.constexpr, BLOCK_I: t
     job = tl.program_id(0)
     blk = tl.program_id(1)
     if job < tl.load(table):
-        rec = table + 1 + job * JOB_WORDS
-        src = tl.load(rec)
-        dst = tl.load(rec + 1)
-        word = tl.load(rec + 2)
+        rec = table + 1 + job * ROW_WORDS
+        src = tl.load(rec + R_SRC) + tl.load(rec + R_SRC_ROW) * tl.load(rec + R_SRC_STRIDE)
+        dst = tl.load(rec + R_DST) + tl.load(rec + R_DST_ROW) * tl.load(rec + R_DST_STRIDE)
+        word = tl.load(rec + R_WORD)
         count = word & 0xFFFFFFFF
         kind = word >> 32
         if (kind & JOB_INT) == 0:
@@ -77,9 +84,9 @@ def block_f(width: int) -> int:
 
 
 def row_gather(base, table, outputs, *, width: int, grid_rows: int, aligned: bool) -> None:
-    """Launch the gather over ``grid_rows`` jobs (>= the table's job count) from ``base`` (the
+    """Launch the gather over ``grid_rows`` rows (>= the table's row count) from ``base`` (the
     anchor, at least 4 bytes: float offsets in its elements, int offsets in int32 words from its
-    address). ``outputs`` (the tensors the jobs write) only document the launch here."""
+    address). ``outputs`` (the tensors the rows write) only document the launch here."""
     if grid_rows == 0:
         return
     bf = block_f(width)
