@@ -75,6 +75,22 @@ def test_many_sources_of_two_int_widths_are_the_rows_of_each():
     assert rec["dst_row"].tolist() == [0, 2, 1, 5, 6] and set(rec["src_stride"].tolist()) == {1}
 
 
+def test_many_sources_of_two_int_widths_copy_as_the_reference(use_backend):
+    """The rows of a many-source block of int32 and int64 sources land where the reference puts
+    them (Triton interpreter); the rest of the destination is untouched."""
+    wide, narrow = torch.arange(6) * -3 - 2**40, torch.arange(4, dtype=torch.int32) * 7 - 9
+    got = {}
+    for backend in ("torch", "triton"):
+        use_backend(backend)
+        out = torch.full((9,), 5, dtype=torch.int64)
+        g = RowGather(torch.float32, 8, "cpu", max_float_rows=1, max_int_rows=8)
+        g.jobs.ints_each(out, np.array([0, 1, 2, 5]), [wide[:1], narrow[1:2], wide[5:6], narrow[2:4]])
+        assert g.launch() == 1
+        got[backend] = out
+    want = torch.tensor([wide[0], narrow[1], wide[5], 5, 5, narrow[2], narrow[3], 5, 5])
+    assert torch.equal(got["torch"], want) and torch.equal(got["triton"], want)
+
+
 def test_consecutive_int_rows_go_as_runs():
     """Int rows end to end on both sides (ids at consecutive offsets) are one record per
     ``RUN_ELEMS`` elements of whole rows; rows out of order, a gap or source rows not consecutive
