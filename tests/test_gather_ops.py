@@ -107,7 +107,8 @@ def test_consecutive_int_rows_go_as_runs():
     n = j.encode(table, TableLayout(j.n_int), 0, 0)
     rec = table[1:1 + ROW_WORDS * n].view(GATHER_ROW)
     per = RUN_ELEMS // 5
-    assert rec["count"].tolist() == [RUN_ELEMS, RUN_ELEMS, 1300 - 2 * RUN_ELEMS, per * 5, (200 - per) * 5] + [1] * 4 + [5] * 3
+    runs = [RUN_ELEMS, RUN_ELEMS, 1300 - 2 * RUN_ELEMS, per * 5, (200 - per) * 5]
+    assert rec["count"].tolist() == runs + [1] * 4 + [5] * 3
     assert rec["dst_row"][:5].tolist() == [50, 50 + RUN_ELEMS, 50 + 2 * RUN_ELEMS, 5, 5 + per]
     assert rec["src_row"][:5].tolist() == [0, RUN_ELEMS, 2 * RUN_ELEMS, 0, per]
 

@@ -28,9 +28,9 @@ frame to write; the ticket counts the programs of a write launch that have read 
 its ticket and reads the head in one atomic add, and the one with the last ticket stores the new
 head with ticket 0. No program can read the head after it moved, and nobody waits for the update.
 
-Gather table: int64 words. Word 0 is the launch's program count P (a grid larger than P: the extra
-programs exit); program p's ``GATHER_ROW`` record is at words ``1 + 7*p .. 7 + 7*p``; the int32
-values that value rows copy follow the records. A record names one row copy: its source and
+Gather table: int64 words. Word 0 is the record count R, one program's work each (a grid of more
+programs than R: the extra ones exit); record r is the ``GATHER_ROW`` at words ``1 + 7*r .. 7 + 7*r``;
+the int32 values that value rows copy follow the records. A record names one row copy: its source and
 destination as a tensor's offset, row stride and row (``src + src_row * src_stride``; a row of many
 sources has its own offset, stride 1), ``count`` elements and the ``kind``. Every offset counts
 from the launch's one base pointer (the gather's anchor tensor): float rows in elements of the
@@ -78,7 +78,8 @@ def cuda_defines() -> list[str]:
     values = {"META_COLS": META_COLS, "SLOT": SLOT, "LIN_OFF": LIN_OFF, "N": N, "BASE": BASE, "CAP": CAP,
               "POS": POS, "LIN_STRIDE": LIN_STRIDE, "HEAD_SHIFT": HEAD_SHIFT, "ROW_WORDS": ROW_WORDS,
               "R_SRC": R_SRC, "R_SRC_STRIDE": R_SRC_STRIDE, "R_SRC_ROW": R_SRC_ROW, "R_DST": R_DST,
-              "R_DST_STRIDE": R_DST_STRIDE, "R_DST_ROW": R_DST_ROW, "R_WORD": R_WORD, "JOB_INT": JOB_INT, "INT_SRC64": INT_SRC64, "INT_DST64": INT_DST64,
+              "R_DST_STRIDE": R_DST_STRIDE, "R_DST_ROW": R_DST_ROW, "R_WORD": R_WORD, "JOB_INT": JOB_INT,
+              "INT_SRC64": INT_SRC64, "INT_DST64": INT_DST64,
               "RING_THREADS": RING_THREADS, "RING_PER_THREAD": RING_PER_THREAD, "GATHER_THREADS": GATHER_THREADS,
               "GATHER_BLOCK_BYTES": GATHER_BLOCK_BYTES, "GATHER_INT_PER_THREAD": GATHER_INT_PER_THREAD}
     return [f"-DVOK_{k}={v}" for k, v in values.items()]
