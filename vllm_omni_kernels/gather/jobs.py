@@ -131,6 +131,7 @@ class GatherJobs:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.is_cuda = self.device.type == "cuda"
+        self._device_index = self.device.index if self.is_cuda else -1  # Tensor.get_device()'s
         self.elem_size = self.dtype.itemsize
         self._vector = 16 // self.elem_size
         self._width_aligned = self.width % self._vector == 0
@@ -153,7 +154,7 @@ class GatherJobs:
     def _check(self, t, what: str, dtypes, dims=(2,)) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
-        if t.device != self.device:
+        if t.get_device() != self._device_index:
             raise ValueError(f"{what} is on {t.device}, the launch is on {self.device}")
         if t.dtype not in dtypes:
             raise TypeError(f"{what} has dtype {t.dtype}, expected one of {dtypes}")
@@ -187,7 +188,12 @@ class GatherJobs:
 
     def _aligned(self, *tensors) -> bool:
         """Whether every float row of these tensors starts on a 16-byte boundary."""
-        return self._width_aligned and all(t.data_ptr() % 16 == 0 and t.stride(0) % self._vector == 0 for t in tensors)
+        if not self._width_aligned:
+            return False
+        for t in tensors:
+            if t.data_ptr() % 16 or t.stride(0) % self._vector:
+                return False
+        return True
 
     def rows(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows=None) -> None:
         """Copy ``src[src_rows[k]]`` into ``dst[dst_rows[k]]`` (float rows of ``width``). Rows are int
@@ -253,8 +259,7 @@ class GatherJobs:
         one attribute at a time over all sources; None for any other block (``TypeError`` when a
         source is not a tensor)."""
         n, T = len(srcs), torch.Tensor
-        dev = self.device.index if self.is_cuda else -1
-        if set(map(T.get_device, srcs)) != {dev} or not all(map(T.is_contiguous, srcs)):
+        if set(map(T.get_device, srcs)) != {self._device_index} or not all(map(T.is_contiguous, srcs)):
             return None
         shapes = set(map(_SHAPE_OF, srcs))
         width = self.width if floating else (dst.shape[1] if dst.dim() == 2 else 1)
