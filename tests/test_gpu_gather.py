@@ -102,3 +102,30 @@ def test_cuda_runner_step_makes_no_host_sync_and_no_allocation_in_the_gather(use
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
     assert torch.equal(dst, src.flip(0)) and (flags == 1).all()
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton", "cupy"])
+def test_eager_tables_are_reused_only_after_their_launches_ran(backend, use_backend):
+    """Far more eager launches than the staging ring has tables, queued behind long work, each
+    copying other rows: every table is read before it is rewritten (the host waits on an event when
+    the device is a ring behind), so every launch's rows arrive."""
+    from vllm_omni_kernels.backend import kernel_backends
+
+    if backend not in kernel_backends():
+        pytest.skip(f"{backend} is not available here")
+    use_backend(backend)
+    launches, h = 100, 256
+    src = torch.randn(launches, h, device="cuda")
+    dst = torch.zeros(launches, h, device="cuda")
+    ids = torch.zeros(launches, dtype=torch.int64, device="cuda")
+    gather = RowGather(torch.float32, h, "cuda", max_float_rows=1, max_int_rows=1)
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(8):  # tens of milliseconds of work ahead of the launches
+        busy = busy @ busy / 64
+    for i in range(launches):
+        gather.jobs.rows(dst, i, src, i)
+        gather.jobs.ints(ids, i, torch.full((1,), i + 7, device="cuda"))
+        assert gather.launch() == 1
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src) and torch.equal(ids, torch.arange(launches, device="cuda") + 7)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..ring.staging import PinnedStaging
+from ..ring.staging import MIN_DEPTH, PinnedStaging
 from .jobs import GatherJobs, TableLayout
 
 
@@ -35,7 +35,8 @@ class RowGather:
         self._max_float, self._max_int = int(max_float_rows), int(max_int_rows)
         self.table = torch.zeros(self.capacity.words, dtype=torch.int64, device=self.device)
         self.anchor = torch.zeros(8, dtype=dtype, device=self.device)  # every offset counts from its address
-        self._staging = PinnedStaging(1, self.capacity.words, self.device)
+        # a table per step, read in place; the fewest buffers the staging ring allows (7 words a row)
+        self._staging = PinnedStaging(1, self.capacity.words, self.device, depth=MIN_DEPTH)
         self._static_aligned: bool | None = None  # the alignment promise baked into a captured kernel
         self._resident = self.table
         self.launches = 0

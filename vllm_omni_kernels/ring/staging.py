@@ -13,6 +13,7 @@ import torch
 
 _DEPTH = 64
 _EVENT_EVERY = 16
+MIN_DEPTH = 2 * _EVENT_EVERY  # a buffer's reuse must find an event recorded after its last use
 
 
 class PinnedStaging:
@@ -21,20 +22,23 @@ class PinnedStaging:
     Work is stream-ordered. Every ``_EVENT_EVERY``-th hand-out of a buffer first records a CUDA event,
     which follows all work queued with the buffers handed out before it (a kernel that reads a
     buffer in place is launched after the hand-out, so the event recorded at a hand-out never covers
-    that buffer's own reader). A buffer is reused ``_DEPTH`` hand-outs later, after waiting on the
+    that buffer's own reader). A buffer is reused ``depth`` hand-outs later, after waiting on the
     first event recorded after its last use (``_free_after``; normally long complete: no per-step
     sync, and one event record per ``_EVENT_EVERY`` steps on the host). One owner, one stream at a
     time.
 
     For a CPU device there is one unpinned buffer and ``upload`` returns it (it is the metadata).
+    ``depth``: buffers in the ring (at least ``MIN_DEPTH``; fewer pinned bytes for large tables).
     """
 
-    def __init__(self, rows: int, cols: int, device: torch.device, device_copy: bool = False):
+    def __init__(self, rows: int, cols: int, device: torch.device, device_copy: bool = False, depth: int = _DEPTH):
+        if depth < MIN_DEPTH:
+            raise ValueError(f"a staging ring of {depth} buffers; at least {MIN_DEPTH}")
         self.device = device
         self.rows = rows
         self.cols = cols
         self.pinned = device.type == "cuda"
-        depth = _DEPTH if self.pinned else 1
+        depth = depth if self.pinned else 1
         self._host = [torch.zeros(rows, cols, dtype=torch.int64, pin_memory=self.pinned) for _ in range(depth)]
         self._np = [h.numpy() for h in self._host]
         self._rows0 = [h[0] for h in self._host]  # row 0 of each buffer (a flat table), made once
