@@ -128,11 +128,11 @@ __device__ __forceinline__ void ring_copy(typename Bits<S>::T* __restrict__ aren
   }
 }
 
-// The fused row gather over a row table (layout.py). Grid (rows, blocks). Row p < the table's count
-// copies its source row into its destination row (offset + row * stride, computed here from its
-// record): a float row its columns [y * B, (y + 1) * B) (B = VOK_GATHER_BLOCK_BYTES / S elements),
-// with 16-byte accesses when ALIGNED (the host checked every row start); an int row a strided share
-// of its elements. Rows past the count (a captured grid replayed with fewer) exit.
+// The fused row gather over a record table (layout.py). Grid (records, blocks). Record j < the table's
+// count copies its source row into its destination row (offset + row * stride on each side): a float
+// row its columns [y * B, (y + 1) * B) (B = VOK_GATHER_BLOCK_BYTES / S elements), with 16-byte
+// accesses when ALIGNED (the host checked every row start); an int row (or a run of rows) a strided
+// share of its elements. Records past the count (a captured grid replayed with fewer) exit.
 template <int S, bool ALIGNED>
 __device__ __forceinline__ void row_gather(char* __restrict__ base, const i64* __restrict__ table, i64 W) {
   typedef typename Bits<S>::T T;
@@ -169,9 +169,9 @@ __device__ __forceinline__ void row_gather(char* __restrict__ base, const i64* _
     }
     return;
   }
-  // An int row: each thread loads up to VOK_GATHER_INT_PER_THREAD elements before it stores any, so a
-  // row of up to that many per thread of a block costs one memory round trip, not one per element of
-  // a thread; a row of more elements than its blocks cover at once loops.
+  // An int record: each thread loads up to VOK_GATHER_INT_PER_THREAD elements before it stores any, so
+  // a run record (layout.RUN_ELEMS: that many per thread of a block) costs one memory round trip, not
+  // one per element of a thread; a record of more elements than its blocks cover at once loops.
   constexpr int kInts = VOK_GATHER_INT_PER_THREAD;
   const bool s_wide = kind & VOK_INT_SRC64, d_wide = kind & VOK_INT_DST64;
   int* ibase = reinterpret_cast<int*>(base);

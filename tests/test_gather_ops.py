@@ -91,10 +91,20 @@ def test_many_sources_of_two_int_widths_copy_as_the_reference(use_backend):
     assert torch.equal(got["torch"], want) and torch.equal(got["triton"], want)
 
 
+def test_a_tensor_on_another_device_is_refused_by_name():
+    """A source on the meta device (device index -1, as a CPU tensor's) is refused when recorded."""
+    j = GatherJobs(torch.float32, 8, "cpu")
+    with pytest.raises(ValueError, match="source is on meta"):
+        j.rows(torch.zeros(4, 8), 0, torch.empty(2, 8, device="meta"), 1)
+    with pytest.raises(ValueError, match="destination is on meta"):
+        j.ints(torch.empty(4, dtype=torch.int32, device="meta"), 0, torch.zeros(2, dtype=torch.int32), 1)
+    assert j.n_float == j.n_int == 0
+
+
 def test_consecutive_int_rows_go_as_runs():
     """Int rows end to end on both sides (ids at consecutive offsets) are one record per
-    ``RUN_ELEMS`` elements of whole rows; rows out of order, a gap or source rows not consecutive
-    stay a record per row."""
+    ``RUN_ELEMS`` elements of whole rows (one record when they fit); rows out of order, a gap, source
+    rows not consecutive or one-row jobs stay a record per row."""
     j = GatherJobs(torch.float32, 8, "cpu")
     ids, out = torch.arange(1300), torch.zeros(1400, dtype=torch.int32)
     codes, code_out = torch.arange(1000, dtype=torch.int32).view(200, 5), torch.zeros(210, 5, dtype=torch.int64)
@@ -103,12 +113,16 @@ def test_consecutive_int_rows_go_as_runs():
     j.ints(out, np.array([1360, 1362]), ids[:2])                     # a gap
     j.ints(out, np.array([1371, 1370]), ids[:2])                     # reversed
     j.ints(code_out, np.arange(205, 208), codes, np.array([0, 1, 3]))  # source rows not consecutive
+    j.ints(out, np.arange(1380, 1390), ids, np.arange(20, 30))      # ten rows from row 20: one record
+    j.ints(out, 1391, ids, 4)                                        # one-row jobs: a record each
+    j.ints(out, 1392, ids, 5)
     table = np.zeros(TableLayout(j.n_int).words, np.int64)
     n = j.encode(table, TableLayout(j.n_int), 0, 0)
     rec = table[1:1 + ROW_WORDS * n].view(GATHER_ROW)
     per = RUN_ELEMS // 5
     runs = [RUN_ELEMS, RUN_ELEMS, 1300 - 2 * RUN_ELEMS, per * 5, (200 - per) * 5]
-    assert rec["count"].tolist() == runs + [1] * 4 + [5] * 3
+    assert rec["count"].tolist() == runs + [1] * 4 + [5] * 3 + [10, 1, 1]
+    assert rec[-3:][["src_row", "dst_row"]].tolist() == [(20, 1380), (4, 1391), (5, 1392)]
     assert rec["dst_row"][:5].tolist() == [50, 50 + RUN_ELEMS, 50 + 2 * RUN_ELEMS, 5, 5 + per]
     assert rec["src_row"][:5].tolist() == [0, RUN_ELEMS, 2 * RUN_ELEMS, 0, per]
 

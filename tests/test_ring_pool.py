@@ -431,13 +431,14 @@ def test_a_staging_buffer_waits_for_an_event_recorded_after_its_last_reader():
 
 def test_a_staging_ring_of_the_least_depth_always_has_an_event_after_a_buffers_last_use():
     """With ``MIN_DEPTH`` buffers (the gather's tables), every reuse finds an event recorded after the
-    buffer's last hand-out (events every ``_EVENT_EVERY`` hand-outs, recorded before the hand-out
-    that counts them); a shallower ring is refused."""
+    buffer's last hand-out and at least ``_EVENT_EVERY`` hand-outs old (events every
+    ``_EVENT_EVERY`` hand-outs, recorded before the hand-out that counts them): the host waits only
+    when the device is that far behind. A shallower ring is refused."""
     from vllm_omni_kernels.ring.staging import _EVENT_EVERY, MIN_DEPTH, PinnedStaging, _free_after
 
     for count in range(MIN_DEPTH, 300):  # the hand-out about to reuse buffer count % MIN_DEPTH
         events = [(k, k) for k in range(_EVENT_EVERY, count, _EVENT_EVERY)]
         found = _free_after(events, count - MIN_DEPTH)
-        assert found is not None and count - MIN_DEPTH < found[0] < count
+        assert found is not None and count - MIN_DEPTH < found[0] <= count - _EVENT_EVERY
     with pytest.raises(ValueError, match="at least"):
         PinnedStaging(1, 4, torch.device("cpu"), depth=MIN_DEPTH - 1)

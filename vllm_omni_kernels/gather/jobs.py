@@ -11,8 +11,9 @@ offsets from one base pointer (flat device address space), so one launch covers 
 outputs and runner buffers. The torch reference copies the recorded blocks directly.
 
 ``encode`` is the one planner every kernel backend launches from: one ``layout.GATHER_ROW`` record
-per row, written a recorded block at a time (one broadcast of what its rows share and its two row
-lists as given: no per-row arithmetic on the host; ``layout.py`` has the table). Consecutive int rows
+per row, written a recorded block at a time: one broadcast of what its rows share and its two row
+lists as given, the offsets computed on the device (``layout.py`` has the table; a block of many
+sources lists each row's own source offset). Consecutive int rows
 that lie end to end on both sides (a batch's token ids or codes at consecutive offsets) go as runs of
 up to ``RUN_ELEMS`` elements, one record each.
 """
@@ -131,7 +132,7 @@ class GatherJobs:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.is_cuda = self.device.type == "cuda"
-        self._device_index = self.device.index if self.is_cuda else -1  # Tensor.get_device()'s
+        self._device_index = self.device.index if self.is_cuda else -1  # Tensor.get_device()'s (-1: CPU or meta)
         self.elem_size = self.dtype.itemsize
         self._vector = 16 // self.elem_size
         self._width_aligned = self.width % self._vector == 0
@@ -154,7 +155,7 @@ class GatherJobs:
     def _check(self, t, what: str, dtypes, dims=(2,)) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
-        if t.get_device() != self._device_index:
+        if t.get_device() != self._device_index or not (t.is_cuda if self.is_cuda else t.is_cpu):
             raise ValueError(f"{what} is on {t.device}, the launch is on {self.device}")
         if t.dtype not in dtypes:
             raise TypeError(f"{what} has dtype {t.dtype}, expected one of {dtypes}")
@@ -352,12 +353,13 @@ class GatherJobs:
     # ------------------------------------------------------------------ the table
 
     def encode(self, out: np.ndarray, layout: TableLayout, base: int, table: int) -> int:
-        """Write this launch's table into the flat int64 ``out`` (``layout.py``: the row count, the
-        records, the values) and return the row count. ``base``: the address every offset counts
+        """Write this launch's table into the flat int64 ``out`` (``layout.py``: the record count, the
+        records, the values) and return the record count (at most the recorded rows: a run of int
+        rows is one record). ``base``: the address every offset counts
         from (the launch's anchor, 16-byte aligned); ``table``: the address the kernel reads ``out``
         at (where value rows find their values).
 
-        Raises ``ValueError`` when the rows or values exceed ``layout``.
+        Raises ``ValueError`` when the records or values exceed ``layout``.
         """
         if self.n_values > layout.values:
             raise ValueError(f"{self.n_values} values exceed the table's {layout.values}")

@@ -35,7 +35,7 @@ class RowGather:
         self._max_float, self._max_int = int(max_float_rows), int(max_int_rows)
         self.table = torch.zeros(self.capacity.words, dtype=torch.int64, device=self.device)
         self.anchor = torch.zeros(8, dtype=dtype, device=self.device)  # every offset counts from its address
-        # a table per step, read in place; the fewest buffers the staging ring allows (7 words a row)
+        # a table per step, read in place: the least depth the staging ring allows (7 words a record)
         self._staging = PinnedStaging(1, self.capacity.words, self.device, depth=MIN_DEPTH)
         self._static_aligned: bool | None = None  # the alignment promise baked into a captured kernel
         self._resident = self.table
@@ -44,7 +44,8 @@ class RowGather:
     def _encode(self, resident: bool) -> tuple[torch.Tensor | None, int]:
         """Validate and encode the jobs: into the next pinned table (read in place), or with
         ``resident`` into the device table (through the pinned one). Returns the table the kernel
-        reads (None for the reference backend, which reads the jobs) and the row count."""
+        reads (None for the reference backend, which reads the jobs) and the record count (the
+        recorded rows for the reference)."""
         jobs = self.jobs
         if jobs.n_float > self._max_float or jobs.n_int > self._max_int or jobs.n_values > self.capacity.values:
             raise ValueError(f"{jobs.n_float} float rows / {jobs.n_int} int jobs / {jobs.n_values} values exceed "

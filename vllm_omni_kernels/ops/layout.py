@@ -39,7 +39,7 @@ whose address the encoder knows). A float row copies the launch's row width; an 
 elements, each int32 or int64 on either side (``INT_SRC64``, ``INT_DST64``), and int rows that lie
 end to end on both sides go as runs: a record of up to ``RUN_ELEMS`` elements from its first rows.
 A block of rows recorded with one call shares everything but the two rows, so the encoder writes a
-block with one broadcast and its two row lists, and the device does the arithmetic.
+block with one broadcast and its two row lists, and the device does the address arithmetic.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Triton row gather: every row of a table in one launch (``layout.py`` has the table and its
 records; ``gather/jobs.py`` makes them).
 
-Grid ``(rows, blocks)``: program ``(j, b)`` copies columns ``[b*BLOCK_F, (b+1)*BLOCK_F)`` of float row
-``j``, or a strided share of int row ``j``'s elements (offset + row * stride of each side, from its
-record). The row count is read from the table on the device, so a grid sized for more rows (a
-captured graph replayed with fewer) is correct: the extra programs exit. Float rows whose starts the
+Grid ``(records, blocks)``: program ``(j, b)`` copies columns ``[b*BLOCK_F, (b+1)*BLOCK_F)`` of record
+``j``'s float row, or a strided share of its int elements (a row, or a run of rows), addressed as
+offset + row * stride on each side. The record count is read from the table on the device, so a grid
+sized for more records (a captured graph replayed with fewer) is correct: the extra programs exit. Float rows whose starts the
 host has checked to be 16-byte aligned are copied with vector accesses (``ALIGN``).
 
 With programmatic dependent launch (``pdl.py``; ``PDL``) a program first waits for the kernel ahead
@@ -26,7 +26,7 @@ from .triton_launch import Launcher
 MAX_BLOCK_F = 2048
 ELEMS_PER_WARP = 512
 MAX_WARPS = 4
-BLOCK_I = layout.GATHER_THREADS * layout.GATHER_INT_PER_THREAD  # int elements per program at once
+BLOCK_I = layout.RUN_ELEMS  # int elements per program at once: a run record in one round trip
 ROW_WORDS = tl.constexpr(layout.ROW_WORDS)
 R_SRC = tl.constexpr(layout.R_SRC)
 R_SRC_STRIDE = tl.constexpr(layout.R_SRC_STRIDE)
@@ -84,9 +84,9 @@ def block_f(width: int) -> int:
 
 
 def row_gather(base, table, outputs, *, width: int, grid_rows: int, aligned: bool) -> None:
-    """Launch the gather over ``grid_rows`` rows (>= the table's row count) from ``base`` (the
+    """Launch the gather over ``grid_rows`` records (>= the table's count) from ``base`` (the
     anchor, at least 4 bytes: float offsets in its elements, int offsets in int32 words from its
-    address). ``outputs`` (the tensors the rows write) only document the launch here."""
+    address). ``outputs`` (the tensors the records write) only document the launch here."""
     if grid_rows == 0:
         return
     bf = block_f(width)

@@ -13,7 +13,10 @@ import torch
 
 _DEPTH = 64
 _EVENT_EVERY = 16
-MIN_DEPTH = 2 * _EVENT_EVERY  # a buffer's reuse must find an event recorded after its last use
+# The least depth at which a buffer's reuse always finds an event recorded after its last use that
+# is at least _EVENT_EVERY hand-outs old (17 would find one, but it could be the newest: a wait on
+# almost all queued work, a sync on the step's path whenever the device is a step behind).
+MIN_DEPTH = 2 * _EVENT_EVERY
 
 
 class PinnedStaging:
