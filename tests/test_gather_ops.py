@@ -33,7 +33,7 @@ def test_rows_far_apart_keep_every_bit_of_their_offsets(backend, monkeypatch):
 
 
 def test_the_table_holds_one_plain_record_per_row():
-    """The table is the row count, then ``GATHER_ROW`` records (each side's offset from the base in
+    """The table is the record count, then ``GATHER_ROW`` records (each side's offset from the base in
     float elements or int32 words, its row stride and its row; the count and the kind), then the
     values; read back with the dtype, every record is what was recorded."""
     j = GatherJobs(torch.bfloat16, 8, "cpu")

@@ -1,11 +1,12 @@
-"""Triton row gather: every row of a table in one launch (``layout.py`` has the table and its
+"""Triton row gather: every record of a table in one launch (``layout.py`` has the table and its
 records; ``gather/jobs.py`` makes them).
 
 Grid ``(records, blocks)``: program ``(j, b)`` copies columns ``[b*BLOCK_F, (b+1)*BLOCK_F)`` of record
 ``j``'s float row, or a strided share of its int elements (a row, or a run of rows), addressed as
 offset + row * stride on each side. The record count is read from the table on the device, so a grid
-sized for more records (a captured graph replayed with fewer) is correct: the extra programs exit. Float rows whose starts the
-host has checked to be 16-byte aligned are copied with vector accesses (``ALIGN``).
+sized for more records (a captured graph replayed with fewer) is correct: the extra programs exit.
+Float rows whose starts the host has checked to be 16-byte aligned are copied with vector accesses
+(``ALIGN``).
 
 With programmatic dependent launch (``pdl.py``; ``PDL``) a program first waits for the kernel ahead
 of it; the gather lets the next kernel start as its programs exit (as the CUDA kernel does).
