@@ -1,5 +1,5 @@
 """What the host and every kernel agree on, written once: the ring's metadata row and head word, the
-gather's job record, and the kernels' block shapes.
+gather's row record, and the kernels' block shapes.
 
 The Triton kernels and the host code import these names; the CUDA C++ kernels get them as
 ``-DVOK_...`` definitions (``cuda_defines()``): CMake asks ``python -m vllm_omni_kernels.ops.layout``
