@@ -92,13 +92,16 @@ def test_many_sources_of_two_int_widths_copy_as_the_reference(use_backend):
 
 
 def test_a_tensor_on_another_device_is_refused_by_name():
-    """A source on the meta device (device index -1, as a CPU tensor's) is refused when recorded."""
+    """A source or destination on the meta device (device index -1, as a CPU tensor's) is refused
+    when recorded, alone or among many sources."""
     j = GatherJobs(torch.float32, 8, "cpu")
     with pytest.raises(ValueError, match="source is on meta"):
         j.rows(torch.zeros(4, 8), 0, torch.empty(2, 8, device="meta"), 1)
     with pytest.raises(ValueError, match="destination is on meta"):
         j.ints(torch.empty(4, dtype=torch.int32, device="meta"), 0, torch.zeros(2, dtype=torch.int32), 1)
-    assert j.n_float == j.n_int == 0
+    with pytest.raises(ValueError, match=r"srcs\[1\]: source is on meta") as err:  # many sources at once
+        j.rows_each(torch.zeros(4, 8), np.array([0, 1]), [torch.zeros(1, 8), torch.empty(1, 8, device="meta")])
+    assert err.value.index == 1 and j.n_float == j.n_int == 0
 
 
 def test_consecutive_int_rows_go_as_runs():

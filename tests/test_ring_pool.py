@@ -442,3 +442,20 @@ def test_a_staging_ring_of_the_least_depth_always_has_an_event_after_a_buffers_l
         assert found is not None and count - MIN_DEPTH < found[0] <= count - _EVENT_EVERY
     with pytest.raises(ValueError, match="at least"):
         PinnedStaging(1, 4, torch.device("cpu"), depth=MIN_DEPTH - 1)
+
+
+def test_a_step_that_repeats_the_last_but_on_another_device_fails_its_requests_by_name():
+    """A batch of the last step's shape and requests but on the meta device (whose index, -1, is a
+    CPU tensor's) is not launched as a repeat: the planning path fails each request with its typed
+    error."""
+    pool = RingPool("audio", torch.float32, (), "cpu", S.CONCAT_LAST, budget_bytes=1 << 20, initial_frames=1024,
+                    max_slots=4)
+    ids = ["a", "b"]
+    for rid in ids:
+        pool.alloc(rid)
+    for _ in range(3):
+        assert not pool.append(ids, PaddedBatch(torch.randn(2, 16), [16, 16])).errors
+    assert pool.repeated_launches == 1
+    errors = pool.append(ids, PaddedBatch(torch.empty(2, 16, device="meta"), [16, 16])).errors
+    assert [(e.request_id, "on meta" in str(e)) for e in errors] == [("a", True), ("b", True)]
+    assert pool.repeated_launches == 1

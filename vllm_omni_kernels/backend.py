@@ -92,6 +92,18 @@ def _decide(raw: str | None, device_type: str) -> tuple[str, str]:
     return "torch", f"auto: no kernel backend available ({avail})"
 
 
+def on_device(device: torch.device):
+    """A test of whether a tensor is on ``device`` (CUDA with an index, or the CPU), made once by its
+    owner: hot paths call it per tensor without making a ``torch.device`` per call. The type is
+    checked with the index, as a meta tensor's index (-1) is a CPU tensor's."""
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return lambda t: t.is_cuda and t.get_device() == index
+    if device.type == "cpu":
+        return lambda t: t.is_cpu
+    return lambda t: t.device == device
+
+
 def kernel_backends() -> list[str]:
     """The kernel backends that can run here, in the benchmarks' order."""
     avail = _availability()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import backend
 from ..ops.layout import INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, R_DST_ROW, R_SRC_ROW, R_WORD, ROW_WORDS, RUN_ELEMS
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -71,6 +72,7 @@ class Sources:
 
 
 _DTYPE_OF, _SHAPE_OF = operator.attrgetter("dtype"), operator.attrgetter("shape")
+_IS_CPU = operator.attrgetter("is_cpu")
 
 
 def _read_sources(srcs: list[torch.Tensor], floating: bool) -> Sources:
@@ -132,6 +134,7 @@ class GatherJobs:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.is_cuda = self.device.type == "cuda"
+        self._on_device = backend.on_device(self.device)
         self._device_index = self.device.index if self.is_cuda else -1  # Tensor.get_device()'s (-1: CPU or meta)
         self.elem_size = self.dtype.itemsize
         self._vector = 16 // self.elem_size
@@ -155,7 +158,7 @@ class GatherJobs:
     def _check(self, t, what: str, dtypes, dims=(2,)) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
-        if t.get_device() != self._device_index or not (t.is_cuda if self.is_cuda else t.is_cpu):
+        if not self._on_device(t):
             raise ValueError(f"{what} is on {t.device}, the launch is on {self.device}")
         if t.dtype not in dtypes:
             raise TypeError(f"{what} has dtype {t.dtype}, expected one of {dtypes}")
@@ -260,7 +263,10 @@ class GatherJobs:
         one attribute at a time over all sources; None for any other block (``TypeError`` when a
         source is not a tensor)."""
         n, T = len(srcs), torch.Tensor
-        if set(map(T.get_device, srcs)) != {self._device_index} or not all(map(T.is_contiguous, srcs)):
+        # by index, one attribute over all sources; a CPU launch also by type (a meta tensor's index is
+        # a CPU tensor's -1; a CUDA index is no other device's in a CUDA build)
+        if set(map(T.get_device, srcs)) != {self._device_index} or not all(map(T.is_contiguous, srcs)) \
+                or (not self.is_cuda and not all(map(_IS_CPU, srcs))):
             return None
         shapes = set(map(_SHAPE_OF, srcs))
         width = self.width if floating else (dst.shape[1] if dst.dim() == 2 else 1)

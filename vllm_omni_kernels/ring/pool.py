@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import ops
+from .. import backend, ops
 from ..errors import TensorAccumulationError, TensorConsolidationError
 from ..modality import TensorAccumulationStrategy as Strategy
 from ..ops.layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, META_COLS, POS, SLOT, UNREAD
@@ -138,7 +138,7 @@ class RingPool:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._device_index = self.device.index if self.device.type == "cuda" else -1  # as Tensor.get_device()
+        self._on_device = backend.on_device(self.device)
         self.strategy = strategy
         self.last = strategy is Strategy.CONCAT_LAST
         self.growth = growth
@@ -439,7 +439,7 @@ class RingPool:
         if plan is not None:
             plan.wanted = False  # set again below when this step repeats it
         if plan is None or plan.version != self.version or ids != plan.ids or data.shape != plan.shape \
-                or data.dtype != self.dtype or data.get_device() != self._device_index or data.stride() != plan.stride:
+                or data.dtype != self.dtype or not self._on_device(data) or data.stride() != plan.stride:
             return False
         if isinstance(lengths, torch.Tensor):
             if lengths.device.type != "cpu":
