@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import backend
 from .errors import TensorAccumulationError, TensorConsolidationError
 from .modality import OutputModality, TensorAccumulationStrategy as Strategy, resolve_strategy
 from .payload import MultimodalPayload
@@ -78,9 +79,7 @@ class MultimodalAccumulator:
 
     def __init__(self, config: AccumulatorConfig | None = None, device: torch.device | str = "cpu"):
         self.config = config or AccumulatorConfig()
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = backend.resolve_device(device)
         self._pools: dict[tuple, RingPool] = {}
         self._requests: dict[str, _Request] = {}
         self.accumulation_errors = 0

@@ -92,6 +92,14 @@ def _decide(raw: str | None, device_type: str) -> tuple[str, str]:
     return "torch", f"auto: no kernel backend available ({avail})"
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``; a CUDA device without an index is the current one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def on_device(device: torch.device):
     """A test of whether a tensor is on ``device`` (CUDA with an index, or the CPU), made once by its
     owner: hot paths call it per tensor without making a ``torch.device`` per call. The type is

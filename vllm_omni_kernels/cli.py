@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--kinds", default="delta,cumulative,final_only", help="output kinds, taken in turn")
     sim.add_argument("--sync-check", action="store_true",
                      help="run every worker step under CUDA's sync-debug mode 'error': a host sync fails the run")
-    sim.add_argument("--cadence", type=int, default=4 * 1920,
-                     help="audio samples a streaming request receives at a time (the first chunk at once)")
+    sim.add_argument("--cadence", type=int, default=None,
+                     help="audio samples a streaming request receives at a time (the first chunk at once; "
+                          "default: four codec frames)")
     sim.add_argument("--device", default="auto", help="where the talker and the rings run: auto (GPU if present), "
                                                       "cpu, cuda")
     sim.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -79,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = SimConfig(requests=args.requests, concurrency=args.concurrency, max_frames=args.max_frames,
                     arrival_ms=args.arrival_ms, kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
-                    sync_check=args.sync_check, cadence=args.cadence, device=args.device,
-                    async_scheduling=args.async_scheduling, in_process=args.in_process,
+                    sync_check=args.sync_check, cadence=SimConfig.cadence if args.cadence is None else args.cadence,
+                    device=args.device, async_scheduling=args.async_scheduling, in_process=args.in_process,
                     paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()), out_dir=args.out,
                     seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
                     bad_every=args.bad_every)

@@ -130,9 +130,7 @@ class GatherJobs:
     def __post_init__(self):
         if self.dtype not in FLOAT_DTYPES:
             raise TypeError(f"float rows must be one of {FLOAT_DTYPES}, got {self.dtype}")
-        self.device = torch.device(self.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = backend.resolve_device(self.device)
         self.is_cuda = self.device.type == "cuda"
         self._on_device = backend.on_device(self.device)
         self._device_index = self.device.index if self.is_cuda else -1  # Tensor.get_device()'s (-1: CPU or meta)

@@ -135,9 +135,7 @@ class RingPool:
         self.dtype = dtype
         self.frame_shape = tuple(int(s) for s in frame_shape)
         self.frame_elems = math.prod(self.frame_shape)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = backend.resolve_device(device)
         self._on_device = backend.on_device(self.device)
         self.strategy = strategy
         self.last = strategy is Strategy.CONCAT_LAST

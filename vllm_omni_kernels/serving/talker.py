@@ -23,6 +23,7 @@ from torch import nn
 
 SAMPLE_RATE = 24_000
 FRAME_SAMPLES = 1920  # one 12.5 Hz codec frame at 24 kHz
+STREAM_CADENCE = 4 * FRAME_SAMPLES  # samples a streaming request gets at a time, by default (320 ms)
 CODEBOOKS = 8
 CODEBOOK_SIZE = 1024
 TEXT_VOCAB = 1024  # ids below this are text (the tokenizer's); codes are sampled as TEXT_VOCAB + code

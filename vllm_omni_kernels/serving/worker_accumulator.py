@@ -41,6 +41,7 @@ from itertools import repeat
 import numpy as np
 import torch
 
+from .. import backend
 from ..accumulator import EmitPolicy
 from ..errors import TensorAccumulationError
 from ..modality import TensorAccumulationStrategy as Strategy
@@ -202,9 +203,7 @@ class WorkerAccumulator:
 
     def __init__(self, keys: Sequence[OutputKey], device: torch.device | str, *, budget_bytes: int = 256 << 20,
                  max_requests: int = 1024, growth: bool = True):
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = backend.resolve_device(device)
         self.keys = list(keys)
         self.pools = [RingPool(k.name, k.dtype, k.frame_shape, self.device, k.strategy, budget_bytes=budget_bytes,
                                initial_frames=k.initial_frames, max_slots=max_requests, growth=growth)

@@ -43,6 +43,7 @@ from vllm.v1.executor import Executor
 from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 from vllm.v1.utils import APIServerProcessManager, wait_for_completion_or_failure
 
+from ..serving.talker import STREAM_CADENCE
 from . import speech
 from .llm import OmniAsyncLLM, omni_vllm_config, talker_processor_options, talker_stream_interval, warm_up
 from .worker import TalkerExecutor
@@ -60,7 +61,7 @@ def make_parser() -> FlexibleArgumentParser:
                    help="where the talker and the worker's rings run (auto: GPU if present)")
     g.add_argument("--talker-threads", type=int, default=None,
                    help="torch threads of a talker on the CPU (default: half the cores, or OMP_NUM_THREADS)")
-    g.add_argument("--cadence", type=int, default=4 * 1920,
+    g.add_argument("--cadence", type=int, default=STREAM_CADENCE,
                    help="audio samples a streaming request receives at a time (its first chunk at once); "
                         "0: every engine step")
     g.add_argument("--output-path", default="worker", choices=("worker", "upstream"),

@@ -62,7 +62,7 @@ class SimConfig:
     arrival_ms: float = 10.0  # mean gap between arrivals (exponential; 0: all at once)
     kinds: tuple[str, ...] = KINDS  # output kinds, taken in turn
     sync_check: bool = False  # run the worker's step under CUDA's sync-debug mode "error"
-    cadence: int = 4 * tk.FRAME_SAMPLES  # audio samples a streaming request gets at a time
+    cadence: int = tk.STREAM_CADENCE  # audio samples a streaming request gets at a time
     device: str = "auto"
     async_scheduling: bool | None = None  # None: on for a talker on CUDA, off on the CPU (llm.py)
     in_process: bool = False

@@ -66,7 +66,7 @@ _HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
 @dataclass
 class WorkerOptions:
     device: str = "auto"
-    cadence: int = 4 * tk.FRAME_SAMPLES
+    cadence: int = tk.STREAM_CADENCE
     output_path: str = "worker"
     bad_prompt_token: int | None = None
     sync_debug: bool = False
