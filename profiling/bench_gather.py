@@ -25,6 +25,9 @@ Paths (the hooks' and MTP's outputs are prepared tensors: only the data movement
                eager launch call alone (``launch_pre``/``launch_post``, recording excluded)
   copy_graph   one plain copy of the same float bytes per step, captured the same way (the copy
                bandwidth the kernels are compared with)
+  copy2_graph  with MTP: two plain copies in turn, of the bytes each launch moves (the post launch's
+               sources exist only after MTP, so any implementation makes two dependent launches);
+               also each launch alone in a graph against a copy of its own bytes (``per_launch``)
 
 Launches per step are counted with the CUDA profiler (kernels and memcpys) for every path, in a
 last pass after all timings: a profiler session leaves CUPTI attached to the process, and every
@@ -49,7 +52,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuda_timing import backend_variant, backend_variants, graph_us_per_step, host_floor_us, us_per_call  # noqa: E402
+from cuda_timing import (backend_variant, backend_variants, count_device_ops, graph_us_per_step,  # noqa: E402
+                         host_floor_us, us_per_call)
 from vllm_omni_kernels import backend  # noqa: E402
 from vllm_omni_kernels.gather import DecodeGather  # noqa: E402
 from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
@@ -57,32 +61,6 @@ from vllm_omni_kernels.profiling import nvtx_range  # noqa: E402
 Q = 16
 PREFILL_SPAN = 4
 DTYPE = torch.bfloat16
-
-
-def count_device_ops(fn, steps: int = 5) -> dict | None:
-    """Kernels and memcpys per step, from the CUDA profiler (None if the profiler is unavailable).
-    Call it only after the process's timings (see the module docstring)."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            torch.cuda.synchronize()
-        kernels = memcpys = 0
-        for e in prof.events():
-            if e.device_type.name != "CUDA":
-                continue
-            if "memcpy" in e.name.lower():
-                memcpys += 1
-            elif "memset" not in e.name.lower():
-                kernels += 1
-        return {"kernels": kernels / steps, "memcpys": memcpys / steps}
-    except (RuntimeError, AssertionError, ImportError) as exc:  # profiler missing on the device image
-        print(f"  (profiler unavailable: {exc})", flush=True)
-        return None
 
 
 class Scenario:
@@ -304,6 +282,28 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     dst = torch.empty_like(src)
     runs = graph_us_per_step(functools.partial(dst.copy_, src), graph_steps, repeats)
     record("copy_graph", runs, {"kernels": 1, "memcpys": 0}, "the same float bytes, one copy_")
+    if sc.mtp:  # the post launch moves the MTP embeddings, one row per decode row
+        pre, post = src[:rows - sc.n_dec], src[rows - sc.n_dec:]
+        pre_out, post_out = dst[:rows - sc.n_dec], dst[rows - sc.n_dec:]
+
+        def two_copies():
+            pre_out.copy_(pre)
+            post_out.copy_(post)
+
+        runs = graph_us_per_step(two_copies, graph_steps, repeats)
+        record("copy2_graph", runs, {"kernels": 2, "memcpys": 0}, "each launch's float bytes, two copy_ in turn")
+        res["ours_vs_two_copies"] = res["paths"]["copy2_graph"]["us_per_step_median"] / \
+            res["paths"]["ours_graph"]["us_per_step_median"]
+        # each launch alone against a copy of its own bytes (the default backend)
+        (pre_gather, pre_grid), (post_gather, post_grid) = sc.static_step()[1]
+        res["per_launch"] = {}
+        for label, gather, grid, copy in (("pre", pre_gather, pre_grid, functools.partial(pre_out.copy_, pre)),
+                                          ("post", post_gather, post_grid, functools.partial(post_out.copy_, post))):
+            k = statistics.median(graph_us_per_step(functools.partial(gather.run_static, grid), graph_steps, repeats))
+            c = statistics.median(graph_us_per_step(copy, graph_steps, repeats))
+            res["per_launch"][label] = {"us": k, "copy_us": c, "vs_copy": c / k}
+            print(f"  {kind:8s} B={B:5d} H={H} {label} launch alone {k:6.2f} us, a copy of its bytes {c:6.2f} us "
+                  f"({100 * c / k:5.1f}%)", flush=True)
     step_bytes = 2 * rows * H * es
     k = res["paths"]["ours_graph"]["us_per_step_median"]
     c = res["paths"]["copy_graph"]["us_per_step_median"]
@@ -365,14 +365,17 @@ def main() -> None:
               f"index {p['index_copy']['us_per_step_median']:7.1f}  eager {p['ours_eager']['us_per_step_median']:6.1f} "
               f"({r['speedup_vs_row_loop']['ours_eager']:6.1f}x)  graph {p['ours_graph']['us_per_step_median']:6.2f} "
               f"({r['ours_graph_us_per_launch']:5.2f}/launch, {r['speedup_vs_row_loop']['ours_graph']:7.1f}x)  "
-              f"{r['ours_GBps']:6.0f} GB/s = {100 * r['ours_vs_copy']:5.1f}% of copy ({r['copy_GBps']:.0f})")
+              f"{r['ours_GBps']:6.0f} GB/s = {100 * r['ours_vs_copy']:5.1f}% of copy ({r['copy_GBps']:.0f})"
+              + (f", {100 * r['ours_vs_two_copies']:5.1f}% of two copies in turn" if "ours_vs_two_copies" in r else ""))
         for name, gbps in r["GBps_by_backend"].items():
             print(f"          {name:6s}: eager {p[f'ours_eager[{name}]']['us_per_step_median']:7.1f} us/step "
                   f"({r['eager_launch_host_us'][name]:5.2f} us per launch call, "
                   f"floor {r['host_floor_us'][name]:5.2f}), graph "
                   f"{p[f'ours_graph[{name}]']['us_per_step_median']:6.2f} us/step "
                   f"({p[f'ours_graph[{name}]']['us_per_step_median'] / (2 if r['kind'] != 'non_mtp' else 1):5.2f}"
-                  f"/launch) = {100 * gbps / r['copy_GBps']:5.1f}% of copy")
+                  f"/launch) = {100 * gbps / r['copy_GBps']:5.1f}% of copy"
+                  + (f", {100 * p['copy2_graph']['us_per_step_median'] / p[f'ours_graph[{name}]']['us_per_step_median']:5.1f}"
+                     "% of two copies in turn" if "copy2_graph" in p else ""))
     print(f"wrote {out}")
 
 

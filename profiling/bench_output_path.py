@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--streams", default="64,256")
     ap.add_argument("--frames", type=int, default=40, help="frames per request (80 ms each)")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--cadence", type=int, default=4 * tk.FRAME_SAMPLES)
+    ap.add_argument("--cadence", type=int, default=tk.STREAM_CADENCE)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", choices=("worker", "frontend"), default=None,

@@ -67,9 +67,9 @@ def host_floor_us(calls: int) -> float:
     return (time.perf_counter() - t0) * 1e6 / calls
 
 
-def kernel_device_us(fn, name_part: str) -> list[float]:
-    """Device microseconds of every kernel whose name contains ``name_part`` launched by one run of
-    ``fn()``, from the CUDA profiler (sorted; empty if the profiler is unavailable).
+def cuda_events(fn, runs: int = 1) -> list | None:
+    """The CUDA profiler's device events of ``runs`` runs of ``fn()`` (None if the profiler is
+    unavailable on this image).
 
     The session leaves CUPTI attached to the process when it ends (Kineto finalizes it only under
     ``TEARDOWN_CUPTI=1``), and every later kernel launch pays for its callbacks: call this after
@@ -79,13 +79,31 @@ def kernel_device_us(fn, name_part: str) -> list[float]:
     torch.cuda.synchronize()
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
-            fn()
+            for _ in range(runs):
+                fn()
             torch.cuda.synchronize()
     except (RuntimeError, AssertionError) as exc:  # no CUPTI on this image
         print(f"  (profiler unavailable: {exc})", flush=True)
-        return []
-    return sorted(getattr(e, "device_time", None) or e.cuda_time for e in trace.events()
-                  if e.device_type.name == "CUDA" and name_part in e.name)
+        return None
+    return [e for e in trace.events() if e.device_type.name == "CUDA"]
+
+
+def kernel_device_us(fn, name_part: str) -> list[float]:
+    """Device microseconds of every kernel whose name contains ``name_part`` launched by one run of
+    ``fn()`` (sorted; empty if the profiler is unavailable). See ``cuda_events``."""
+    events = cuda_events(fn) or []
+    return sorted(getattr(e, "device_time", None) or e.cuda_time for e in events if name_part in e.name)
+
+
+def count_device_ops(fn, steps: int = 5) -> dict | None:
+    """Kernels and memcpys per run of ``fn()`` (None if the profiler is unavailable). See ``cuda_events``."""
+    fn()
+    events = cuda_events(fn, steps)
+    if events is None:
+        return None
+    memcpys = sum("memcpy" in e.name.lower() for e in events)
+    kernels = sum("memcpy" not in e.name.lower() and "memset" not in e.name.lower() for e in events)
+    return {"kernels": kernels / steps, "memcpys": memcpys / steps}
 
 
 def copy_in_graph_ms(src: torch.Tensor, steps: int, repeats: int) -> list[float]:
