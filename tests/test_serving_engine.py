@@ -106,6 +106,18 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
         assert a.multimodal.tensors["codes"].equal(b.multimodal.tensors["codes"])
 
 
+def test_an_in_process_caller_that_keeps_its_audio_holds_no_buffer_of_the_worker(tmp_path):
+    """In process the frontend cuts each step's pieces from a copy of the step's buffer, so the
+    worker reuses its buffers however long the caller keeps the audio (simulate keeps every
+    request's until its check): with views of the worker's own buffers it allocated one for most
+    steps that had data."""
+    cfg = SimConfig(requests=48, concurrency=8, max_frames=10, paths=("worker",), in_process=True, device="cpu",
+                    out_dir=str(tmp_path), progress=False, write_wavs=False)
+    s = run(cfg)["paths"]["worker"]
+    assert s["finished_exact"] + s["aborted_checked"] == 48 and s["slots_held_after"] == 0
+    assert s["engine_steps"] > 100 and s["host_buffers_allocated"] <= 4
+
+
 def test_a_cpu_talker_leaves_half_the_cores_to_the_api_servers():
     assert talker_cpu_threads(None, environ={}, cores=16) == 8
     assert talker_cpu_threads(None, environ={}, cores=1) == 1

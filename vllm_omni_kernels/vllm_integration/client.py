@@ -7,7 +7,8 @@ the decoder when it starts, inside or right after construction: a decoder set on
 never used. Here the decoder is ``OmniMsgpackDecoder`` from construction on: ``OmniDecoding`` sits
 between vLLM's ``SyncMPClient``/``AsyncMPClient`` and ``MPClient`` and sets it as soon as
 ``MPClient.__init__`` made vLLM's, before anything can take it. The in-process client gets the
-scheduler's own objects and only cuts their regions into each output's pieces.
+scheduler's own objects, copies the step's buffer and cuts the regions of the copy into each
+output's pieces.
 
 ``OmniLLM``/``OmniAsyncLLM`` (``llm.py``) build these; nothing else needs to.
 """
@@ -54,10 +55,19 @@ class OmniAsyncMPClient(AsyncMPClient, OmniDecoding):
 
 
 class OmniInprocClient(InprocClient):
-    """vLLM's in-process client; the engine core's outputs get their pieces of the step's buffer."""
+    """vLLM's in-process client; the engine core's outputs get their pieces of a copy of the step's
+    buffer, as a multiprocess client gets them of the message it received.
+
+    The step's buffer is the worker's pinned memory, reused once nothing refers to it. Views of it
+    in a caller's hands would keep every step's buffer (all of that step's requests' data) alive
+    for as long as the caller keeps any one request's audio, and the worker would allocate pinned
+    memory (about a millisecond, with the host waiting) on every step: the copy is one ``memcpy``
+    of the step's due data."""
 
     def get_output(self):
         outputs = super().get_output()
         if isinstance(outputs, OmniEngineCoreOutputs):
+            if outputs.multimodal_buffer is not None:
+                outputs.multimodal_buffer = outputs.multimodal_buffer.clone()
             resolve_regions(outputs)
         return outputs

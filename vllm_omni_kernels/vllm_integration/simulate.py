@@ -186,6 +186,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "wire_bytes_per_step": client["bytes"] / messages,
         "streams_per_step": engine_stats["samples"] / tk.FRAME_SAMPLES / max(engine_stats["steps"], 1),
         "engine_steps": engine_stats["steps"], "pools_after": engine_stats["accumulator"]["pools"],
+        "host_buffers_allocated": engine_stats["accumulator"]["pinned_allocations"],
         "slots_held_after": sum(p["slots_used"] for p in engine_stats["accumulator"]["pools"].values()),
         "seconds_total": time.perf_counter() - t_start,
     }
