@@ -1,5 +1,7 @@
 """WorkerAccumulator: what each output kind receives, the cadence, one copy per step, failures."""
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -182,6 +184,21 @@ def test_host_buffers_handed_back_on_other_threads_are_reused_only_when_free():
         handed.put(None)
         thread.join()
     assert buffers.allocations < 3000
+
+
+def test_host_buffers_kept_by_a_caller_are_reported_once(caplog):
+    """A caller that keeps every step's buffer makes the worker allocate one a step: said once."""
+    from vllm_omni_kernels.serving.worker_accumulator import _HostBuffers
+
+    buffers = _HostBuffers(keep=4, pinned=False)
+    kept = []
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_kernels.serving.worker_accumulator"):
+        for _ in range(100):
+            host, note_copy = buffers.take(4096)
+            note_copy(None)
+            kept.append(host)
+    assert buffers.allocations == 100
+    assert [r.getMessage().split(" host buffers")[0] for r in caplog.records] == ["64"]
 
 
 def test_host_buffer_is_not_reused_while_anything_made_of_it_lives():

@@ -31,6 +31,7 @@ user's hands) and costs no ``cudaHostAlloc`` per step. On a CPU device the pack 
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import weakref
@@ -49,6 +50,9 @@ from ..profiling import nvtx_range
 from ..ring import PaddedBatch, RingPool
 
 _ALIGN = 16  # every span starts on a 16-byte boundary of the buffer (any dtype can view it)
+_ALLOCATIONS_WARNED = 64  # host buffers in flight at once: more means a caller keeps them
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,10 @@ class _HostBuffers:
                 break
         if buffer is None:
             self.allocations += 1
+            if self.allocations == _ALLOCATIONS_WARNED:
+                logger.warning("%d host buffers allocated for the steps' copies: something keeps views of earlier "
+                               "steps' buffers (a PackedStep's host tensor, or pieces of it); copy what is kept",
+                               self.allocations)
             buffer = torch.empty(max(1 << (max(nbytes, 1) - 1).bit_length(), 1 << 20), dtype=torch.uint8,
                                  pin_memory=self._pinned)
         copied: list[torch.cuda.Event | None] = [None]
