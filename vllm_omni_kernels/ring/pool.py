@@ -248,12 +248,14 @@ class RingPool:
         return slot
 
     def slots(self, request_ids: Sequence[str]) -> np.ndarray:
-        """The requests' slots (``_lookup``); raises the first request's TensorAccumulationError (one
-        without a slot, or one named twice)."""
-        errors: list[TensorAccumulationError] = []
-        slots, _ = self._lookup(request_ids, errors)
-        if errors:
-            raise errors[0]
+        """The requests' slots (TensorAccumulationError for one without)."""
+        ids = tuple(request_ids)
+        cached, slots, version = self._ids_cache
+        if version == self.version and cached == ids:
+            return slots
+        slots = np.fromiter(map(self._owner.get, ids, repeat(-1)), np.int64, len(ids))
+        if len(slots) and slots.min() < 0:
+            self.slot_of(ids[int(np.argmin(slots))])  # raises, naming the request
         return slots
 
     def room(self, slots: np.ndarray) -> int:
