@@ -50,7 +50,7 @@ from ..profiling import nvtx_range
 from ..ring import PaddedBatch, RingPool
 
 _ALIGN = 16  # every span starts on a 16-byte boundary of the buffer (any dtype can view it)
-_ALLOCATIONS_WARNED = 64  # host buffers in flight at once: more means a caller keeps them
+_BUFFERS_WARNED = 64  # host buffers alive at once (in use or free): more means a caller keeps them
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +162,8 @@ class _HostBuffers:
         self._returned: queue.SimpleQueue = queue.SimpleQueue()  # given back on any thread
         self._keep = keep
         self.allocations = 0  # cudaHostAlloc calls so far (it should stop growing after the first steps)
+        self.alive = 0  # buffers allocated and not yet dropped from the free list
+        self._warned = False
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, Callable[[torch.cuda.Event], None]]:
         """A pinned uint8 host tensor of ``nbytes``, and the function that records its copy's event."""
@@ -170,6 +172,7 @@ class _HostBuffers:
             self._free.append((buffer, copied[0]))
         if len(self._free) > self._keep:  # keep the largest few
             self._free.sort(key=lambda item: item[0].numel())
+            self.alive -= len(self._free) - self._keep
             del self._free[:len(self._free) - self._keep]
         buffer = None
         for i, (candidate, event) in enumerate(self._free):
@@ -178,10 +181,12 @@ class _HostBuffers:
                 break
         if buffer is None:
             self.allocations += 1
-            if self.allocations == _ALLOCATIONS_WARNED:
-                logger.warning("%d host buffers allocated for the steps' copies: something keeps views of earlier "
+            self.alive += 1
+            if self.alive >= _BUFFERS_WARNED and not self._warned:
+                self._warned = True
+                logger.warning("%d host buffers of the steps' copies are alive: something keeps views of earlier "
                                "steps' buffers (a PackedStep's host tensor, or pieces of it); copy what is kept",
-                               self.allocations)
+                               self.alive)
             buffer = torch.empty(max(1 << (max(nbytes, 1) - 1).bit_length(), 1 << 20), dtype=torch.uint8,
                                  pin_memory=self._pinned)
         copied: list[torch.cuda.Event | None] = [None]
