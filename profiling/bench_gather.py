@@ -282,28 +282,8 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     dst = torch.empty_like(src)
     runs = graph_us_per_step(functools.partial(dst.copy_, src), graph_steps, repeats)
     record("copy_graph", runs, {"kernels": 1, "memcpys": 0}, "the same float bytes, one copy_")
-    if sc.mtp:  # the post launch moves the MTP embeddings, one row per decode row
-        pre, post = src[:rows - sc.n_dec], src[rows - sc.n_dec:]
-        pre_out, post_out = dst[:rows - sc.n_dec], dst[rows - sc.n_dec:]
-
-        def two_copies():
-            pre_out.copy_(pre)
-            post_out.copy_(post)
-
-        runs = graph_us_per_step(two_copies, graph_steps, repeats)
-        record("copy2_graph", runs, {"kernels": 2, "memcpys": 0}, "each launch's float bytes, two copy_ in turn")
-        res["ours_vs_two_copies"] = res["paths"]["copy2_graph"]["us_per_step_median"] / \
-            res["paths"]["ours_graph"]["us_per_step_median"]
-        # each launch alone against a copy of its own bytes (the default backend)
-        (pre_gather, pre_grid), (post_gather, post_grid) = sc.static_step()[1]
-        res["per_launch"] = {}
-        for label, gather, grid, copy in (("pre", pre_gather, pre_grid, functools.partial(pre_out.copy_, pre)),
-                                          ("post", post_gather, post_grid, functools.partial(post_out.copy_, post))):
-            k = statistics.median(graph_us_per_step(functools.partial(gather.run_static, grid), graph_steps, repeats))
-            c = statistics.median(graph_us_per_step(copy, graph_steps, repeats))
-            res["per_launch"][label] = {"us": k, "copy_us": c, "vs_copy": c / k}
-            print(f"  {kind:8s} B={B:5d} H={H} {label} launch alone {k:6.2f} us, a copy of its bytes {c:6.2f} us "
-                  f"({100 * c / k:5.1f}%)", flush=True)
+    if sc.mtp:
+        mtp_baselines(sc, src, dst, res, record, graph_steps, repeats)
     step_bytes = 2 * rows * H * es
     k = res["paths"]["ours_graph"]["us_per_step_median"]
     c = res["paths"]["copy_graph"]["us_per_step_median"]
@@ -317,6 +297,34 @@ def bench(kind: str, B: int, H: int, steps: int, repeats: int, graph_steps: int)
     del src, dst, sc
     torch.cuda.empty_cache()
     return res
+
+
+def mtp_baselines(sc: Scenario, src: torch.Tensor, dst: torch.Tensor, res: dict, record, graph_steps: int,
+                  repeats: int) -> None:
+    """A step with MTP: two plain copies in turn of the float bytes each launch moves (``copy2_graph``)
+    and each launch alone against a copy of its own float bytes (``per_launch``, the default
+    backend). The post launch's float rows are the MTP embeddings, one per decode row; its codes are
+    ints, which these copies leave out, as every figure here counts float bytes."""
+    split = src.shape[0] - sc.n_dec
+    pre, post, pre_out, post_out = src[:split], src[split:], dst[:split], dst[split:]
+
+    def two_copies():
+        pre_out.copy_(pre)
+        post_out.copy_(post)
+
+    runs = graph_us_per_step(two_copies, graph_steps, repeats)
+    record("copy2_graph", runs, {"kernels": 2, "memcpys": 0}, "each launch's float bytes, two copy_ in turn")
+    res["ours_vs_two_copies"] = res["paths"]["copy2_graph"]["us_per_step_median"] / \
+        res["paths"]["ours_graph"]["us_per_step_median"]
+    (pre_gather, pre_grid), (post_gather, post_grid) = sc.static_step()[1]
+    res["per_launch"] = {}
+    for label, gather, grid, copy in (("pre", pre_gather, pre_grid, functools.partial(pre_out.copy_, pre)),
+                                      ("post", post_gather, post_grid, functools.partial(post_out.copy_, post))):
+        k = statistics.median(graph_us_per_step(functools.partial(gather.run_static, grid), graph_steps, repeats))
+        c = statistics.median(graph_us_per_step(copy, graph_steps, repeats))
+        res["per_launch"][label] = {"us": k, "copy_us": c, "vs_copy": c / k}
+        print(f"  {sc.kind:8s} B={sc.B:5d} H={sc.H} {label} launch alone {k:6.2f} us, a copy of its bytes {c:6.2f} us "
+              f"({100 * c / k:5.1f}%)", flush=True)
 
 
 def count_ops(res: dict) -> None:

@@ -1,4 +1,5 @@
-"""CUDA-event timing shared by ``bench_ring.py`` and ``bench_gather.py``."""
+"""Timing shared by ``bench_ring.py`` and ``bench_gather.py``: CUDA events, CUDA graphs, the host floor,
+the CUDA profiler's device events and the backend variants."""
 
 from __future__ import annotations
 
@@ -74,15 +75,15 @@ def cuda_events(fn, runs: int = 1) -> list | None:
     The session leaves CUPTI attached to the process when it ends (Kineto finalizes it only under
     ``TEARDOWN_CUPTI=1``), and every later kernel launch pays for its callbacks: call this after
     the process's host-time measurements, never between them."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.cuda.synchronize()
     try:
+        from torch.profiler import ProfilerActivity, profile
+
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
             for _ in range(runs):
                 fn()
             torch.cuda.synchronize()
-    except (RuntimeError, AssertionError) as exc:  # no CUPTI on this image
+    except (RuntimeError, AssertionError, ImportError) as exc:  # no CUPTI (or profiler) on this image
         print(f"  (profiler unavailable: {exc})", flush=True)
         return None
     return [e for e in trace.events() if e.device_type.name == "CUDA"]

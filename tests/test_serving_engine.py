@@ -108,9 +108,9 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
 
 def test_an_in_process_caller_that_keeps_its_audio_holds_no_buffer_of_the_worker(tmp_path):
     """In process the frontend cuts each step's pieces from a copy of the step's buffer, so the
-    worker reuses its buffers however long the caller keeps the audio (simulate keeps every
-    request's until its check): with views of the worker's own buffers it allocated one for most
-    steps that had data."""
+    worker reuses its buffers however long the caller keeps the audio (simulate keeps a FINAL_ONLY
+    request's until its check): with views of the worker's own buffers this run allocated about
+    two dozen."""
     cfg = SimConfig(requests=48, concurrency=8, max_frames=10, paths=("worker",), in_process=True, device="cpu",
                     out_dir=str(tmp_path), progress=False, write_wavs=False)
     s = run(cfg)["paths"]["worker"]
