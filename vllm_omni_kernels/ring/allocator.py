@@ -1,11 +1,11 @@
 """Buddy allocator over a fixed arena, in units of frames.
 
 Regions are powers of two times ``min_frames``; freeing merges buddies back, so a pool that served
-many short requests can still hand one long request a large region. A freed region of the smallest
-size (every new request's) is kept aside unmerged and handed out first: a serving pool that starts
-and finishes requests every step splits and merges nothing, and the kept regions are merged as soon
-as a larger region cannot be found without them. Purely host-side bookkeeping: it never touches
-device memory.
+many short requests can still hand one long request a large region. A freed region is kept aside
+unmerged and handed out first to a request of its size: a serving pool that starts and finishes
+requests of a few sizes every step (a new request's smallest region, a FINAL_ONLY request's region
+sized for all it will hold) splits and merges nothing, and the kept regions are merged as soon as a
+region cannot be found without them. Purely host-side bookkeeping: it never touches device memory.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class BuddyAllocator:
         self._heaps: list[list[int]] = [sorted(f) for f in self._free]  # the free offsets, lowest first
         # (lazily: an offset taken out of a set by a merge stays in its heap until popped)
         self._live: dict[int, int] = {}  # offset -> order
-        self._kept: list[int] = []  # freed smallest regions, not merged yet
+        self._kept: list[list[int]] = [[] for _ in range(self.max_order + 1)]  # freed regions by order, unmerged
+        self._n_kept = 0
         self.used_frames = 0
 
     def _initial_blocks(self, blocks: int) -> list[set[int]]:
@@ -64,16 +65,18 @@ class BuddyAllocator:
         order = self.order_for(frames)
         if order > self.max_order:
             return None
-        if order == 0 and self._kept:
-            offset = self._kept.pop()
-            self._live[offset] = 0
-            self.used_frames += self.min_frames
-            return offset, self.min_frames
+        kept = self._kept[order]
+        if kept:
+            offset = kept.pop()
+            self._n_kept -= 1
+            self._live[offset] = order
+            self.used_frames += self.frames_of(order)
+            return offset, self.frames_of(order)
         k = order
         while k <= self.max_order and not self._free[k]:
             k += 1
         if k > self.max_order:
-            if not self._kept:
+            if not self._n_kept:
                 return None
             self._merge_kept()
             return self.alloc(frames)
@@ -88,15 +91,15 @@ class BuddyAllocator:
     def free(self, offset: int) -> None:
         order = self._live.pop(offset)  # KeyError on a region not handed out: a caller bug
         self.used_frames -= self.frames_of(order)
-        if order == 0:
-            self._kept.append(offset)
-        else:
-            self._merge(offset, order)
+        self._kept[order].append(offset)
+        self._n_kept += 1
 
     def _merge_kept(self) -> None:
-        for offset in self._kept:
-            self._merge(offset, 0)
-        self._kept.clear()
+        for order, kept in enumerate(self._kept):
+            for offset in kept:
+                self._merge(offset, order)
+            kept.clear()
+        self._n_kept = 0
 
     def _merge(self, offset: int, order: int) -> None:
         """Return a free region, merged with its free buddies."""
