@@ -36,7 +36,6 @@ class BuddyAllocator:
         # (lazily: an offset taken out of a set by a merge stays in its heap until popped)
         self._live: dict[int, int] = {}  # offset -> order
         self._kept: list[list[int]] = [[] for _ in range(self.max_order + 1)]  # freed regions by order, unmerged
-        self._n_kept = 0
         self.used_frames = 0
 
     def _initial_blocks(self, blocks: int) -> list[set[int]]:
@@ -68,7 +67,6 @@ class BuddyAllocator:
         kept = self._kept[order]
         if kept:
             offset = kept.pop()
-            self._n_kept -= 1
             self._live[offset] = order
             self.used_frames += self.frames_of(order)
             return offset, self.frames_of(order)
@@ -76,7 +74,7 @@ class BuddyAllocator:
         while k <= self.max_order and not self._free[k]:
             k += 1
         if k > self.max_order:
-            if not self._n_kept:
+            if not any(self._kept):
                 return None
             self._merge_kept()
             return self.alloc(frames)
@@ -92,14 +90,12 @@ class BuddyAllocator:
         order = self._live.pop(offset)  # KeyError on a region not handed out: a caller bug
         self.used_frames -= self.frames_of(order)
         self._kept[order].append(offset)
-        self._n_kept += 1
 
     def _merge_kept(self) -> None:
         for order, kept in enumerate(self._kept):
             for offset in kept:
                 self._merge(offset, order)
             kept.clear()
-        self._n_kept = 0
 
     def _merge(self, offset: int, order: int) -> None:
         """Return a free region, merged with its free buddies."""
