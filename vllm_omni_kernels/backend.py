@@ -105,7 +105,7 @@ def on_device(device: torch.device):
     owner: hot paths call it per tensor without making a ``torch.device`` per call. The type is
     checked with the index, as a meta tensor's index (-1) is a CPU tensor's."""
     if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
+        index = resolve_device(device).index
         return lambda t: t.is_cuda and t.get_device() == index
     if device.type == "cpu":
         return lambda t: t.is_cpu
