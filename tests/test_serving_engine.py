@@ -184,3 +184,18 @@ def test_a_client_behind_the_engine_hands_every_step_to_its_streams_before_the_n
     for rid, sizes in pieces.items():
         assert sum(sizes) == frames * tk.FRAME_SAMPLES, rid
         assert set(sizes) == {tk.FRAME_SAMPLES}, (rid, sizes)  # no output carries two steps' audio
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_preempted_for_kv_cache_are_recomputed_and_lose_nothing(tmp_path, async_scheduling):
+    """A KV cache of 16 blocks for 32 streams of up to 100 tokens: vLLM preempts running requests and
+    recomputes them (in chunks of at most 32 tokens, with no prefix cache to shorten the
+    recomputation) when blocks come free. Their rows and slots stay; every sample is still exact."""
+    cfg = SimConfig(requests=120, concurrency=32, min_frames=20, max_frames=60, abort_every=10,
+                    cadence=2 * tk.FRAME_SAMPLES, device="cpu", async_scheduling=async_scheduling, paths=("worker",),
+                    out_dir=str(tmp_path), progress=False, write_wavs=False,
+                    engine_args={"num_gpu_blocks_override": 16, "max_model_len": 128, "max_num_batched_tokens": 32,
+                                 "enable_prefix_caching": False})
+    s = run(cfg)["paths"]["worker"]
+    assert s["requests_resumed"] >= 20  # preempted, then scheduled again
+    assert s["finished_exact"] == 108 and s["aborted_checked"] == 12 and s["slots_held_after"] == 0

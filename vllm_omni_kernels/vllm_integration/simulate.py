@@ -15,7 +15,10 @@ Reported per path (``summary.json``, one PNG): audio seconds per wall second, ti
 how late the client's event loop runs (p50/p99/max: outputs wait that long when the client is busy)
 and its longest garbage collection,
 engine step time, the worker's output-path host time per step, the frontend's multimodal time per
-step, device-to-host copies per step and bytes on the wire per step.
+step, device-to-host copies per step, bytes on the wire per step and the requests that vLLM preempted
+and later resumed (``requests_resumed``: a KV cache too small for the load, say
+``engine_args={"num_gpu_blocks_override": 16}``, makes vLLM preempt running requests and recompute
+them; their audio goes on where it stopped).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class SimConfig:
     seed: int = 0
     progress: bool = True
     write_wavs: bool = True
+    engine_args: dict = dataclasses.field(default_factory=dict)  # more of vLLM's engine arguments, over ours
 
 
 @dataclasses.dataclass
@@ -139,12 +143,11 @@ def _engine_args(cfg: SimConfig, path: str, model: Path):
     omni = {"sync_debug": cfg.sync_check}
     if cfg.bad_every and path == "worker":
         omni["bad_prompt_token"] = 1  # "<s>", in no other prompt
-    extra = {"omni": omni}
+    kwargs = {"max_num_seqs": max(cfg.concurrency, 8), "disable_log_stats": True,
+              "async_scheduling": cfg.async_scheduling, **cfg.engine_args}
     return talker_engine_args(model, device=cfg.device, cadence=cfg.cadence, output_path=path,
-                              max_num_seqs=max(cfg.concurrency, 8), disable_log_stats=True,
-                              async_scheduling=cfg.async_scheduling,
                               args_cls=EngineArgs if cfg.in_process else AsyncEngineArgs,
-                              additional_config=extra)
+                              additional_config={"omni": omni}, **kwargs)
 
 
 def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path) -> dict:
@@ -185,7 +188,8 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "d2h_copies_per_step": engine_stats["copies"] / steps,
         "wire_bytes_per_step": client["bytes"] / messages,
         "streams_per_step": engine_stats["samples"] / tk.FRAME_SAMPLES / max(engine_stats["steps"], 1),
-        "engine_steps": engine_stats["steps"], "pools_after": engine_stats["accumulator"]["pools"],
+        "engine_steps": engine_stats["steps"], "requests_resumed": engine_stats["resumed"],
+        "pools_after": engine_stats["accumulator"]["pools"],
         "host_buffers_allocated": engine_stats["accumulator"]["pinned_allocations"],
         "slots_held_after": sum(p["slots_used"] for p in engine_stats["accumulator"]["pools"].values()),
         "seconds_total": time.perf_counter() - t_start,

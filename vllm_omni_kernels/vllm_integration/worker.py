@@ -153,7 +153,7 @@ class TalkerWorker:
                                      budget_bytes=self.options.pool_budget_bytes, max_requests=self.max_requests)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
         self._pending: _StepOutput | None = None
-        self.stats = {"steps": 0, "output_steps": 0, "host_bytes": 0, "samples": 0}
+        self.stats = {"steps": 0, "output_steps": 0, "host_bytes": 0, "samples": 0, "resumed": 0}
         self._upstream_copies = 0
         self._output_path_us: deque[float] = deque(maxlen=_HISTORY)  # the latest steps: a server runs for long
         self._step_starts: deque[float] = deque(maxlen=_HISTORY)
@@ -254,6 +254,7 @@ class TalkerWorker:
         for i, rid in enumerate(cached.req_ids):
             if rid in cached.resumed_req_ids and rid in self._row:  # preempted, now recomputed
                 self._computed[self._row[rid]] = cached.num_computed_tokens[i]
+                self.stats["resumed"] += 1
         return opened
 
     def _admit(self, new_reqs) -> list[str]:
