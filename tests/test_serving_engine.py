@@ -60,12 +60,14 @@ def test_two_hundred_streams_over_zmq_every_sample_exact(tmp_path):
     """Under async scheduling (vLLM's AsyncScheduler), which a CPU talker has only when asked for:
     the other engine tests here, the main job's and the speech server's run the CPU default."""
     cfg = SimConfig(requests=200, concurrency=32, min_frames=2, max_frames=9, abort_every=10, bad_every=50,
-                    cadence=2 * tk.FRAME_SAMPLES, device="cpu", async_scheduling=True, paths=("worker",),
+                    stop_every=7, cadence=2 * tk.FRAME_SAMPLES, device="cpu", async_scheduling=True, paths=("worker",),
                     out_dir=str(tmp_path), progress=False, write_wavs=False)
     s = run(cfg)["paths"]["worker"]
     assert s["async_scheduling"] is True
     assert s["requests"] == 200 and s["failed_as_expected"] == 4 and s["aborted_checked"] == 20
-    assert s["finished_exact"] == 176  # every sample of every finished request (simulate._check raises otherwise)
+    # every sample of every finished request, its length and finish reason (simulate._check raises
+    # otherwise): 25 of them end on a stop token, most of those before their last frame
+    assert s["finished_exact"] == 176 and s["requests_stopped"] >= 15
     assert s["slots_held_after"] == 0 and s["engine_steps"] > 0
 
 
@@ -187,15 +189,31 @@ def test_a_client_behind_the_engine_hands_every_step_to_its_streams_before_the_n
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_that_end_on_a_stop_token_get_all_their_audio_in_process(tmp_path, async_scheduling):
+    """A stop token is known only when its step's copy lands, after the scheduler has sent the
+    step's outputs on: the request's final output waits for the rest, which the worker delivers
+    (up to the stopping frame) at the next step, or the one after under async scheduling. In
+    process (``OmniLLM``), sync and async; every output kind. Under async scheduling the worker
+    runs a frame past the stop before it sees the token: that frame must never reach the client."""
+    cfg = SimConfig(requests=60, concurrency=16, min_frames=6, max_frames=30, abort_every=10, stop_every=4,
+                    cadence=2 * tk.FRAME_SAMPLES, device="cpu", async_scheduling=async_scheduling, in_process=True,
+                    paths=("worker",), out_dir=str(tmp_path), progress=False, write_wavs=False)
+    s = run(cfg)["paths"]["worker"]
+    assert s["finished_exact"] == 54 and s["aborted_checked"] == 6 and s["requests_stopped"] == 12
+    assert s["slots_held_after"] == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_requests_preempted_for_kv_cache_are_recomputed_and_lose_nothing(tmp_path, async_scheduling):
     """A KV cache of 16 blocks for 32 streams of up to 100 tokens: vLLM preempts running requests and
     recomputes them (in chunks of at most 32 tokens, with no prefix cache to shorten the
-    recomputation) when blocks come free. Their rows and slots stay; every sample is still exact."""
-    cfg = SimConfig(requests=120, concurrency=32, min_frames=20, max_frames=60, abort_every=10,
+    recomputation) when blocks come free. Their rows and slots stay; every sample is still exact,
+    every fourth request ending on a stop token among them."""
+    cfg = SimConfig(requests=120, concurrency=32, min_frames=20, max_frames=60, abort_every=10, stop_every=4,
                     cadence=2 * tk.FRAME_SAMPLES, device="cpu", async_scheduling=async_scheduling, paths=("worker",),
                     out_dir=str(tmp_path), progress=False, write_wavs=False,
                     engine_args={"num_gpu_blocks_override": 16, "max_model_len": 128, "max_num_batched_tokens": 32,
                                  "enable_prefix_caching": False})
     s = run(cfg)["paths"]["worker"]
-    assert s["requests_resumed"] >= 20  # preempted, then scheduled again
+    assert s["requests_resumed"] >= 20 and s["requests_stopped"] >= 20  # preempted, then scheduled again
     assert s["finished_exact"] == 108 and s["aborted_checked"] == 12 and s["slots_held_after"] == 0

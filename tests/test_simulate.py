@@ -68,6 +68,7 @@ def test_the_check_finds_one_altered_sample():
         r = _Result(_Plan(rid, [5], 3, "delta", False, False, 0.0))
         r.audio, r.codes = list(audio.split(tk.FRAME_SAMPLES)), list(codes.split(1))
         r.tokens = (codes[:, 0] + tk.TEXT_VOCAB).tolist()
+        r.finish_reason = "length"
         _settle(r)
         return r
 

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--no-wavs", action="store_true", help="check every sample but write no WAV files")
     sim.add_argument("--bad-every", type=int, default=0,
                      help="every n-th request makes the talker emit a malformed chunk: it must fail alone")
+    sim.add_argument("--stop-every", type=int, default=0,
+                     help="every n-th request ends on a token its talker emits half-way (stop_token_ids)")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--no-progress", action="store_true")
     sub.add_parser("serve", help="the speech server (python -m vllm_omni_kernels serve MODEL_DIR --help)")
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                     device=args.device, async_scheduling=args.async_scheduling, in_process=args.in_process,
                     paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()), out_dir=args.out,
                     seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
-                    bad_every=args.bad_every)
+                    bad_every=args.bad_every, stop_every=args.stop_every)
     summary = run(cfg)
     for path, s in summary["paths"].items():
         print(f"[{path}] {s['device']}: {s['finished_exact']} finished sample-exact, {s['aborted_checked']} aborted "

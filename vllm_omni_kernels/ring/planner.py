@@ -27,12 +27,13 @@ def plan_write(table: np.ndarray, slots: np.ndarray, n: np.ndarray, lin_off, lin
 
 
 def plan_read(table: np.ndarray, slots: np.ndarray, tail: np.ndarray, frame_elems: int, last: bool,
-              out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of a read of every slot's unread span (from its ``tail``) back to back into a linear
-    tensor, into ``out[:B]``. Returns each span's element offset there and its frames."""
+              out: np.ndarray, frames: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of a read of every slot's unread span (from its ``tail``; its first ``frames[b]`` frames
+    at most, when given) back to back into a linear tensor, into ``out[:B]``. Returns each span's
+    element offset there and its frames."""
     rows = out[:len(slots)]
     np.take(table, slots, axis=0, out=rows)
-    n = rows[:, UNREAD].copy()
+    n = rows[:, UNREAD].copy() if frames is None else np.minimum(rows[:, UNREAD], frames)
     starts = np.zeros(len(slots), np.int64)
     np.cumsum(n[:-1] * frame_elems, out=starts[1:])
     rows[:, LIN_OFF] = starts

@@ -666,13 +666,15 @@ class RingPool:
                                                request_id=r, key=self.key)
 
     def read_into(self, request_ids: Sequence[str], out: torch.Tensor, *, drain: bool,
-                  slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  slots: np.ndarray | None = None, frames: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Copy each request's unread span back to back into ``out`` (a contiguous 1-D tensor of the
         pool's dtype and device, at least ``unread_elements`` long) in one launch: with ``drain`` the
         tails advance (DELTA), else nothing moves and the spans must be everything appended
         (``check_consolidate``). Returns each request's element offset in ``out`` and its frames
         (int64 arrays). A request's span is laid out as its chunks are: ``[*frame, n]`` for
-        CONCAT_LAST, ``[n, *frame]`` for CONCAT_DIM0. ``slots``: the requests' slots, as for ``append``."""
+        CONCAT_LAST, ``[n, *frame]`` for CONCAT_DIM0. ``slots``: the requests' slots, as for ``append``.
+        ``frames``: at most this many frames of each span, its oldest (int64, aligned; None: all);
+        a drain leaves the rest unread."""
         if not drain:
             self.check_consolidate(request_ids)
         self._settle()
@@ -681,21 +683,21 @@ class RingPool:
         if out.dtype != self.dtype or out.device != self.device or out.dim() != 1 or not out.is_contiguous():
             raise ValueError(f"pool {self.key!r}: out must be a contiguous 1-D {self.dtype} tensor on {self.device}")
         with nvtx_range(f"ring.{'drain' if drain else 'consolidate'}[{self.key}]"):
-            starts, n, rows = self._launch_read(slots, out)
+            starts, n, rows = self._launch_read(slots, out, frames=frames)
             if drain:  # the planned rows hold each slot's capacity and tail (POS)
                 self._tail[slots] = (rows[:, POS] + n) % np.maximum(rows[:, CAP], 1)
                 self._drained[slots] += n
-                self.table[slots, UNREAD] = 0
+                self.table[slots, UNREAD] = rows[:, UNREAD] - n
         return starts, n
 
-    def _launch_read(self, slots: np.ndarray, out: torch.Tensor, lin_off=None, lin_stride=None):
-        """One read launch of every slot's unread span into ``out``, back to back (or, for a growth,
-        each at its ``lin_off`` with its ``lin_stride``: into ring regions of their own shape);
-        returns the spans' element offsets, their frames and the planned rows. ValueError (nothing
-        launched) when ``out`` is too short for them."""
+    def _launch_read(self, slots: np.ndarray, out: torch.Tensor, lin_off=None, lin_stride=None, frames=None):
+        """One read launch of every slot's unread span (at most ``frames`` of each) into ``out``, back
+        to back (or, for a growth, each at its ``lin_off`` with its ``lin_stride``: into ring regions
+        of their own shape); returns the spans' element offsets, their frames and the planned rows.
+        ValueError (nothing launched) when ``out`` is too short for them."""
         self._settle()
         i, host = self._staged(len(slots))
-        starts, n = plan_read(self.table, slots, self._tail[slots], self.frame_elems, self.last, host)
+        starts, n = plan_read(self.table, slots, self._tail[slots], self.frame_elems, self.last, host, frames)
         rows = host[:len(slots)]
         if lin_off is not None:
             rows[:, LIN_OFF], rows[:, LIN_STRIDE] = lin_off, lin_stride

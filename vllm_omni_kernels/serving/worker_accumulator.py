@@ -334,15 +334,21 @@ class WorkerAccumulator:
         self.failed += len(failed)
         return failed
 
-    def collect(self, finishing: Collection[str] = (), head_bytes: int = 0) -> PackedStep | None:
+    def collect(self, finishing: Collection[str] = (), head_bytes: int = 0,
+                trailing: Sequence[np.ndarray] | None = None) -> PackedStep | None:
         """Read what is due into the step's buffer and start its one copy to the host.
 
-        ``finishing``: requests whose last step this was (their rest is read, then their slots are
-        freed). ``head_bytes``: bytes of ``head()`` data to carry along. Returns None when nothing
-        is due and there is no head.
+        ``finishing``: requests whose output ends here (their rest is read, then their slots are
+        freed). ``head_bytes``: bytes of ``head()`` data to carry along. ``trailing``: per key (in
+        ``keys`` order), by row, the newest frames of each request that are not to go now (int64):
+        frames whose step's token the caller has not seen yet (it may have ended the request), or,
+        for a finishing request, frames appended after its end (dropped with its slots). Returns
+        None when nothing is due and there is no head.
         """
         with nvtx_range("worker.collect"):
             unreads = [pool.unread() for pool in self.pools]
+            if trailing is not None:
+                unreads = [np.maximum(unread - t, 0) for unread, t in zip(unreads, trailing)]
             pending = unreads[0] > 0
             for unread in unreads[1:]:
                 pending |= unread > 0
@@ -358,15 +364,17 @@ class WorkerAccumulator:
                 return None
             ids = [self._id_of[r] for r in rows.tolist()]
             step = PackedStep(host=self._pack, head_bytes=head_bytes, final=set(ending))
+            counts = [unread[rows] for unread in unreads]  # frames read per key and request
             offset = _aligned(head_bytes)
             starts = []
-            for pool, unread in zip(self.pools, unreads):
+            for pool, count in zip(self.pools, counts):
                 starts.append(offset)
-                offset += _aligned(int(unread[rows].sum()) * pool.frame_bytes)
+                offset += _aligned(int(count.sum()) * pool.frame_bytes)
             self._reserve(offset)
             if len(rows):
-                for key, pool, start, end in zip(self.keys, self.pools, starts, starts[1:] + [offset]):
-                    _, frames = pool.read_into(ids, self._pack[start:end].view(pool.dtype), drain=True, slots=rows)
+                for key, pool, count, start, end in zip(self.keys, self.pools, counts, starts, starts[1:] + [offset]):
+                    _, frames = pool.read_into(ids, self._pack[start:end].view(pool.dtype), drain=True, slots=rows,
+                                               frames=None if trailing is None else count)
                     step.regions.append(Region(key.name, pool.dtype, key.frame_shape,
                                                -1 if key.strategy is Strategy.CONCAT_LAST else 0, start, ids, frames))
                 self._delivered[rows] = True

@@ -13,9 +13,14 @@ threads the multimodal channel into ``OmniEngineCoreOutput``s:
   a request with data in it: nothing is built per request;
 * a request whose output the worker failed (``multimodal_errors``) is finished with
   ``FINISHED_ERROR`` and its output carries the error, which the frontend raises to its caller;
-* a request that finishes (length, stop) while the worker still holds its output (it opened it in
-  ``multimodal_opened`` and has not closed it in ``packed.final``) would lose that output: its final
-  output carries an error instead, so the loss is visible.
+* a request that vLLM finishes while the worker still holds its output (it opened it in
+  ``multimodal_opened`` and has not closed it in ``packed.final``): a stop token, or under async
+  scheduling its length, whose token the worker sees only when vLLM does; the worker delivers the
+  rest a step or two later (``worker.py``). The request's output of this step goes on without its
+  finish, the data that arrives for it meanwhile goes on outputs of its own, and its finish
+  (reason and stop reason) goes with the rest (``_awaiting``). A finish the worker cannot tell
+  (vLLM's repetition detection, say) leaves its output unclosed: after ``_AWAITED_STEPS`` steps the
+  request finishes with an error, so the loss is visible.
 
 A multimodal output never finishes a request; a request that has multimodal output in a step but
 produced no token (a generation stage) still gets an output for that step.
@@ -43,6 +48,8 @@ from .outputs import OmniModelRunnerOutput
 from ..serving.worker_accumulator import PackedStep
 from .wire import MultimodalError, MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs
 
+_AWAITED_STEPS = 8  # a finished request's finish waits this many steps at most for the worker's rest
+
 
 class MultimodalChannel:
     """The multimodal channel of ``update_from_output``, for a vLLM scheduler class (module docstring)."""
@@ -50,7 +57,13 @@ class MultimodalChannel:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._worker_open: set[str] = set()  # requests whose output the worker holds
+        self._awaiting: dict[str, list] = {}  # finished request -> [client, finish, stop reason, steps waited]
         self.held = HeldTokens()
+
+    def has_finished_requests(self) -> bool:
+        """vLLM's, and true while a finished request's finish waits for the worker's rest: the engine
+        steps on until it goes (``_awaiting``), however idle it is otherwise."""
+        return super().has_finished_requests() or bool(self._awaiting)
 
     def finish_requests(self, request_ids, finished_status):
         finished = super().finish_requests(request_ids, finished_status)
@@ -61,9 +74,11 @@ class MultimodalChannel:
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if not isinstance(model_runner_output, OmniModelRunnerOutput):
-            return outputs
         out = model_runner_output
+        if not isinstance(out, OmniModelRunnerOutput):
+            if not self._awaiting:
+                return outputs
+            out = OmniModelRunnerOutput(req_ids=[], req_id_to_index={})  # a step with nothing on the channel
         packed = out.packed
         self._worker_open.update(out.multimodal_opened or ())
         if packed is not None:
@@ -72,26 +87,64 @@ class MultimodalChannel:
         errors = {rid: MultimodalError(exc.reason, exc.key) for rid, exc in (out.multimodal_errors or {}).items()}
         if errors:
             self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
-        if not (plain or packed or errors or self._worker_open or self.held.active):
+        if not (plain or packed or errors or self._worker_open or self.held.active or self._awaiting):
             return outputs
         emitted: set[str] = set()
         delivered = packed.requests() if packed is not None else frozenset()
+        if self._awaiting:
+            self._release_awaited(outputs, packed.final if packed is not None else (), errors)
         for client, batch in list(outputs.items()):
             batch.outputs = self.held.thin(batch.outputs, self._worker_open, delivered)
+            if self._worker_open:
+                self._await_worker(client, batch.outputs)
             outputs[client] = outputs_with_channel(batch, packed, plain, errors, self._worker_open, emitted)
         for rid in (set(plain) | delivered | set(errors)) - emitted:
+            awaiting = self._awaiting.get(rid)
             request = self.requests.get(rid)
-            if request is None or (request.is_finished() and rid not in errors):
+            if awaiting is not None:
+                client = awaiting[0]  # finished, its finish waiting for this data's rest
+            elif request is None or (request.is_finished() and rid not in errors):
                 continue  # finished requests already got their final output above
-            batch = outputs.get(request.client_index)
+            else:
+                client = request.client_index
+            batch = outputs.get(client)
             if batch is None:
-                batch = outputs[request.client_index] = OmniEngineCoreOutputs()
+                batch = outputs[client] = OmniEngineCoreOutputs()
             batch.outputs.append(OmniEngineCoreOutput(
                 request_id=rid, new_token_ids=[], multimodal_output=plain.get(rid) or None,
                 multimodal_error=errors.get(rid), finish_reason=FinishReason.ERROR if rid in errors else None))
             if rid in delivered:
-                outputs[request.client_index] = _with_outputs(batch, batch.outputs, packed)
+                outputs[client] = _with_outputs(batch, batch.outputs, packed)
         return outputs
+
+    def _await_worker(self, client: int, ecos: list) -> None:
+        """Final outputs of requests whose output the worker still holds go on without their finish,
+        which waits for the worker's rest (``_awaiting``); an error finish goes as it is."""
+        for eco in ecos:
+            rid = eco.request_id
+            if eco.finish_reason is not None and eco.finish_reason != FinishReason.ERROR and rid in self._worker_open:
+                self._worker_open.discard(rid)
+                self._awaiting[rid] = [client, eco.finish_reason, eco.stop_reason, 0]
+                eco.finish_reason = eco.stop_reason = None
+
+    def _release_awaited(self, outputs: dict, final, errors: dict) -> None:
+        """The finishes of requests whose rest arrived this step (``final``: the requests the worker
+        closed), or that failed, join the step's outputs; one that waited too long goes with an
+        error (the output the worker held is lost)."""
+        for rid, waiting in list(self._awaiting.items()):
+            client, finish, stop_reason, waited = waiting
+            if rid not in final and rid not in errors:
+                if waited + 1 < _AWAITED_STEPS:
+                    waiting[3] = waited + 1
+                    continue
+                errors[rid] = MultimodalError(f"the request finished ({finish}) while the worker held its output, "
+                                              f"and the rest did not come within {_AWAITED_STEPS} steps; it is lost")
+            del self._awaiting[rid]
+            batch = outputs.get(client)
+            if batch is None:
+                batch = outputs[client] = OmniEngineCoreOutputs()
+            batch.outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=finish,
+                                                  stop_reason=stop_reason))
 
 
 class HeldTokens:

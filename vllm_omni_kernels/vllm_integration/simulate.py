@@ -4,9 +4,11 @@ upstream-style one, in one run.
 For each path a vLLM engine core starts in its own process (ZMQ + msgpack; ``in_process`` keeps it
 in this process) serving the talker (``talker_model``) on the device, and ``requests`` requests
 arrive staggered, at most ``concurrency`` at a time, in DELTA, CUMULATIVE and FINAL_ONLY output
-kinds, every ``abort_every``-th one aborted after its first audio. Every finished request's audio
-is checked sample for sample against the audio its codes decode to, its codes against its tokens,
-and its length against its ``max_tokens``; this package's path writes each finished request's WAV
+kinds, every ``abort_every``-th one aborted after its first audio and every ``stop_every``-th one
+ending on a token (``stop_token_ids``: a codec token its talker emits half-way, as a TTS model ends
+on its codec's end token). Every finished request's audio is checked sample for sample against the
+audio its codes decode to, its codes against its tokens, and its length and finish reason against
+its ``max_tokens`` or its stop token; this package's path writes each finished request's WAV
 under ``out_dir`` and reads it back. Both paths get the same requests.
 
 Reported per path (``summary.json``, one PNG): audio seconds per wall second, time to first audio
@@ -62,6 +64,7 @@ class SimConfig:
     max_frames: int = 40
     abort_every: int = 12  # every n-th request is aborted after its first audio (0: none)
     bad_every: int = 0  # every n-th request makes the talker emit a malformed chunk (0: none)
+    stop_every: int = 0  # every n-th request ends on a token it produces half-way (0: none)
     arrival_ms: float = 10.0  # mean gap between arrivals (exponential; 0: all at once)
     kinds: tuple[str, ...] = KINDS  # output kinds, taken in turn
     sync_check: bool = False  # run the worker's step under CUDA's sync-debug mode "error"
@@ -86,6 +89,11 @@ class _Plan:
     abort: bool
     bad: bool
     arrival: float  # seconds after the start
+    stop: int | None = None  # its stop token: it then ends after ``ends`` frames, not ``frames``
+    ends: int = 0  # (0: ``frames``)
+
+    def __post_init__(self):
+        self.ends = self.ends or self.frames
 
 
 @dataclasses.dataclass
@@ -97,6 +105,7 @@ class _Result:
     outputs: int = 0
     payloads: int = 0
     start: float = 0.0
+    finish_reason: str | None = None
     first_audio: float | None = None  # perf_counter
     first_audio_wall: float | None = None  # time.time, to meet the worker's clock
     finished: bool = False
@@ -105,14 +114,20 @@ class _Result:
 
 def _plans(cfg: SimConfig) -> list[_Plan]:
     rng = np.random.default_rng(cfg.seed)
-    plans, t = [], 0.0
+    plans, t, talker = [], 0.0, None
     for i in range(cfg.requests):
         n = int(rng.integers(4, 40))
         prompt = [int(x) for x in rng.integers(4, 100, size=n)]
         bad = bool(cfg.bad_every) and i % cfg.bad_every == cfg.bad_every - 1
         abort = bool(cfg.abort_every) and i % cfg.abort_every == cfg.abort_every // 2 and not bad
         frames = int(rng.integers(min(cfg.min_frames, cfg.max_frames), cfg.max_frames + 1))
-        plans.append(_Plan(f"req-{i:04d}", prompt, frames, cfg.kinds[i % len(cfg.kinds)], abort, bad, t))
+        plan = _Plan(f"req-{i:04d}", prompt, frames, cfg.kinds[i % len(cfg.kinds)], abort, bad, t)
+        if cfg.stop_every and i % cfg.stop_every == cfg.stop_every - 1 and not (bad or abort):
+            talker = talker or tk.ToyTalker(cfg.seed)
+            tokens = (tk.rollout(talker, prompt, frames)[:, 0] + tk.TEXT_VOCAB).tolist()
+            plan.stop = tokens[frames // 2]
+            plan.ends = tokens.index(plan.stop) + 1  # where the token first comes
+        plans.append(plan)
         t += float(rng.exponential(cfg.arrival_ms / 1e3)) if cfg.arrival_ms > 0 else 0.0
     return plans
 
@@ -189,6 +204,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "wire_bytes_per_step": client["bytes"] / messages,
         "streams_per_step": engine_stats["samples"] / tk.FRAME_SAMPLES / max(engine_stats["steps"], 1),
         "engine_steps": engine_stats["steps"], "requests_resumed": engine_stats["resumed"],
+        "requests_stopped": engine_stats["stopped"],
         "pools_after": engine_stats["accumulator"]["pools"],
         "host_buffers_allocated": engine_stats["accumulator"]["pinned_allocations"],
         "slots_held_after": sum(p["slots_used"] for p in engine_stats["accumulator"]["pools"].values()),
@@ -358,7 +374,8 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
 def _request(plan: _Plan):
     """The prompt and sampling parameters of a planned request (a malformed one ends its prompt with
     token 1, the worker's cue)."""
-    params = SamplingParams(max_tokens=plan.frames, output_kind=_kind(plan.kind), detokenize=False)
+    params = SamplingParams(max_tokens=plan.frames, output_kind=_kind(plan.kind), detokenize=False,
+                            stop_token_ids=None if plan.stop is None else [plan.stop])
     return tokens_input(plan.prompt + ([1] if plan.bad else [])), params
 
 
@@ -374,6 +391,7 @@ def _take(res: _Result, out) -> None:
     res.outputs += 1
     if comp.finish_reason == "error":
         res.error = str(comp.stop_reason)
+    res.finish_reason = comp.finish_reason
     payload = getattr(comp, "multimodal_output", None)
     if res.plan.kind == "delta":
         res.tokens.extend(comp.token_ids)
@@ -435,9 +453,11 @@ def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool) -> dic
         if p.abort:
             aborted += 1
             continue
-        if codes.shape[0] != p.frames or len(r.tokens) != p.frames:
+        if codes.shape[0] != p.ends or len(r.tokens) != p.ends:
             raise AssertionError(f"{p.rid} ({p.kind}): {codes.shape[0]} frames and {len(r.tokens)} tokens, "
-                                 f"expected {p.frames}")
+                                 f"expected {p.ends}")
+        if r.finish_reason != ("length" if p.stop is None else "stop"):
+            raise AssertionError(f"{p.rid} ({p.kind}): finished by {r.finish_reason!r}")
         if p.kind == "final_only" and r.payloads != 1:
             raise AssertionError(f"{p.rid}: FINAL_ONLY got {r.payloads} payloads")
         if wav_dir is not None:

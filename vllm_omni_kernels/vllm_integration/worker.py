@@ -22,6 +22,16 @@ A step (``execute_model`` then ``sample_tokens``, as vLLM's GPU runner does):
 4. ``sample_tokens`` returns an ``AsyncModelRunnerOutput`` whose ``get_output`` waits for that copy
    (vLLM calls it a step later under async scheduling: the copy overlaps the next step).
 
+Stop tokens. A token that ends its request (vLLM's ``check_stop``: the request's eos token or one of
+its ``stop_token_ids``, among the tokens the talker can sample) is known on the host only in
+``get_output``, when the scheduler learns it too. The worker then stops sampling the request and, at
+its next step, delivers the rest of its output up to the stopping frame and closes it; the
+scheduler's final output for it waits for that (``scheduler.MultimodalChannel``). Under async
+scheduling the worker runs a step before it sees the last one's tokens, so a frame of such a request
+leaves the worker only once the token before it is seen (``collect(trailing=...)``: its newest frame
+waits a step), a request that ends by its length closes a step after its last frame, and what it
+appended after a stop is dropped. Requests that no sampled token can stop pay nothing.
+
 ``additional_config["omni"]`` configures it: ``device`` ("auto", "cuda", "cpu"), ``cadence``
 (audio samples a streaming request gets at a time; 0: every step), ``output_path`` ("worker", or
 "upstream": the comparison path, where each key's batched output is copied to the host every step
@@ -39,6 +49,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from itertools import repeat
 
 import numpy as np
@@ -61,6 +72,7 @@ from .talker_model import OmniTalkerForTTS
 from .upstream_style import upstream_worker_outputs
 
 _HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
+_STEP_FRAMES = (tk.FRAME_SAMPLES, 1)  # ring frames a step appends per request, per key (talker_output_keys)
 
 
 @dataclass
@@ -92,11 +104,13 @@ class WorkerOptions:
 
 
 class _StepOutput(AsyncModelRunnerOutput):
-    """A step's output, resolved when its copy to the host has landed (``get_output``)."""
+    """A step's output, resolved when its copy to the host has landed (``get_output``), which is
+    also when the worker learns the step's tokens (``on_tokens``)."""
 
-    def __init__(self, req_ids, sampling: np.ndarray, packed: PackedStep | None, tokens_cpu, opened, failed, plain):
+    def __init__(self, req_ids, sampling: np.ndarray, packed: PackedStep | None, tokens_cpu, opened, failed, plain,
+                 on_tokens=None):
         self.req_ids, self.sampling, self.packed, self.tokens_cpu = req_ids, sampling, packed, tokens_cpu
-        self.opened, self.failed, self.plain = opened, failed, plain
+        self.opened, self.failed, self.plain, self.on_tokens = opened, failed, plain, on_tokens
 
     def get_output(self) -> OmniModelRunnerOutput:
         if self.packed is not None:
@@ -104,6 +118,8 @@ class _StepOutput(AsyncModelRunnerOutput):
             tokens = host[:self.packed.head_bytes].view(torch.int64).tolist()
         else:
             tokens = self.tokens_cpu.tolist() if self.tokens_cpu is not None else []
+        if self.on_tokens is not None:
+            self.on_tokens(tokens)
         sampled: list[list[int]] = [[] for _ in self.req_ids]
         for b, i in enumerate(self.sampling.tolist()):
             sampled[i] = [tokens[b]]
@@ -149,11 +165,16 @@ class TalkerWorker:
         self._produced = np.zeros(R, np.int64)  # frames (sampled tokens) produced
         self._done = np.zeros(R, bool)  # the last frame was produced
         self._bad = np.zeros(R, bool)
+        self._eos = np.full(R, -1, np.int64)  # the sampled token that ends the request (-1: none can)
+        self._stop_ids: dict[str, frozenset[int]] = {}  # requests that stop_token_ids of their own can end
+        self._stoppable = np.zeros(R, bool)  # a sampled token can end the request (module docstring)
+        self._stopped: dict[str, int] = {}  # request -> its frames when a token ended it (seen a step late)
+        self._closing: set[str] = set()  # requests that ended by length at a frame whose token was unseen
         self.acc = WorkerAccumulator(talker_output_keys(self.options.cadence), self.device,
                                      budget_bytes=self.options.pool_budget_bytes, max_requests=self.max_requests)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
         self._pending: _StepOutput | None = None
-        self.stats = {"steps": 0, "output_steps": 0, "host_bytes": 0, "samples": 0, "resumed": 0}
+        self.stats = {"steps": 0, "output_steps": 0, "host_bytes": 0, "samples": 0, "resumed": 0, "stopped": 0}
         self._upstream_copies = 0
         self._output_path_us: deque[float] = deque(maxlen=_HISTORY)  # the latest steps: a server runs for long
         self._step_starts: deque[float] = deque(maxlen=_HISTORY)
@@ -231,20 +252,36 @@ class TalkerWorker:
     def _execute(self, scheduler_output):
         so = scheduler_output
         with nvtx_range("worker.step"):
-            opened = self._update_requests(so)
-            if so.total_num_scheduled_tokens == 0:
+            opened, flush = self._update_requests(so)
+            if so.total_num_scheduled_tokens == 0 and not flush:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             req_ids = list(so.num_scheduled_tokens)
             sampling, rows = self._sampling_rows(so, req_ids)
-            self._pending = self._run(req_ids, sampling, rows, opened)
+            self._pending = self._run(req_ids, sampling, rows, opened, flush)
+        if so.total_num_scheduled_tokens == 0:  # vLLM samples nothing after such a step: the output is this
+            pending, self._pending = self._pending, None
+            return pending
         return None
 
     def sample_tokens(self, grammar_output) -> _StepOutput:
         pending, self._pending = self._pending, None
         return pending
 
-    def _update_requests(self, so) -> list[str]:
+    def _update_requests(self, so) -> tuple[list[str], dict[str, int]]:
+        """Rows of the step's new, finished and resumed requests; returns the requests whose output
+        the accumulator now holds, and those whose output closes this step, now that their end is
+        seen (module docstring), each with the frames it produced after its end."""
+        flush = {}
+        for rid in self._closing | self._stopped.keys():
+            if rid in self.acc:
+                produced = int(self._produced[self._row[rid]])
+                flush[rid] = produced - self._stopped.get(rid, produced)
+        self._closing.clear()
+        self._stopped.clear()
         for rid in so.finished_req_ids:  # finished or aborted: give everything back
+            self._stop_ids.pop(rid, None)
+            if rid in flush:
+                continue  # its rest goes this step
             row = self._row.pop(rid, None)
             if row is not None:
                 self.acc.abort(rid)
@@ -255,7 +292,7 @@ class TalkerWorker:
             if rid in cached.resumed_req_ids and rid in self._row:  # preempted, now recomputed
                 self._computed[self._row[rid]] = cached.num_computed_tokens[i]
                 self.stats["resumed"] += 1
-        return opened
+        return opened, flush
 
     def _admit(self, new_reqs) -> list[str]:
         """Rows and talker state for the step's new requests: their prompts go to the device in one
@@ -274,6 +311,13 @@ class TalkerWorker:
             self._produced[row] = 0
             self._done[row] = False
             self._bad[row] = self.options.bad_prompt_token in prompt
+            eos = params.eos_token_id if params is not None else None
+            self._eos[row] = eos if eos is not None and tk.TEXT_VOCAB <= eos < tk.VOCAB else -1
+            stop = frozenset(t for t in (params.stop_token_ids or ()) if tk.TEXT_VOCAB <= t < tk.VOCAB) \
+                if params is not None else frozenset()
+            if stop:
+                self._stop_ids[new.req_id] = stop
+            self._stoppable[row] = self._eos[row] >= 0 or bool(stop)
             if self.options.output_path == "worker":
                 kind = params.output_kind if params is not None else RequestOutputKind.FINAL_ONLY
                 frames = int(min(self._max_tokens[row], self.max_model_len - len(prompt)))  # what it will hold
@@ -310,13 +354,15 @@ class TalkerWorker:
         samples = ~self._done[rows] & (self._computed[rows] >= self._prompt_len[rows] + self._produced[rows])
         return at[samples], rows[samples]
 
-    def _run(self, req_ids: list[str], sampling: np.ndarray, state_rows: np.ndarray, opened: list[str]) -> _StepOutput:
+    def _run(self, req_ids: list[str], sampling: np.ndarray, state_rows: np.ndarray, opened: list[str],
+             flush: dict[str, int]) -> _StepOutput:
         B = len(state_rows)
         self.stats["steps"] += 1
         now = time.time()
         self._step_starts.append(now)
         if B == 0:
-            return _StepOutput(req_ids, sampling, None, None, opened, {}, {})
+            packed = self._collect([], flush, None, 0) if flush else None
+            return _StepOutput(req_ids, sampling, packed, None, opened, {}, {})
         ids = [req_ids[i] for i in sampling.tolist()]
         produced = self._produced[state_rows]
         for b in np.flatnonzero(produced == 0).tolist():
@@ -333,10 +379,15 @@ class TalkerWorker:
         self._produced[state_rows] = produced
         ending = (produced >= self._max_tokens[state_rows]) | (self._prompt_len[state_rows] + produced >= self.max_model_len)
         self._done[state_rows[ending]] = True
-        finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
         self.stats["samples"] += B * tk.FRAME_SAMPLES
         if self.options.output_path == "upstream":
             return self._run_upstream(req_ids, sampling, ids, opened, rows, codes)
+        stoppable = self._stoppable[state_rows]
+        unseen = stoppable if self.async_scheduling else None  # this step's token is seen a step late
+        if unseen is not None and unseen.any():
+            self._closing.update(ids[b] for b in np.flatnonzero(ending & unseen).tolist())
+            ending &= ~unseen
+        finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
         tokens = self.acc.head(B, torch.int64)
         torch.add(codes[:, 0], tk.TEXT_VOCAB, out=tokens)
         audio = self._advance(rows, codes, tokens)
@@ -347,11 +398,47 @@ class TalkerWorker:
             if bad:  # the malformed chunk of a test request: one request's audio of another dtype
                 chunks["audio"] = [audio[b].double() if b in bad else audio[b] for b in range(B)]
             failed = self.acc.append(ids, chunks, rows=state_rows)
-            packed = self.acc.collect(finishing, head_bytes=8 * B)
+            packed = self._collect(finishing, flush, state_rows[unseen] if unseen is not None else None, 8 * B)
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
             self._done[self._row[rid]] = True
         self._note_output_path(t0, packed.host.numel() if packed is not None else 0)
-        return _StepOutput(req_ids, sampling, packed, None, opened, failed, {})
+        on_tokens = partial(self._note_stops, ids, state_rows, produced) if stoppable.any() else None
+        return _StepOutput(req_ids, sampling, packed, None, opened, failed, {}, on_tokens)
+
+    def _collect(self, finishing: list[str], flush: dict[str, int], unseen: np.ndarray | None,
+                 head_bytes: int) -> PackedStep | None:
+        """The accumulator's collect: ``unseen`` rows keep this step's frame for a step, ``flush``
+        closes each of its requests without the frames it produced after its end; their rows are
+        free afterwards."""
+        trailing = None
+        if flush or (unseen is not None and len(unseen)):
+            trailing = [np.zeros(self.max_requests, np.int64) for _ in _STEP_FRAMES]
+            for t, n in zip(trailing, _STEP_FRAMES):
+                if unseen is not None:
+                    t[unseen] = n
+                for rid, extra in flush.items():
+                    t[self._row[rid]] = extra * n
+        packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, trailing=trailing)
+        for rid in flush:
+            self._free_rows.append(self._row.pop(rid))
+        return packed
+
+    def _note_stops(self, ids: list[str], rows: np.ndarray, produced: np.ndarray, tokens: list[int]) -> None:
+        """A step's tokens, seen once its copy has landed: a request whose token ends it (vLLM's
+        ``check_stop``: its eos token, or one of its ``stop_token_ids``) samples no more, and its
+        output closes at the next step, up to this step's frame."""
+        hit = np.asarray(tokens[:len(rows)], np.int64) == self._eos[rows]
+        if self._stop_ids:
+            for b, rid in enumerate(ids):
+                stop = self._stop_ids.get(rid)
+                if stop is not None and tokens[b] in stop:
+                    hit[b] = True
+        for b in np.flatnonzero(hit).tolist():
+            rid = ids[b]
+            if rid in self.acc and rid not in self._stopped:  # (one that ended by length may be closed)
+                self._stopped[rid] = int(produced[b])
+                self._done[self._row[rid]] = True
+                self.stats["stopped"] += 1
 
     def _run_upstream(self, req_ids, sampling, ids, opened, rows, codes) -> _StepOutput:
         """The comparison path: every key's batched output copied to the host each step (one blocking
