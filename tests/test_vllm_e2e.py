@@ -139,3 +139,48 @@ def test_concurrent_streams_text_audio_and_pooling_end_to_end(tmp_path):
     assert OmniRequestOutput.from_engine_output(final, 0, "audio").multimodal is final.outputs.multimodal_output
     assert processor.accumulation_errors == 0
     assert all(a["requests"] == 0 for a in processor.accumulator_stats()["devices"].values())
+
+
+def test_a_finish_waits_for_the_workers_rest_and_fails_visibly_when_it_never_comes(tmp_path):
+    """vLLM's real scheduler finishes two requests on their stop token while the worker holds their
+    output. "a": its output of that step goes on without the finish, and the finish (reason and stop
+    token) goes with the worker's rest two steps later, carrying it. "b": the worker never closes
+    it; the engine keeps stepping while its finish waits (``has_finished_requests``), and after
+    ``_AWAITED_STEPS`` steps it finishes with an error naming the loss."""
+    import numpy as np
+
+    from vllm.v1.engine import FinishReason
+
+    from vllm_omni_kernels.serving.worker_accumulator import PackedStep, Region
+    from vllm_omni_kernels.vllm_integration.scheduler import _AWAITED_STEPS
+
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    stop = 42
+    for rid in ("a", "b"):
+        sched.add_request(sched_request(rid, [5, 6, 7], sampling(max_tokens=8, stop_token_ids=[stop])))
+
+    def step(sampled: dict, packed: PackedStep | None = None, opened=None):
+        so = sched.schedule()
+        ids = list(so.num_scheduled_tokens)
+        out = OmniModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                    sampled_token_ids=[sampled.get(r, []) for r in ids], packed=packed,
+                                    multimodal_opened=opened)
+        return [eco for batch in sched.update_from_output(so, out).values() for eco in batch.outputs]
+
+    first = step({"a": [stop], "b": [stop + 1]}, opened=["a", "b"])
+    a = next(e for e in first if e.request_id == "a")
+    assert a.new_token_ids == [stop] and a.finish_reason is None  # its finish waits for the worker
+    step({"b": [stop]})  # "b" stops too; the worker closes neither yet
+    audio = torch.arange(8, dtype=torch.float32)
+    packed = PackedStep(host=audio.view(torch.uint8), regions=[Region("audio", torch.float32, (), -1, 0, ["a"],
+                                                                      np.array([8]))], final={"a"})
+    done = step({}, packed)
+    final_a = next(e for e in done if e.request_id == "a")
+    assert final_a.finish_reason == FinishReason.STOP and final_a.stop_reason == stop and final_a.new_token_ids == []
+    outputs_b, steps = [], 1  # "b"'s finish has waited one step ("a"'s last)
+    while sched.has_requests() and steps < 2 * _AWAITED_STEPS:  # it waits: the engine steps on
+        outputs_b += [e for e in step({}) if e.request_id == "b"]
+        steps += 1
+    assert steps == _AWAITED_STEPS
+    (final_b,) = [e for e in outputs_b if e.finish_reason is not None]
+    assert final_b.finish_reason == FinishReason.ERROR and "rest did not come" in final_b.multimodal_error.message
