@@ -194,10 +194,13 @@ def test_requests_that_end_on_a_stop_token_get_all_their_audio_in_process(tmp_pa
     step's outputs on: the request's final output waits for the rest, which the worker delivers
     (up to the stopping frame) at the next step, or the one after under async scheduling. In
     process (``OmniLLM``), sync and async; every output kind. Under async scheduling the worker
-    runs a frame past the stop before it sees the token: that frame must never reach the client."""
+    runs a frame past the stop before it sees the token: that frame must never reach the client.
+    The engine is full: vLLM gives a stopped request's seat to a waiting one before the worker has
+    closed its output, so the worker needs a row more than vLLM has seats."""
     cfg = SimConfig(requests=60, concurrency=16, min_frames=6, max_frames=30, abort_every=10, stop_every=4,
-                    cadence=2 * tk.FRAME_SAMPLES, device="cpu", async_scheduling=async_scheduling, in_process=True,
-                    paths=("worker",), out_dir=str(tmp_path), progress=False, write_wavs=False)
+                    arrival_ms=0, cadence=2 * tk.FRAME_SAMPLES, device="cpu", async_scheduling=async_scheduling,
+                    in_process=True, paths=("worker",), out_dir=str(tmp_path), progress=False, write_wavs=False,
+                    engine_args={"max_num_seqs": 4})  # requests wait for seats: a freed one is taken at once
     s = run(cfg)["paths"]["worker"]
     assert s["finished_exact"] == 54 and s["aborted_checked"] == 6 and s["requests_stopped"] == 12
     assert s["slots_held_after"] == 0
@@ -215,5 +218,5 @@ def test_requests_preempted_for_kv_cache_are_recomputed_and_lose_nothing(tmp_pat
                     engine_args={"num_gpu_blocks_override": 16, "max_model_len": 128, "max_num_batched_tokens": 32,
                                  "enable_prefix_caching": False})
     s = run(cfg)["paths"]["worker"]
-    assert s["requests_resumed"] >= 20 and s["requests_stopped"] >= 20  # preempted, then scheduled again
+    assert s["resumptions"] >= 20 and s["requests_stopped"] >= 20  # preempted, then scheduled again
     assert s["finished_exact"] == 108 and s["aborted_checked"] == 12 and s["slots_held_after"] == 0

@@ -143,8 +143,8 @@ def test_concurrent_streams_text_audio_and_pooling_end_to_end(tmp_path):
 
 def test_a_finish_waits_for_the_workers_rest_and_fails_visibly_when_it_never_comes(tmp_path):
     """vLLM's real scheduler finishes two requests on their stop token while the worker holds their
-    output. "a": its output of that step goes on without the finish, and the finish (reason and stop
-    token) goes with the worker's rest two steps later, carrying it. "b": the worker never closes
+    output. "a": its final output waits, as vLLM made it, and goes with the worker's rest two steps
+    later. "b": the worker never closes
     it; the engine keeps stepping while its finish waits (``has_finished_requests``), and after
     ``_AWAITED_STEPS`` steps it finishes with an error naming the loss."""
     import numpy as np
@@ -168,15 +168,15 @@ def test_a_finish_waits_for_the_workers_rest_and_fails_visibly_when_it_never_com
         return [eco for batch in sched.update_from_output(so, out).values() for eco in batch.outputs]
 
     first = step({"a": [stop], "b": [stop + 1]}, opened=["a", "b"])
-    a = next(e for e in first if e.request_id == "a")
-    assert a.new_token_ids == [stop] and a.finish_reason is None  # its finish waits for the worker
+    assert [e.request_id for e in first] == ["b"]  # "a"'s final output waits for the worker's rest
     step({"b": [stop]})  # "b" stops too; the worker closes neither yet
     audio = torch.arange(8, dtype=torch.float32)
     packed = PackedStep(host=audio.view(torch.uint8), regions=[Region("audio", torch.float32, (), -1, 0, ["a"],
                                                                       np.array([8]))], final={"a"})
     done = step({}, packed)
     final_a = next(e for e in done if e.request_id == "a")
-    assert final_a.finish_reason == FinishReason.STOP and final_a.stop_reason == stop and final_a.new_token_ids == []
+    assert final_a.finish_reason == FinishReason.STOP and final_a.stop_reason == stop
+    assert final_a.new_token_ids == [stop]  # as vLLM made it: the frontend treats its stop token as vLLM's does
     outputs_b, steps = [], 1  # "b"'s finish has waited one step ("a"'s last)
     while sched.has_requests() and steps < 2 * _AWAITED_STEPS:  # it waits: the engine steps on
         outputs_b += [e for e in step({}) if e.request_id == "b"]

@@ -16,10 +16,11 @@ threads the multimodal channel into ``OmniEngineCoreOutput``s:
 * a request that vLLM finishes while the worker still holds its output (it opened it in
   ``multimodal_opened`` and has not closed it in ``packed.final``): a stop token, or under async
   scheduling its length, whose token the worker sees only when vLLM does; the worker delivers the
-  rest a step or two later (``worker.py``). The request's output of this step goes on without its
-  finish, the data that arrives for it meanwhile goes on outputs of its own, and its finish
-  (reason and stop reason) goes with the rest (``_awaiting``). A finish the worker cannot tell
-  (vLLM's repetition detection, say) leaves its output unclosed: after ``_AWAITED_STEPS`` steps the
+  rest a step or two later (``worker.py``). The request's final output waits, as vLLM made it
+  (tokens, finish and stop reason, so the frontend treats its stop token as vLLM's would), the data
+  that arrives for it meanwhile goes on outputs of its own, and the final output goes with the rest
+  (``_awaiting``). A finish the worker cannot tell (vLLM's repetition detection, say) makes the
+  worker drop the output when vLLM reports the request finished: after ``_AWAITED_STEPS`` steps the
   request finishes with an error, so the loss is visible.
 
 A multimodal output never finishes a request; a request that has multimodal output in a step but
@@ -57,7 +58,7 @@ class MultimodalChannel:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._worker_open: set[str] = set()  # requests whose output the worker holds
-        self._awaiting: dict[str, list] = {}  # finished request -> [client, finish, stop reason, steps waited]
+        self._awaiting: dict[str, list] = {}  # finished request -> [client, its final output, steps waited]
         self.held = HeldTokens()
 
     def has_finished_requests(self) -> bool:
@@ -96,7 +97,7 @@ class MultimodalChannel:
         for client, batch in list(outputs.items()):
             batch.outputs = self.held.thin(batch.outputs, self._worker_open, delivered)
             if self._worker_open:
-                self._await_worker(client, batch.outputs)
+                batch.outputs = self._await_worker(client, batch.outputs)
             outputs[client] = outputs_with_channel(batch, packed, plain, errors, self._worker_open, emitted)
         for rid in (set(plain) | delivered | set(errors)) - emitted:
             awaiting = self._awaiting.get(rid)
@@ -117,34 +118,37 @@ class MultimodalChannel:
                 outputs[client] = _with_outputs(batch, batch.outputs, packed)
         return outputs
 
-    def _await_worker(self, client: int, ecos: list) -> None:
-        """Final outputs of requests whose output the worker still holds go on without their finish,
-        which waits for the worker's rest (``_awaiting``); an error finish goes as it is."""
+    def _await_worker(self, client: int, ecos: list) -> list:
+        """``ecos`` without the final outputs of requests whose output the worker still holds: those
+        wait for its rest (``_awaiting``); an error finish goes as it is."""
+        kept = []
         for eco in ecos:
             rid = eco.request_id
             if eco.finish_reason is not None and eco.finish_reason != FinishReason.ERROR and rid in self._worker_open:
                 self._worker_open.discard(rid)
-                self._awaiting[rid] = [client, eco.finish_reason, eco.stop_reason, 0]
-                eco.finish_reason = eco.stop_reason = None
+                self._awaiting[rid] = [client, eco, 0]
+            else:
+                kept.append(eco)
+        return kept
 
     def _release_awaited(self, outputs: dict, final, errors: dict) -> None:
-        """The finishes of requests whose rest arrived this step (``final``: the requests the worker
-        closed), or that failed, join the step's outputs; one that waited too long goes with an
-        error (the output the worker held is lost)."""
+        """The final outputs of requests whose rest arrived this step (``final``: the requests the
+        worker closed), or that failed, join the step's outputs; one that waited too long goes with
+        an error (the output the worker held is lost)."""
         for rid, waiting in list(self._awaiting.items()):
-            client, finish, stop_reason, waited = waiting
+            client, eco, waited = waiting
             if rid not in final and rid not in errors:
                 if waited + 1 < _AWAITED_STEPS:
-                    waiting[3] = waited + 1
+                    waiting[2] = waited + 1
                     continue
-                errors[rid] = MultimodalError(f"the request finished ({finish}) while the worker held its output, "
-                                              f"and the rest did not come within {_AWAITED_STEPS} steps; it is lost")
+                errors[rid] = MultimodalError(f"the request finished ({eco.finish_reason}) while the worker held its "
+                                              f"output, and the rest did not come within {_AWAITED_STEPS} steps; "
+                                              "it is lost")
             del self._awaiting[rid]
             batch = outputs.get(client)
             if batch is None:
                 batch = outputs[client] = OmniEngineCoreOutputs()
-            batch.outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=finish,
-                                                  stop_reason=stop_reason))
+            batch.outputs.append(eco)
 
 
 class HeldTokens:
@@ -217,7 +221,8 @@ def outputs_with_channel(batch: EngineCoreOutputs, packed: PackedStep | None, pl
     """One client's message of a step with the multimodal channel: plain values and errors on their
     requests' outputs, the step's buffer and regions on the message when one of its requests has
     data there (that request's output is left as it is: the client cuts its data from the regions).
-    A finishing request still in ``worker_open`` gets an error (its held output would be lost) and
+    A finishing request still in ``worker_open`` (one whose final output nothing held back for the
+    worker's rest, as ``MultimodalChannel`` does) gets an error, its held output being lost, and
     leaves the set. ``emitted`` collects the requests that got an output here."""
     delivered = packed.requests() if packed is not None else ()
     with_data = changed = False

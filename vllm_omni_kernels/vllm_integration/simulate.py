@@ -17,8 +17,9 @@ Reported per path (``summary.json``, one PNG): audio seconds per wall second, ti
 how late the client's event loop runs (p50/p99/max: outputs wait that long when the client is busy)
 and its longest garbage collection,
 engine step time, the worker's output-path host time per step, the frontend's multimodal time per
-step, device-to-host copies per step, bytes on the wire per step and the requests that vLLM preempted
-and later resumed (``requests_resumed``: a KV cache too small for the load, say
+step, device-to-host copies per step, bytes on the wire per step, the requests that ended on a stop
+token (``requests_stopped``) and how often vLLM resumed a request it had preempted
+(``resumptions``: a KV cache too small for the load, say
 ``engine_args={"num_gpu_blocks_override": 16}``, makes vLLM preempt running requests and recompute
 them; their audio goes on where it stopped).
 """
@@ -203,7 +204,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "d2h_copies_per_step": engine_stats["copies"] / steps,
         "wire_bytes_per_step": client["bytes"] / messages,
         "streams_per_step": engine_stats["samples"] / tk.FRAME_SAMPLES / max(engine_stats["steps"], 1),
-        "engine_steps": engine_stats["steps"], "requests_resumed": engine_stats["resumed"],
+        "engine_steps": engine_stats["steps"], "resumptions": engine_stats["resumed"],
         "requests_stopped": engine_stats["stopped"],
         "pools_after": engine_stats["accumulator"]["pools"],
         "host_buffers_allocated": engine_stats["accumulator"]["pinned_allocations"],

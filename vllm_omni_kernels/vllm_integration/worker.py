@@ -29,8 +29,12 @@ its next step, delivers the rest of its output up to the stopping frame and clos
 scheduler's final output for it waits for that (``scheduler.MultimodalChannel``). Under async
 scheduling the worker runs a step before it sees the last one's tokens, so a frame of such a request
 leaves the worker only once the token before it is seen (``collect(trailing=...)``: its newest frame
-waits a step), a request that ends by its length closes a step after its last frame, and what it
-appended after a stop is dropped. Requests that no sampled token can stop pay nothing.
+waits a step: such a stream's audio, its first chunk included, comes a step later), a request that
+ends by its length closes a step after its last frame, and what it appended after a stop is dropped.
+Requests that no sampled token can stop (the talker samples codec tokens only: its text eos never
+comes) pay nothing. Each request has a row for the accumulator's slots; there are twice as many
+rows as vLLM has seats, since vLLM gives a finished request's seat to the next one before its
+output has closed here.
 
 ``additional_config["omni"]`` configures it: ``device`` ("auto", "cuda", "cpu"), ``cadence``
 (audio samples a streaming request gets at a time; 0: every step), ``output_path`` ("worker", or
@@ -72,7 +76,8 @@ from .talker_model import OmniTalkerForTTS
 from .upstream_style import upstream_worker_outputs
 
 _HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
-_STEP_FRAMES = (tk.FRAME_SAMPLES, 1)  # ring frames a step appends per request, per key (talker_output_keys)
+_STEP_FRAMES = (tk.FRAME_SAMPLES, 1)  # ring frames a step appends per request, per key (talker_output_keys):
+#                                      the chunks' lengths, and the frames of a step held back or dropped
 
 
 @dataclass
@@ -147,7 +152,9 @@ class TalkerWorker:
         # own process runs vLLM's config checks again once it is built, which on vLLM's CPU platform
         # reset the flag; read later, it would no longer say how the engine runs.
         self.async_scheduling = bool(sched.async_scheduling)
-        self.max_requests = int(sched.max_num_seqs)
+        # rows: one per vLLM seat, and as many again for requests whose output closes a step or two
+        # after vLLM gave their seat to a new request (a stop token: module docstring)
+        self.max_requests = 2 * int(sched.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.model = OmniTalkerForTTS(vllm_config=vllm_config).to(self.device)
         talker = self.model.talker
@@ -168,6 +175,7 @@ class TalkerWorker:
         self._eos = np.full(R, -1, np.int64)  # the sampled token that ends the request (-1: none can)
         self._stop_ids: dict[str, frozenset[int]] = {}  # requests that stop_token_ids of their own can end
         self._stoppable = np.zeros(R, bool)  # a sampled token can end the request (module docstring)
+        self._has_stop_ids = np.zeros(R, bool)  # the request is in _stop_ids
         self._stopped: dict[str, int] = {}  # request -> its frames when a token ended it (seen a step late)
         self._closing: set[str] = set()  # requests that ended by length at a frame whose token was unseen
         self.acc = WorkerAccumulator(talker_output_keys(self.options.cadence), self.device,
@@ -317,6 +325,7 @@ class TalkerWorker:
                 if params is not None else frozenset()
             if stop:
                 self._stop_ids[new.req_id] = stop
+            self._has_stop_ids[row] = bool(stop)
             self._stoppable[row] = self._eos[row] >= 0 or bool(stop)
             if self.options.output_path == "worker":
                 kind = params.output_kind if params is not None else RequestOutputKind.FINAL_ONLY
@@ -388,34 +397,35 @@ class TalkerWorker:
             self._closing.update(ids[b] for b in np.flatnonzero(ending & unseen).tolist())
             ending &= ~unseen
         finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
+        held_back = state_rows[unseen] if unseen is not None else None
         tokens = self.acc.head(B, torch.int64)
         torch.add(codes[:, 0], tk.TEXT_VOCAB, out=tokens)
         audio = self._advance(rows, codes, tokens)
         t0 = time.perf_counter()
         with nvtx_range("worker.output_path"):
-            chunks = {"audio": PaddedBatch(audio, np.full(B, tk.FRAME_SAMPLES, np.int64)),
-                      "codes": PaddedBatch(codes.unsqueeze(1), np.ones(B, np.int64))}
+            chunks = {"audio": PaddedBatch(audio, np.full(B, _STEP_FRAMES[0], np.int64)),
+                      "codes": PaddedBatch(codes.unsqueeze(1), np.full(B, _STEP_FRAMES[1], np.int64))}
             if bad:  # the malformed chunk of a test request: one request's audio of another dtype
                 chunks["audio"] = [audio[b].double() if b in bad else audio[b] for b in range(B)]
             failed = self.acc.append(ids, chunks, rows=state_rows)
-            packed = self._collect(finishing, flush, state_rows[unseen] if unseen is not None else None, 8 * B)
+            packed = self._collect(finishing, flush, held_back, 8 * B)
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
             self._done[self._row[rid]] = True
         self._note_output_path(t0, packed.host.numel() if packed is not None else 0)
         on_tokens = partial(self._note_stops, ids, state_rows, produced) if stoppable.any() else None
         return _StepOutput(req_ids, sampling, packed, None, opened, failed, {}, on_tokens)
 
-    def _collect(self, finishing: list[str], flush: dict[str, int], unseen: np.ndarray | None,
+    def _collect(self, finishing: list[str], flush: dict[str, int], held_back: np.ndarray | None,
                  head_bytes: int) -> PackedStep | None:
-        """The accumulator's collect: ``unseen`` rows keep this step's frame for a step, ``flush``
-        closes each of its requests without the frames it produced after its end; their rows are
-        free afterwards."""
+        """The accumulator's collect: the ``held_back`` rows keep this step's frame for a step,
+        ``flush`` closes each of its requests without the frames it produced after its end; their
+        rows are free afterwards."""
         trailing = None
-        if flush or (unseen is not None and len(unseen)):
+        if flush or (held_back is not None and len(held_back)):
             trailing = [np.zeros(self.max_requests, np.int64) for _ in _STEP_FRAMES]
             for t, n in zip(trailing, _STEP_FRAMES):
-                if unseen is not None:
-                    t[unseen] = n
+                if held_back is not None:
+                    t[held_back] = n
                 for rid, extra in flush.items():
                     t[self._row[rid]] = extra * n
         packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, trailing=trailing)
@@ -429,13 +439,12 @@ class TalkerWorker:
         output closes at the next step, up to this step's frame."""
         hit = np.asarray(tokens[:len(rows)], np.int64) == self._eos[rows]
         if self._stop_ids:
-            for b, rid in enumerate(ids):
-                stop = self._stop_ids.get(rid)
-                if stop is not None and tokens[b] in stop:
+            for b in np.flatnonzero(self._has_stop_ids[rows]).tolist():
+                if tokens[b] in self._stop_ids.get(ids[b], ()):
                     hit[b] = True
         for b in np.flatnonzero(hit).tolist():
             rid = ids[b]
-            if rid in self.acc and rid not in self._stopped:  # (one that ended by length may be closed)
+            if rid in self.acc and rid not in self._stopped:  # (held: not closed by its length already)
                 self._stopped[rid] = int(produced[b])
                 self._done[self._row[rid]] = True
                 self.stats["stopped"] += 1
