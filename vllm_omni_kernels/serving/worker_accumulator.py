@@ -15,6 +15,10 @@ What is due, per request, by its output kind (taken from its sampling parameters
   the request finishes; the frontend concatenates for CUMULATIVE;
 * FINAL_ONLY: nothing until the request finishes, then everything at once.
 
+A caller that learns of a request's end only after more steps ran (a stop token, seen when its
+step's copy lands) holds each request's newest frames back until it has seen their step's token and
+drops what came after the end (``collect(trailing=...)``).
+
 A request's slots are taken when it arrives (at the row the model runner gives it, the same slot
 in every key's pool, sized for everything a FINAL_ONLY request will hold when the caller says how
 much that is) and freed when it finishes (its last spans are read first) or is aborted. A chunk
