@@ -196,7 +196,7 @@ def test_requests_that_end_on_a_stop_token_get_all_their_audio_in_process(tmp_pa
     process (``OmniLLM``), sync and async; every output kind. Under async scheduling the worker
     runs a frame past the stop before it sees the token: that frame must never reach the client.
     The engine is full: vLLM gives a stopped request's seat to a waiting one before the worker has
-    closed its output, so the worker needs a row more than vLLM has seats."""
+    closed its output, so the worker needs more rows than vLLM has seats."""
     cfg = SimConfig(requests=60, concurrency=16, min_frames=6, max_frames=30, abort_every=10, stop_every=4,
                     arrival_ms=0, cadence=2 * tk.FRAME_SAMPLES, device="cpu", async_scheduling=async_scheduling,
                     in_process=True, paths=("worker",), out_dir=str(tmp_path), progress=False, write_wavs=False,
