@@ -378,7 +378,7 @@ class WorkerAccumulator:
             if len(rows):
                 for key, pool, count, start, end in zip(self.keys, self.pools, counts, starts, starts[1:] + [offset]):
                     _, frames = pool.read_into(ids, self._pack[start:end].view(pool.dtype), drain=True, slots=rows,
-                                               frames=None if trailing is None else count)
+                                               frames=count)
                     step.regions.append(Region(key.name, pool.dtype, key.frame_shape,
                                                -1 if key.strategy is Strategy.CONCAT_LAST else 0, start, ids, frames))
                 self._delivered[rows] = True

@@ -392,12 +392,12 @@ class TalkerWorker:
         if self.options.output_path == "upstream":
             return self._run_upstream(req_ids, sampling, ids, opened, rows, codes)
         stoppable = self._stoppable[state_rows]
-        unseen = stoppable if self.async_scheduling else None  # this step's token is seen a step late
-        if unseen is not None and unseen.any():
-            self._closing.update(ids[b] for b in np.flatnonzero(ending & unseen).tolist())
-            ending &= ~unseen
+        held_back = None  # rows whose frame of this step waits for its token (seen a step late)
+        if self.async_scheduling and stoppable.any():
+            self._closing.update(ids[b] for b in np.flatnonzero(ending & stoppable).tolist())
+            ending &= ~stoppable
+            held_back = state_rows[stoppable]
         finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
-        held_back = state_rows[unseen] if unseen is not None else None
         tokens = self.acc.head(B, torch.int64)
         torch.add(codes[:, 0], tk.TEXT_VOCAB, out=tokens)
         audio = self._advance(rows, codes, tokens)
@@ -421,7 +421,7 @@ class TalkerWorker:
         ``flush`` closes each of its requests without the frames it produced after its end; their
         rows are free afterwards."""
         trailing = None
-        if flush or (held_back is not None and len(held_back)):
+        if flush or held_back is not None:
             trailing = [np.zeros(self.max_requests, np.int64) for _ in _STEP_FRAMES]
             for t, n in zip(trailing, _STEP_FRAMES):
                 if held_back is not None:
