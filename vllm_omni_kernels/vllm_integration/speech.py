@@ -33,6 +33,7 @@ from http import HTTPStatus
 from typing import Literal
 
 import numpy as np
+import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
@@ -153,9 +154,9 @@ class Admission:
             self._counts[2] -= n
 
 
-def samples_bytes(audio, sample_format: str) -> bytes:
+def samples_bytes(audio: torch.Tensor, sample_format: str) -> bytes:
     """Float samples as little-endian bytes: 16-bit PCM (``serving.wav.pcm16``) or float32."""
-    a = np.asarray(audio.numpy() if hasattr(audio, "numpy") else audio, np.float32).reshape(-1)
+    a = np.asarray(audio.numpy(), np.float32).reshape(-1)
     return pcm16(a) if sample_format == "s16" else a.astype("<f4").tobytes()
 
 
@@ -164,8 +165,10 @@ class SpeechStream:
     aborts the engine request if it has not finished and releases the slot, whatever happened to
     the HTTP response (a client gone before the body started included)."""
 
-    def __init__(self, engine, admission: Admission, request_id: str, gen, received: float = 0.0):
+    def __init__(self, engine, admission: Admission, request_id: str, gen, sample_format: str,
+                 received: float = 0.0):
         self.engine, self.admission, self.request_id, self.gen = engine, admission, request_id, gen
+        self.sample_format = sample_format
         self.received = received  # time.time() when the handler started
         self.first_metrics = None  # vLLM's request metrics and the time, at the first output with audio
         self.first_at = 0.0
@@ -173,7 +176,8 @@ class SpeechStream:
         self._closed = False
 
     async def next_audio(self) -> tuple[bytes | None, bool]:
-        """The next output's audio samples (None when it has none) and whether it was the last."""
+        """The next output's audio samples as bytes of the stream's sample format (None when it has
+        none) and whether it was the last."""
         try:
             out = await anext(self.gen)
         except (MultimodalOutputError, GenerationError) as exc:
@@ -188,7 +192,7 @@ class SpeechStream:
         self.finished = out.finished
         if audio is not None and not self.first_at:
             self.first_at, self.first_metrics = time.time(), out.metrics
-        return audio, out.finished
+        return (samples_bytes(audio, self.sample_format) if audio is not None and audio.numel() else None), out.finished
 
     async def close(self) -> None:
         if self._closed:
@@ -286,7 +290,7 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
     params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False)
     stream = SpeechStream(engine, admission, request_id,
                           engine.generate(tokens_input(prompt), params, request_id=request_id),
-                          received)
+                          request.sample_format, received)
     handed_over = False
     try:
         if request.stream:
@@ -304,14 +308,18 @@ async def _whole(stream: SpeechStream, request: SpeechRequest) -> Response:
     try:
         while not finished:
             audio, finished = await stream.next_audio()
-            if audio is not None and audio.numel():
-                pieces.append(samples_bytes(audio, request.sample_format))
+            if audio:
+                pieces.append(audio)
     except SpeechFailedError as exc:
-        return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
+        return _failed(exc)
     data = b"".join(pieces)
     if request.response_format == "wav":
         data = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32", data_bytes=len(data)) + data
     return Response(data, media_type=MEDIA[request.response_format], headers=_headers(request, stream.request_id))
+
+
+def _failed(exc: SpeechFailedError) -> Response:
+    return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
 
 
 async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: FirstAudio) -> Response:
@@ -319,11 +327,9 @@ async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: F
     first, finished = None, False
     try:
         while first is None and not finished:
-            audio, finished = await stream.next_audio()
-            if audio is not None and audio.numel():
-                first = samples_bytes(audio, request.sample_format)
+            first, finished = await stream.next_audio()
     except SpeechFailedError as exc:
-        return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
+        return _failed(exc)
     if request.response_format == "wav":
         first = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32") + (first or b"")
 
@@ -338,8 +344,8 @@ async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: F
             except SpeechFailedError:
                 logger.exception("speech stream %s failed after its first audio; the response is cut", stream.request_id)
                 raise
-            if audio is not None and audio.numel():
-                yield samples_bytes(audio, request.sample_format)
+            if audio:
+                yield audio
 
     return _ClosingStreamingResponse(stream, body(), media_type=MEDIA[request.response_format],
                                      headers=_headers(request, stream.request_id))
