@@ -248,14 +248,11 @@ class RingPool:
         return slot
 
     def slots(self, request_ids: Sequence[str]) -> np.ndarray:
-        """The requests' slots (TensorAccumulationError for one without)."""
-        ids = tuple(request_ids)
-        cached, slots, version = self._ids_cache
-        if version == self.version and cached == ids:
-            return slots
-        slots = np.fromiter(map(self._owner.get, ids, repeat(-1)), np.int64, len(ids))
-        if len(slots) and slots.min() < 0:
-            self.slot_of(ids[int(np.argmin(slots))])  # raises, naming the request
+        """The requests' slots (TensorAccumulationError for one without, or named twice)."""
+        errors: list[TensorAccumulationError] = []
+        slots, _ = self._lookup(request_ids, errors)
+        if errors:
+            raise errors[0]
         return slots
 
     def room(self, slots: np.ndarray) -> int:
@@ -439,11 +436,9 @@ class RingPool:
         if plan is None or plan.version != self.version or ids != plan.ids or data.shape != plan.shape \
                 or data.dtype != self.dtype or not self._on_device(data) or data.stride() != plan.stride:
             return False
-        if isinstance(lengths, torch.Tensor):
-            if lengths.device.type != "cpu":
-                return False  # the planning path raises the typed error
-            lengths = lengths.numpy()
-        if np.asarray(lengths, dtype=np.int64).tobytes() != plan.n_bytes:
+        if isinstance(lengths, torch.Tensor) and lengths.device.type != "cpu":
+            return False  # the planning path raises the typed error
+        if _host_lengths(lengths).tobytes() != plan.n_bytes:
             return False
         if plan.meta is None:
             plan.wanted = True
@@ -498,11 +493,9 @@ class RingPool:
 
     def _rows_from_batch(self, request_ids, data: torch.Tensor, lengths, errors: list, slots=None):
         B = len(request_ids)
-        if isinstance(lengths, torch.Tensor):
-            if lengths.device.type != "cpu":
-                raise TypeError("PaddedBatch.lengths must be host values; a device tensor would sync every step")
-            lengths = lengths.numpy()
-        n = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if isinstance(lengths, torch.Tensor) and lengths.device.type != "cpu":
+            raise TypeError("PaddedBatch.lengths must be host values; a device tensor would sync every step")
+        n = _host_lengths(lengths)
         if data.dim() < 1 or data.shape[0] != B or n.shape[0] != B:
             raise ValueError(f"PaddedBatch for key {self.key!r}: data batch {tuple(data.shape[:1])}, "
                              f"{n.shape[0]} lengths, {B} request ids")
@@ -757,3 +750,10 @@ class RingPool:
         if errors or rows is None:
             raise errors[0] if errors else ValueError("empty static append")
         return rows[:5]
+
+
+def _host_lengths(lengths) -> np.ndarray:
+    """A ``PaddedBatch``'s host lengths as a flat int64 array."""
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.numpy()
+    return np.asarray(lengths, dtype=np.int64).reshape(-1)

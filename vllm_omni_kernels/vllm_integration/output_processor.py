@@ -393,10 +393,7 @@ class MultimodalOutputProcessor(OutputProcessor):
             self._failures.append((state, exc))
             return
         if state.arrived is None:  # its first delivery
-            state.stopwatch = self.stopwatch
-            state.failures = self._failures
-            if state.detokenizer is None and eco.pooling_output is None:
-                _give_completion_outputs(state)
+            self._hook(state, eco)
         pieces = eco.multimodal_delivered
         if self._key_aliases:
             pieces = {self._key_aliases.get(key, key): value for key, value in pieces.items()}
@@ -452,11 +449,16 @@ class MultimodalOutputProcessor(OutputProcessor):
             acc = self._accumulators[device] = MultimodalAccumulator(self._config, device)
         acc.add_request(state.request_id, emit=EmitPolicy[state.output_kind.name])
         state.accumulator = acc
-        state.failures = self._failures
+        self._hook(state, eco)
+        return acc
+
+    def _hook(self, state: OmniRequestState, eco: EngineCoreOutput) -> None:
+        """A request's first multimodal output: its payload time and failures are the processor's,
+        and a request without text gets completion outputs to carry its payloads."""
         state.stopwatch = self.stopwatch
+        state.failures = self._failures
         if state.detokenizer is None and eco.pooling_output is None:
             _give_completion_outputs(state)
-        return acc
 
     def _fail_visibly(self, result: OutputProcessorOutput) -> None:
         """Requests whose output failed in this step (a consolidation here, or the worker's

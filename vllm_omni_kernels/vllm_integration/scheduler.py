@@ -108,9 +108,7 @@ class MultimodalChannel:
                 continue  # finished requests already got their final output above
             else:
                 client = request.client_index
-            batch = outputs.get(client)
-            if batch is None:
-                batch = outputs[client] = OmniEngineCoreOutputs()
+            batch = outputs.setdefault(client, OmniEngineCoreOutputs())
             batch.outputs.append(OmniEngineCoreOutput(
                 request_id=rid, new_token_ids=[], multimodal_output=plain.get(rid) or None,
                 multimodal_error=errors.get(rid), finish_reason=FinishReason.ERROR if rid in errors else None))
@@ -145,10 +143,7 @@ class MultimodalChannel:
                                               f"output, and the rest did not come within {_AWAITED_STEPS} steps; "
                                               "it is lost")
             del self._awaiting[rid]
-            batch = outputs.get(client)
-            if batch is None:
-                batch = outputs[client] = OmniEngineCoreOutputs()
-            batch.outputs.append(eco)
+            outputs.setdefault(client, OmniEngineCoreOutputs()).outputs.append(eco)
 
 
 class HeldTokens:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.inputs.engine import tokens_input
@@ -254,15 +255,13 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
             if held[0] == _FREEZE_EVERY:
                 gc.freeze()  # what the client holds for the check (the comment at _FREEZE_EVERY)
                 held[0] = 0
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             return res
 
         results = await _send(plans, one, cfg.concurrency)
         wall = time.perf_counter() - t0
         ticker.cancel()
-        if bar is not None:
-            bar.close()
+        bar.close()
         await asyncio.sleep(0.2)  # aborts reach the engine core
         stats = (await engine.collective_rpc("output_path_stats"))[0]
         client = {"messages": decoder.messages - d0[0], "bytes": decoder.bytes - d0[1],
@@ -356,11 +355,9 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
                 if out.finished or aborting or res.error is not None:
                     _settle(res)
                     results.append(live.pop(out.request_id))
-                    if bar is not None:
-                        bar.update(1)
+                    bar.update(1)
         wall = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
+        bar.close()
         stats = engine.collective_rpc("output_path_stats")[0]
         client = {"messages": stats["steps"], "bytes": 0, "decode_seconds": 0.0,
                   "multimodal_seconds": processor.stopwatch.seconds,
@@ -380,9 +377,8 @@ def _request(plan: _Plan):
     return tokens_input(plan.prompt + ([1] if plan.bad else [])), params
 
 
-def _kind(name: str):
-    return {"delta": RequestOutputKind.DELTA, "cumulative": RequestOutputKind.CUMULATIVE,
-            "final_only": RequestOutputKind.FINAL_ONLY}[name]
+def _kind(name: str) -> RequestOutputKind:
+    return RequestOutputKind[name.upper()]
 
 
 def _take(res: _Result, out) -> None:
@@ -471,12 +467,8 @@ def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool) -> dic
     return {"finished_exact": exact, "aborted_checked": aborted, "failed_as_expected": failed}
 
 
-def _bar(cfg: SimConfig, path: str):
-    if not cfg.progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.requests, desc=f"simulate[{path}]", unit="req")
+def _bar(cfg: SimConfig, path: str) -> tqdm:
+    return tqdm(total=cfg.requests, desc=f"simulate[{path}]", unit="req", disable=not cfg.progress)
 
 
 def _plot(summary: dict, png: Path) -> None:
