@@ -8,21 +8,21 @@ Scenarios (bf16, B rows, hidden size H; B in 8, 64, 256, 1024; H in 2048, 4096):
   mixed    B rows alternating a 4-token prefill chunk (scalar hook: its embeddings) and an MTP decode
            row (each its own hook run, as the prefill rows flush them); like the runner, ours
            collects those per-row outputs and records them with one call per destination
-           (``add_*_each``)
+           (``ints_each``/``rows_each``)
 
 Paths (the hooks' and MTP's outputs are prepared tensors: only the data movement is measured):
   row_loop     upstream style: one copy per row per tensor (7 per MTP row, 2 per non-MTP row, 1 per
                prefill chunk)
   index_copy   index tensors built on the host per step (torch.tensor -> H2D), index_copy_ for the
                scattered writes and slice copies for the dense MTP packing
-  ours_eager   DecodeGather: jobs recorded on the host, launch_pre + launch_post (one table upload and
-               one kernel each; one of each without MTP)
+  ours_eager   DecodeGather: jobs recorded on the host, pre.launch() + post.launch() (one table upload
+               and one kernel each; one of each without MTP)
   ours_graph   the same two kernels captured ``graph_steps`` times in one CUDA graph (table prepared
                per step outside the graph); also reported per launch
   ours_eager[b], ours_graph[b]
                the same per kernel backend b (triton, cuda, cupy, and cuda_no_pdl, triton_no_pdl:
                launched without programmatic dependent launch); for each also the host time of one
-               eager launch call alone (``launch_pre``/``launch_post``, recording excluded)
+               eager launch call alone (``pre.launch()``/``post.launch()``, recording excluded)
   copy_graph   one plain copy of the same float bytes per step, captured the same way (the copy
                bandwidth the kernels are compared with)
   copy2_graph  with MTP: two plain copies in turn, of the bytes each launch moves (the post launch's
@@ -113,15 +113,15 @@ class Scenario:
     def record_pre(self):
         g, n = self.g, self.n_dec
         if self.kind == "mixed":  # one hook output per row, recorded with one call per destination (the runner)
-            g.add_ids_each(self.input_ids, self.dec_off, self.row_ids)
+            g.pre.jobs.ints_each(self.input_ids, self.dec_off, self.row_ids)
             g.add_mtp_inputs_each(self.mtp_index, self.row_ids, self.row_emb, self.row_hid, self.row_txt)
-            g.add_embeds_each(self.inputs_embeds, self.pre_off, self.row_pre)
+            g.pre.jobs.rows_each(self.inputs_embeds, self.pre_off, self.row_pre)
         else:
-            g.add_ids(self.input_ids, self.dec_off, self.ids)
+            g.pre.jobs.ints(self.input_ids, self.dec_off, self.ids)
             if self.mtp:
                 g.add_mtp_inputs(np.arange(n), self.ids, self.emb, self.hid, self.txt)
             else:
-                g.add_embeds(self.inputs_embeds, self.dec_off, self.emb)
+                g.pre.jobs.rows(self.inputs_embeds, self.dec_off, self.emb)
         if self.mtp:
             g.add_flags(self.flags)
 
@@ -147,14 +147,14 @@ class Scenario:
 
     def ours_eager(self):
         self.record_pre()
-        self.g.launch_pre()
+        self.g.pre.launch()
         if self.mtp:
             self.record_post()
-            self.g.launch_post()
+            self.g.post.launch()
 
     def launch_host_us(self, steps: int, repeats: int) -> tuple[list[float], list[float]]:
-        """Host microseconds per eager launch call alone (recording excluded): ``launch_pre`` and
-        ``launch_post`` timed with the host clock around the calls; the kernels run asynchronously.
+        """Host microseconds per eager launch call alone (recording excluded): ``pre.launch()`` and
+        ``post.launch()`` timed with the host clock around the calls; the kernels run asynchronously.
         Each run is followed by ``steps`` calls of one small torch op, this host's floor at that
         moment (a shared host's speed drifts); returns the runs and the floors."""
         runs, floors = [], []
@@ -164,12 +164,12 @@ class Scenario:
             for _ in range(steps):
                 self.record_pre()
                 t0 = clock()
-                self.g.launch_pre()
+                self.g.pre.launch()
                 spent += clock() - t0
                 if self.mtp:
                     self.record_post()
                     t0 = clock()
-                    self.g.launch_post()
+                    self.g.post.launch()
                     spent += clock() - t0
             torch.cuda.synchronize()
             runs.append(spent * 1e6 / (steps * (2 if self.mtp else 1)))

@@ -4,16 +4,19 @@ Around the decode hooks and runner MTP a step needs, per row, copies of token id
 inputs and outputs and codes. Here they are recorded as jobs while the hooks run and carried out in
 at most two launches per step, whatever the batch:
 
-* ``launch_pre`` (before MTP): hook token ids into ``input_ids``; non-MTP embeddings (scalar rows,
+* ``pre`` (launched before MTP): hook token ids into ``input_ids``; non-MTP embeddings (scalar rows,
   and batched decode rows of a model without MTP) into ``inputs_embeds``; the MTP inputs (ids,
   embeddings, last hidden state, text step) packed densely into the MTP buffers; the per-row
   validity flags of the codes (which rows get codes this step is known from the plan);
-* ``launch_post`` (after MTP): the MTP embeddings into ``inputs_embeds`` at their token offsets,
+* ``post`` (launched after MTP): the MTP embeddings into ``inputs_embeds`` at their token offsets,
   and codes into the persistent per-request code buffer.
 
-A model without MTP has only the first. Rows come from the runner's validated routing plan, so the
-launches skip the per-row range and overlap checks (``check_rows=False``). Buffers are allocated once (the code buffer on the first MTP
-output, when its width is known); token offsets travel in the launch's persistent device table.
+A model without MTP has only the first. Copies into a caller's buffers are recorded on
+``pre.jobs``/``post.jobs`` (``GatherJobs``) directly, copies into this class's buffers through its
+``add_*`` methods; ``pre.launch()`` and ``post.launch()`` carry them out. Rows come from the
+runner's validated routing plan, so the launches skip the per-row range and overlap checks
+(``check_rows=False``). Buffers are allocated once (the code buffer on the first MTP output, when
+its width is known); token offsets travel in the launch's persistent device table.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class DecodeGather:
         max_tokens: most tokens in a step (bounds the rows one launch copies).
         mtp: whether the runner manages MTP (allocates its buffers).
 
-    Buffers (valid rows ``[:M]`` after ``launch_pre``; ``M`` = MTP rows of the step):
+    Buffers (valid rows ``[:M]`` after ``pre.launch()``; ``M`` = MTP rows of the step):
         ``mtp_input_ids`` int32 ``[max_rows]``; ``mtp_inputs_embeds``, ``last_hidden``, ``text_step``
         ``[max_rows, hidden_size]``; ``codes`` int64 ``[max_rows, Q]`` indexed by a request's code
         slot (``code_slot``); ``code_valid`` int32 ``[max_rows]`` by batch row, 1 where that row got
@@ -61,19 +64,18 @@ class DecodeGather:
             self.text_step = torch.zeros(self.max_rows, hidden_size, dtype=dtype, device=self.device)
             self.code_valid = torch.zeros(self.max_rows, dtype=torch.int32, device=self.device)
         self.codes: torch.Tensor | None = None
-        self._flag_rows: dict[int, torch.Tensor] = {}
         self._slot_of: dict[str, int] = {}
         self._free = list(range(self.max_rows - 1, -1, -1))
 
     # ---------------------------------------------------------------- code slots
 
-    def code_slot(self, request_id: str, live=None) -> int:
+    def code_slot(self, request_id: str, live) -> int:
         """The request's row of ``codes`` (assigned on first use). ``live``: request ids still running,
         used to reclaim slots of requests that ended without ``release`` when none is free."""
         slot = self._slot_of.get(request_id)
         if slot is not None:
             return slot
-        if not self._free and live is not None:
+        if not self._free:
             for rid in [r for r in self._slot_of if r not in live]:
                 self.release(rid)
         if not self._free:
@@ -90,14 +92,6 @@ class DecodeGather:
 
     # ---------------------------------------------------------------- before MTP
 
-    def add_ids(self, input_ids: torch.Tensor, offsets, ids: torch.Tensor) -> None:
-        """Token ids ``ids`` (``[n]``) into ``input_ids`` at ``offsets`` (array, or an int for one)."""
-        self.pre.jobs.ints(input_ids, offsets, ids if ids.dim() == 1 else ids.reshape(-1))
-
-    def add_embeds(self, inputs_embeds: torch.Tensor, offsets, embeds: torch.Tensor) -> None:
-        """Embedding rows ``embeds`` (``[n, H]``) into ``inputs_embeds`` at ``offsets``."""
-        self.pre.jobs.rows(inputs_embeds, offsets, embeds)
-
     def add_mtp_inputs(self, index, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor,
                        text: torch.Tensor) -> None:
         """Pack rows of MTP inputs (``[n]``, ``[n, H]`` x3) at MTP positions ``index`` (array, or an
@@ -107,16 +101,6 @@ class DecodeGather:
         jobs.rows(self.mtp_inputs_embeds, index, embeds)
         jobs.rows(self.last_hidden, index, hidden)
         jobs.rows(self.text_step, index, text)
-
-    def add_ids_each(self, input_ids: torch.Tensor, offsets, ids: list[torch.Tensor]) -> None:
-        """Many hook outputs' token ids at once: ``ids[k]`` (``[n_k]``) into ``input_ids`` from token
-        ``offsets[k]`` on (``GatherJobs.ints_each``)."""
-        self.pre.jobs.ints_each(input_ids, offsets, ids)
-
-    def add_embeds_each(self, inputs_embeds: torch.Tensor, offsets, embeds: list[torch.Tensor]) -> None:
-        """Many hook outputs' embedding rows at once: ``embeds[k]`` (``[n_k, H]``) into
-        ``inputs_embeds`` from token ``offsets[k]`` on (``GatherJobs.rows_each``)."""
-        self.pre.jobs.rows_each(inputs_embeds, offsets, embeds)
 
     def add_mtp_inputs_each(self, index, ids: list[torch.Tensor], embeds: list[torch.Tensor],
                             hidden: list[torch.Tensor], text: list[torch.Tensor]) -> None:
@@ -130,14 +114,7 @@ class DecodeGather:
 
     def add_flags(self, flags: np.ndarray) -> None:
         """``code_valid[:rows] = flags`` (int32, 1 for the rows that get codes this step)."""
-        n = len(flags)
-        dst = self._flag_rows.get(n)
-        if dst is None:  # a view per row count, made once (a tensor view costs microseconds)
-            dst = self._flag_rows[n] = self.code_valid[:n]
-        self.pre.jobs.values(dst, flags)
-
-    def launch_pre(self) -> int:
-        return self.pre.launch()
+        self.pre.jobs.values(self.code_valid[:len(flags)], flags)
 
     # ---------------------------------------------------------------- after MTP
 
@@ -152,9 +129,6 @@ class DecodeGather:
             if self.codes is None:
                 self.codes = torch.zeros(self.max_rows, q, dtype=torch.int64, device=self.device)
             self.post.jobs.ints(self.codes, slots, codes)
-
-    def launch_post(self) -> int:
-        return self.post.launch()
 
     @property
     def launches(self) -> int:

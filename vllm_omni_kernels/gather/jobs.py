@@ -85,8 +85,6 @@ def _read_sources(srcs: list[torch.Tensor], floating: bool) -> Sources:
 
 
 def _as_rows(rows) -> np.ndarray:
-    if type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1:
-        return rows
     return np.asarray(rows, dtype=np.int64).reshape(-1)
 
 
@@ -424,7 +422,7 @@ class GatherJobs:
         rows, per = len(dst_rows), max(1, RUN_ELEMS // width)
         if rows <= per:
             return _put(records, n, rows * width | kind << 32, s0, s_stride, s_run, d0, d_stride, d_run)
-        first = _arange(-(-rows // per)) * per
+        first = np.arange(-(-rows // per), dtype=np.int64) * per
         n = _put(records, n, 0, s0, s_stride, s_run + first, d0, d_stride, d_run + first)
         records[n - len(first):n, R_WORD] = np.minimum(per, rows - first) * width | kind << 32
         return n
@@ -440,28 +438,11 @@ def _put(records: np.ndarray, n: int, word: int, src: int, src_stride: int, src_
     rec = records[n:n + k]
     rec[:] = (src, src_stride, 0, dst, dst_stride, 0, word)  # GATHER_ROW's words
     if k > 1 or type(src_rows) is not int:
-        rec[:, R_SRC_ROW] = _arange(k) if src_rows is None else src_rows
+        rec[:, R_SRC_ROW] = np.arange(k, dtype=np.int64) if src_rows is None else src_rows
         rec[:, R_DST_ROW] = dst_rows
     else:
         rec[0, R_SRC_ROW], rec[0, R_DST_ROW] = src_rows, dst_rows
     return n + k
-
-
-def _kept_range(n: int) -> np.ndarray:
-    r = np.arange(n, dtype=np.int64)
-    r.flags.writeable = False
-    return r
-
-
-_ARANGE = _kept_range(1024)
-
-
-def _arange(n: int) -> np.ndarray:
-    """0..n-1 (a read-only view of a kept range while it is long enough)."""
-    global _ARANGE
-    if n > len(_ARANGE):
-        _ARANGE = _kept_range(1 << (n - 1).bit_length())
-    return _ARANGE[:n]
 
 
 def _run_start(rows: np.ndarray) -> int:
@@ -480,7 +461,7 @@ def _each_rows(info: Sources, starts: np.ndarray, base: int, unit: int) -> tuple
     s0 = (ptr - base) // unit
     if (rows == 1).all():  # one row per source (decode rows): no repeats
         return s0, first
-    j = _arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)  # row within its source
+    j = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)  # row within its source
     return np.repeat(s0, rows) + j * np.repeat(stride * words, rows), np.repeat(first, rows) + j
 
 

@@ -13,10 +13,11 @@
     set_programmatic_launch(enabled)
         Launch the compiled and Triton kernels with or without programmatic dependent launch (``pdl.py``).
 
-``max_elems`` is the host-known largest ``N * F`` of the launch: it sizes the grid. Validation is the
-caller's; the kernel backends never sync with the host. Each op runs on the backend
-``backend.select`` names for the tensors' device: the compiled extension (``cuda_ext``), CuPy
-(``cupy_nvrtc``), Triton (``triton_ring``, ``triton_gather``) or the torch reference (``reference``).
+``max_elems`` is the host-known largest ``N * F`` of the launch: it sizes the grid (the reference
+ignores it). Validation is the caller's; the kernel backends never sync with the host. Each op runs
+on the backend ``backend.select`` names for the tensors' device: the compiled extension
+(``cuda_ext``), CuPy (``cupy_nvrtc``), Triton (``triton_ring``, ``triton_gather``) or the torch
+reference (``reference``).
 """
 
 from __future__ import annotations
@@ -27,22 +28,14 @@ from .. import backend as _backend
 from . import pdl, reference
 
 _MODULES = {("cuda", "ring"): "cuda_ext", ("cuda", "gather"): "cuda_ext", ("cupy", "ring"): "cupy_nvrtc",
-            ("cupy", "gather"): "cupy_nvrtc", ("triton", "ring"): "triton_ring", ("triton", "gather"): "triton_gather"}
+            ("cupy", "gather"): "cupy_nvrtc", ("triton", "ring"): "triton_ring", ("triton", "gather"): "triton_gather",
+            ("torch", "ring"): "reference", ("torch", "gather"): "reference"}
 
 
 def _impl(is_cuda: bool, op: str = "ring"):
-    """The backend module that runs ``op`` ("ring" or "gather") on CUDA (``is_cuda``) or CPU tensors,
-    or None for the torch reference."""
-    name = _backend.name_for(is_cuda)
-    if name == "torch":
-        return None
-    module = _LOADED.get((name, op))
-    if module is None:
-        module = _LOADED[(name, op)] = importlib.import_module(f"{__name__}.{_MODULES[(name, op)]}")
-    return module
-
-
-_LOADED: dict[tuple[str, str], object] = {}
+    """The backend module that runs ``op`` ("ring" or "gather") on CUDA (``is_cuda``) or CPU tensors
+    (``reference`` for the torch backend)."""
+    return importlib.import_module(f"{__name__}.{_MODULES[(_backend.name_for(is_cuda), op)]}")
 
 
 def set_programmatic_launch(enabled: bool) -> None:
@@ -52,19 +45,13 @@ def set_programmatic_launch(enabled: bool) -> None:
 
 
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
-    impl = _impl(arena.is_cuda)
-    if impl is None:
-        reference.ring_write(arena, state, meta, src, rows=rows, frame_elems=frame_elems, last=last)
-    else:
-        impl.ring_write(arena, state, meta, src, rows=rows, frame_elems=frame_elems, last=last, max_elems=max_elems)
+    _impl(arena.is_cuda).ring_write(arena, state, meta, src, rows=rows, frame_elems=frame_elems, last=last,
+                                    max_elems=max_elems)
 
 
 def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
-    impl = _impl(arena.is_cuda)
-    if impl is None:
-        reference.ring_read(arena, meta, out, rows=rows, frame_elems=frame_elems, last=last)
-    else:
-        impl.ring_read(arena, meta, out, rows=rows, frame_elems=frame_elems, last=last, max_elems=max_elems)
+    _impl(arena.is_cuda).ring_read(arena, meta, out, rows=rows, frame_elems=frame_elems, last=last,
+                                   max_elems=max_elems)
 
 
 def uses_kernel(is_cuda: bool) -> bool:
@@ -75,9 +62,9 @@ def uses_kernel(is_cuda: bool) -> bool:
 
 def row_gather(jobs, table, base, *, grid_rows: int | None = None, aligned: bool | None = None) -> None:
     impl = _impl(jobs.is_cuda, "gather")
-    if impl is None:
+    if impl is reference:  # the reference copies the recorded jobs; a kernel reads the table
         reference.row_gather(jobs)
-        return
-    rows = jobs.n_float + jobs.n_int if grid_rows is None else grid_rows
-    impl.row_gather(base, table, jobs.outputs(), width=jobs.width, grid_rows=rows,
-                    aligned=jobs.aligned if aligned is None else aligned)
+    else:
+        impl.row_gather(base, table, jobs.outputs(), width=jobs.width,
+                        grid_rows=jobs.n_float + jobs.n_int if grid_rows is None else grid_rows,
+                        aligned=jobs.aligned if aligned is None else aligned)

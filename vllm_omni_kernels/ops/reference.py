@@ -99,9 +99,10 @@ def _meta(meta: torch.Tensor, rows: int) -> np.ndarray:
     return head.numpy() if head.device.type == "cpu" else head.cpu().numpy()
 
 
-def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool) -> None:
+def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
     """Copy each row's chunk from ``src`` into its ring region at the head; advance the head. The
-    heads are read and written in place through numpy (a CPU ``state``) or a host copy of it."""
+    heads are read and written in place through numpy (a CPU ``state``) or a host copy of it.
+    ``max_elems`` (the kernels' grid size) is ignored."""
     m = _meta(meta, rows)
     if not len(m):
         return
@@ -115,8 +116,9 @@ def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bo
         state.copy_(host)
 
 
-def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool) -> None:
-    """Copy each row's ring span starting at POS into ``out`` at LIN_OFF (contiguous per row)."""
+def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
+    """Copy each row's ring span starting at POS into ``out`` at LIN_OFF (contiguous per row);
+    ``max_elems`` as in ``ring_write``."""
     m = _meta(meta, rows)
     if len(m):
         _copy_rows(_Elements(arena), _Elements(out), m, m[:, POS], frame_elems, last, into_ring=False)

@@ -57,22 +57,15 @@ class _ScalarRows:
         self.embeds: tuple[list, list, list] = ([], [], [])  # request ids, first tokens, embeddings [n, H]
         self.mtp: tuple[list, ...] = ([], [], [], [], [], [])  # request ids, MTP positions, ids, embeds, hidden, text
 
-    def add_ids(self, request_id: str, start: int, ids: torch.Tensor) -> None:
-        for col, v in zip(self.ids, (request_id, start, ids if ids.dim() == 1 else ids.reshape(-1))):
-            col.append(v)
-
-    def add_embeds(self, request_id: str, start: int, embeds: torch.Tensor) -> None:
-        for col, v in zip(self.embeds, (request_id, start, embeds)):
-            col.append(v)
-
-    def add_mtp(self, request_id: str, index: int, ids, embeds, hidden, text) -> None:
-        for col, v in zip(self.mtp, (request_id, index, ids if ids.dim() == 1 else ids.reshape(-1), embeds, hidden,
-                                     text)):
+    @staticmethod
+    def add(cols: tuple[list, ...], *values) -> None:
+        """Append one hook output's values to ``cols`` (``ids``, ``embeds`` or ``mtp``), one per column."""
+        for col, v in zip(cols, values, strict=True):
             col.append(v)
 
     def record(self, gather: DecodeGather, input_ids: torch.Tensor, inputs_embeds: torch.Tensor) -> None:
-        calls = ((self.ids, lambda c: gather.add_ids_each(input_ids, c[1], c[2])),
-                 (self.embeds, lambda c: gather.add_embeds_each(inputs_embeds, c[1], c[2])),
+        calls = ((self.ids, lambda c: gather.pre.jobs.ints_each(input_ids, c[1], c[2])),
+                 (self.embeds, lambda c: gather.pre.jobs.rows_each(inputs_embeds, c[1], c[2])),
                  (self.mtp, lambda c: gather.add_mtp_inputs_each(c[1], *c[2:])))
         for cols, call in calls:
             if not cols[0]:
@@ -161,7 +154,7 @@ class OmniPhaseRunnerMixin:
             except BaseException:
                 gather.pre.jobs.clear()
                 raise
-            gather.launch_pre()
+            gather.pre.launch()
             for request_id, update in pending:
                 self._update_intermediate_buffer(request_id, update)
             if self.has_talker_mtp:
@@ -200,11 +193,11 @@ class OmniPhaseRunnerMixin:
                                     request_id=rids[0])
         try:
             if not same_ids:
-                self._omni_gather.add_ids(input_ids, run.offsets, ids)
+                self._omni_gather.pre.jobs.ints(input_ids, run.offsets, ids.reshape(-1))
             if mtp:
                 self._omni_gather.add_mtp_inputs(run.mtp_index, ids, embeds, out[2], out[3])
             else:
-                self._omni_gather.add_embeds(inputs_embeds, run.offsets, embeds)
+                self._omni_gather.pre.jobs.rows(inputs_embeds, run.offsets, embeds)
         except _RECORD_ERRORS as exc:
             raise PhaseRoutingError(f"preprocess_decode_batch outputs: {exc}", request_id=rids[0]) from exc
         return list(zip(rids, updates))
@@ -228,6 +221,8 @@ class OmniPhaseRunnerMixin:
         if new_ids and (not isinstance(ids, torch.Tensor) or ids.numel() != step.span):
             raise _shape_error(rid, "preprocess input_ids", ids, (step.span,))
         # The copies are collected here and recorded for all scalar rows at once (_ScalarRows).
+        if new_ids:
+            scalar.add(scalar.ids, rid, s, ids.reshape(-1))
         if step.mtp_index >= 0:
             update = dict(update or {})
             mtp_inputs = update.pop("mtp_inputs", None)
@@ -238,15 +233,11 @@ class OmniPhaseRunnerMixin:
             for what, t in (("mtp_inputs last_hidden", hidden), ("mtp_inputs text_step", text)):
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != (1, h):
                     raise _shape_error(rid, what, t, (1, h))
-            if new_ids:
-                scalar.add_ids(rid, s, ids)
-            scalar.add_mtp(rid, step.mtp_index, ids if new_ids else ids_in, embeds, hidden, text)
+            scalar.add(scalar.mtp, rid, step.mtp_index, (ids if new_ids else ids_in).reshape(-1), embeds, hidden, text)
         else:
-            if new_ids:
-                scalar.add_ids(rid, s, ids)
             in_place = embeds.data_ptr() == embed_slice.data_ptr() and embeds.stride() == embed_slice.stride()
             if step.span and not in_place:
-                scalar.add_embeds(rid, s, embeds)
+                scalar.add(scalar.embeds, rid, s, embeds)
         return rid, update
 
     # ---------------------------------------------------------------- MTP
@@ -257,23 +248,18 @@ class OmniPhaseRunnerMixin:
         context and CUDA-graph padding."""
         return self.model.talker_mtp(ids, embeds, hidden, text)
 
-    def _talker_mtp_forward(self, decode_req_ids: list[str], inputs_embeds: torch.Tensor,
-                            start_offsets=None) -> None:
+    def _talker_mtp_forward(self, decode_req_ids: list[str], inputs_embeds: torch.Tensor, start_offsets) -> None:
         """Run MTP on the first ``len(decode_req_ids)`` packed rows and scatter its outputs.
 
-        ``start_offsets``: each row's token offset in ``inputs_embeds`` (default: from
-        ``query_start_loc`` of the request's batch row); any order, gaps allowed, no duplicates.
-        An empty batch is a no-op. One fused launch: embeddings to their offsets, codes to the
-        requests' code slots; each request's info gets ``{key: {sub: codes_view}}``.
+        ``start_offsets``: each row's token offset in ``inputs_embeds``; any order, gaps allowed, no
+        duplicates. An empty batch is a no-op. One fused launch: embeddings to their offsets, codes to
+        the requests' code slots; each request's info gets ``{key: {sub: codes_view}}``.
         """
         m = len(decode_req_ids)
         if m == 0:
             return
         with nvtx_range("omni.talker_mtp"):
             gather = self._omni_gather
-            if start_offsets is None:
-                index = {r: i for i, r in enumerate(self.input_batch.req_ids)}
-                start_offsets = [int(self.query_start_loc.np[index[r]]) for r in decode_req_ids]
             offsets = np.asarray(start_offsets, dtype=np.int64).reshape(-1)
             if offsets.size != m:
                 raise ValueError(f"{offsets.size} offsets for {m} MTP rows")
@@ -298,7 +284,7 @@ class OmniPhaseRunnerMixin:
             except _RECORD_ERRORS as exc:
                 gather.post.jobs.clear()
                 raise PhaseRoutingError(f"talker_mtp outputs: {exc}", request_id=decode_req_ids[0]) from exc
-            gather.launch_post()
+            gather.post.launch()
             if codes is not None:
                 key, sub = getattr(self.model, "talker_mtp_output_key", ("codes", "audio"))
                 for rid, slot in zip(decode_req_ids, slots):
