@@ -109,36 +109,41 @@ def test_rows_given_by_the_caller_and_slots_sized_for_what_a_request_will_hold()
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
-def test_trailing_frames_wait_for_their_token_or_are_dropped_after_the_end(backend_name, use_backend):
-    """A step's token is known on the host only once its copy has landed: until then the step's
-    frames wait (``trailing`` leaves a request's newest frames unread), and a request that ended
-    steps ago gets everything up to its end and nothing appended after it, for every output kind;
-    another request of the same steps loses nothing."""
+def test_frames_past_an_end_found_a_step_late_never_reach_the_request(backend_name, use_backend):
+    """A step's token is known on the host only once its copy has landed, and under async scheduling
+    the next step has run by then. Request "s" ends with its frame of step 5, which the caller
+    learns after step 6 ran: step 6's data leaves out its frame there (``drop_newest``; "s" is due
+    there, first in a region "o" shares), and its close at step 7 reads up to its end (``ends``)
+    whether that frame went out or was never due; "o" loses nothing; every output kind."""
     use_backend(backend_name)
+    big = np.iinfo(np.int64).max
     for emit in (EmitPolicy.DELTA, EmitPolicy.CUMULATIVE, EmitPolicy.FINAL_ONLY):
         acc = WorkerAccumulator(KEYS, "cpu", budget_bytes=1 << 16, max_requests=4)
-        s_row, o_row = acc.add_request("s", emit), acc.add_request("o", emit)
+        s_row, _ = acc.add_request("s", emit), acc.add_request("o", emit)
         got = {"s": {"audio": [], "codes": []}, "o": {"audio": [], "codes": []}}
-        for step in range(9):  # "s" ends with step 6 (its token said so), learned after step 8
-            acc.append(["s", "o"], {"audio": PaddedBatch(torch.arange(10.0 * step, 10.0 * step + 6).repeat(2, 1),
-                                                         [5, 6]),
-                                    "codes": PaddedBatch(torch.full((2, 1, 3), step, dtype=torch.int64), [1, 1])})
-            trailing = [np.zeros(4, np.int64), np.zeros(4, np.int64)]
-            if step < 8:  # this step's frames of "s" wait for its token
-                trailing[0][s_row], trailing[1][s_row] = 5, 1
-            else:  # the end, two steps after it
-                trailing[0][s_row], trailing[1][s_row] = 10, 2
-            packed = acc.collect(["s", "o"] if step == 8 else [], trailing=trailing)
+        for step in range(8):
+            ids = ["s", "o"] if step < 7 else ["o"]  # "s" is not scheduled after its end is seen
+            n = len(ids)
+            acc.append(ids, {"audio": PaddedBatch(torch.arange(10.0 * step, 10.0 * step + 6).repeat(n, 1), [5, 6][-n:]),
+                             "codes": PaddedBatch(torch.full((n, 1, 3), step, dtype=torch.int64), [1] * n)})
+            ends = None
+            if step == 7:
+                ends = [np.full(4, big), np.full(4, big)]
+                ends[0][s_row], ends[1][s_row] = 6 * 5, 6
+            packed = acc.collect(["s", "o"] if step == 7 else [], ends=ends)
+            if step == 6 and packed is not None:
+                if emit is not EmitPolicy.FINAL_ONLY:
+                    assert "s" in packed.requests() and "o" in packed.requests()
+                packed.drop_newest("s", {"audio": 5, "codes": 1})
             for rid in ("s", "o") if packed is not None else ():
                 for key, value in packed.tensors(rid).items():
                     got[rid][key].append(value)
-                    if rid == "s" and key == "codes" and step < 8:
-                        assert value[-1, 0] < step  # never a frame whose token is unseen
         assert packed.final == {"s", "o"} and len(acc) == 0
-        audio_s, codes_s = torch.cat(got["s"]["audio"]), torch.cat(got["s"]["codes"])  # (spans, CUMULATIVE too)
-        assert torch.equal(audio_s, torch.cat([torch.arange(10.0 * k, 10.0 * k + 5) for k in range(7)])), emit
-        assert codes_s[:, 0].tolist() == list(range(7)), emit
-        assert torch.cat(got["o"]["audio"]).numel() == 9 * 6 and torch.cat(got["o"]["codes"]).shape[0] == 9
+        audio_s, codes_s = torch.cat(got["s"]["audio"]), torch.cat(got["s"]["codes"])
+        assert torch.equal(audio_s, torch.cat([torch.arange(10.0 * k, 10.0 * k + 5) for k in range(6)])), emit
+        assert codes_s[:, 0].tolist() == list(range(6)), emit
+        assert torch.equal(torch.cat(got["o"]["audio"]), torch.cat([torch.arange(10.0 * k, 10.0 * k + 6) for k in range(8)]))
+        assert torch.cat(got["o"]["codes"])[:, 0].tolist() == list(range(8))
 
 
 def test_a_malformed_chunk_fails_only_its_request():

@@ -267,6 +267,12 @@ class RingPool:
         view.flags.writeable = False
         return view
 
+    def drained(self) -> np.ndarray:
+        """Frames drained so far of every slot since it was taken (a read-only view, indexed by slot)."""
+        view = self._drained.view()
+        view.flags.writeable = False
+        return view
+
     def unread_frames(self, request_id: str) -> int:
         self._settle()
         return int(self.table[self.slot_of(request_id), UNREAD])

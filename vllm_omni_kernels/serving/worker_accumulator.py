@@ -16,8 +16,9 @@ What is due, per request, by its output kind (taken from its sampling parameters
 * FINAL_ONLY: nothing until the request finishes, then everything at once.
 
 A caller that learns of a request's end only after more steps ran (a stop token, seen when its
-step's copy lands) holds each request's newest frames back until it has seen their step's token and
-drops what came after the end (``collect(trailing=...)``).
+step's copy lands) closes it with the frames it ends at (``collect(ends=...)``: nothing appended
+after the end is read), and leaves out of steps already packed what lies past it
+(``PackedStep.drop_newest``).
 
 A request's slots are taken when it arrives (at the row the model runner gives it, the same slot
 in every key's pool, sized for everything a FINAL_ONLY request will hold when the caller says how
@@ -40,7 +41,7 @@ import math
 import queue
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 
 import numpy as np
@@ -134,6 +135,32 @@ class PackedStep:
         if self._requests is None:
             self._requests = {rid for region in self.regions for rid in region.request_ids}
         return self._requests
+
+    def drop_newest(self, request_id: str, frames: Mapping[str, int]) -> None:
+        """Leave out the request's newest ``frames[key]`` frames of each key (data found, after the
+        step was packed, to lie past the request's end); the other requests' data stays where it is
+        (a region splits around the request's), and a request left without frames of a key leaves
+        that key's region."""
+        regions = []
+        for region in self.regions:
+            drop = frames.get(region.key, 0)
+            if not drop or request_id not in region.request_ids:
+                regions.append(region)
+                continue
+            ids, counts = region.request_ids, region.frames
+            i = ids.index(request_id)
+            per = math.prod(region.frame) * region.dtype.itemsize
+            start = region.offset + int(counts[:i].sum()) * per
+            keep = int(counts[i]) - drop
+            if i:
+                regions.append(replace(region, request_ids=ids[:i], frames=counts[:i]))
+            if keep > 0:
+                regions.append(replace(region, offset=start, request_ids=[request_id], frames=np.array([keep], np.int64)))
+            if i + 1 < len(ids):
+                regions.append(replace(region, offset=start + int(counts[i]) * per, request_ids=ids[i + 1:],
+                                       frames=counts[i + 1:]))
+        self.regions = regions
+        self._requests = None
 
     def tensors(self, request_id: str) -> dict[str, torch.Tensor]:
         """The request's data as views into ``host`` (after ``wait``)."""
@@ -339,20 +366,21 @@ class WorkerAccumulator:
         return failed
 
     def collect(self, finishing: Collection[str] = (), head_bytes: int = 0,
-                trailing: Sequence[np.ndarray] | None = None) -> PackedStep | None:
+                ends: Sequence[np.ndarray] | None = None) -> PackedStep | None:
         """Read what is due into the step's buffer and start its one copy to the host.
 
         ``finishing``: requests whose output ends here (their rest is read, then their slots are
-        freed). ``head_bytes``: bytes of ``head()`` data to carry along. ``trailing``: per key (in
-        ``keys`` order), by row, the newest frames of each request that are not to go now (int64):
-        frames whose step's token the caller has not seen yet (it may have ended the request), or,
-        for a finishing request, frames appended after its end (dropped with its slots). Returns
-        None when nothing is due and there is no head.
+        freed). ``head_bytes``: bytes of ``head()`` data to carry along. ``ends``: per key (in
+        ``keys`` order), by row, the frames each request's output ends at (int64; a request found
+        to have ended steps ago: what it appended after that is never read, and goes with its
+        slots); rows with no end hold any larger number. Returns None when nothing is due and there
+        is no head.
         """
         with nvtx_range("worker.collect"):
             unreads = [pool.unread() for pool in self.pools]
-            if trailing is not None:
-                unreads = [np.maximum(unread - t, 0) for unread, t in zip(unreads, trailing)]
+            if ends is not None:
+                unreads = [np.minimum(unread, np.maximum(end - pool.drained(), 0))
+                           for unread, end, pool in zip(unreads, ends, self.pools)]
             pending = unreads[0] > 0
             for unread in unreads[1:]:
                 pending |= unread > 0

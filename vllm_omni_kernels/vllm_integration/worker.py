@@ -25,16 +25,14 @@ A step (``execute_model`` then ``sample_tokens``, as vLLM's GPU runner does):
 Stop tokens. A token that ends its request (vLLM's ``check_stop``: the request's eos token or one of
 its ``stop_token_ids``, among the tokens the talker can sample) is known on the host only in
 ``get_output``, when the scheduler learns it too. The worker then stops sampling the request and, at
-its next step, delivers the rest of its output up to the stopping frame and closes it; the
-scheduler's final output for it waits for that (``scheduler.MultimodalChannel``). Under async
-scheduling the worker runs a step before it sees the last one's tokens, so a frame of such a request
-leaves the worker only once the token before it is seen (``collect(trailing=...)``: its newest frame
-waits a step: such a stream's audio, its first chunk included, comes a step later), a request that
-ends by its length closes a step after its last frame, and what it appended after a stop is dropped.
-Requests that no sampled token can stop (the talker samples codec tokens only: its text eos never
-comes) pay nothing. Each request has a row for the accumulator's slots; there are twice as many
-rows as vLLM has seats, since vLLM gives a finished request's seat to the next one before its
-output has closed here.
+its next step, delivers the rest of its output up to the stopping frame and closes it
+(``collect(ends=...)``); the scheduler's final output for it waits for that
+(``scheduler.MultimodalChannel``). Under async scheduling the worker has run the next step before
+it sees a step's tokens: that step's frame of a request that has ended is taken out of the step's
+data before vLLM gets it (``PackedStep.drop_newest``), and never read if it was not due. Every
+frame goes as soon as it is due. Each request has a row for the accumulator's slots; there are
+twice as many rows as vLLM has seats, since vLLM gives a finished request's seat to the next one
+before its output has closed here.
 
 ``additional_config["omni"]`` configures it: ``device`` ("auto", "cuda", "cpu"), ``cadence``
 (audio samples a streaming request gets at a time; 0: every step), ``output_path`` ("worker", or
@@ -53,7 +51,6 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 from itertools import repeat
 
 import numpy as np
@@ -76,8 +73,8 @@ from .talker_model import OmniTalkerForTTS
 from .upstream_style import upstream_worker_outputs
 
 _HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
-_STEP_FRAMES = (tk.FRAME_SAMPLES, 1)  # ring frames a step appends per request, per key (talker_output_keys):
-#                                      the chunks' lengths, and the frames of a step held back or dropped
+_STEP_FRAMES = {"audio": tk.FRAME_SAMPLES, "codes": 1}  # ring frames a step appends per request, per key
+#                                                         (talker_output_keys, in its order)
 
 
 @dataclass
@@ -110,12 +107,26 @@ class WorkerOptions:
 
 class _StepOutput(AsyncModelRunnerOutput):
     """A step's output, resolved when its copy to the host has landed (``get_output``), which is
-    also when the worker learns the step's tokens (``on_tokens``)."""
+    also when the worker learns the step's tokens (``on_tokens``). ``stoppable``: (request ids,
+    rows, frames produced) of the step's sampling requests, when a sampled token can end one."""
 
-    def __init__(self, req_ids, sampling: np.ndarray, packed: PackedStep | None, tokens_cpu, opened, failed, plain,
-                 on_tokens=None):
+    def __init__(self, on_tokens, req_ids, sampling: np.ndarray, packed: PackedStep | None, tokens_cpu, opened,
+                 failed, plain, stoppable: tuple[list[str], np.ndarray, np.ndarray] | None = None):
         self.req_ids, self.sampling, self.packed, self.tokens_cpu = req_ids, sampling, packed, tokens_cpu
         self.opened, self.failed, self.plain, self.on_tokens = opened, failed, plain, on_tokens
+        self.stoppable = stoppable
+        self.ended: set[str] = set()  # requests whose end an earlier step's token was
+
+    def drop_past(self, request_id: str, end: int) -> None:
+        """Leave out of this step's data the request's frames past its ``end`` (frames produced),
+        found after the step ran."""
+        self.ended.add(request_id)
+        if self.packed is None or self.stoppable is None or request_id not in self.stoppable[0]:
+            return
+        ids, _, produced = self.stoppable
+        extra = int(produced[ids.index(request_id)]) - end
+        if extra > 0:
+            self.packed.drop_newest(request_id, {key: extra * n for key, n in _STEP_FRAMES.items()})
 
     def get_output(self) -> OmniModelRunnerOutput:
         if self.packed is not None:
@@ -123,8 +134,7 @@ class _StepOutput(AsyncModelRunnerOutput):
             tokens = host[:self.packed.head_bytes].view(torch.int64).tolist()
         else:
             tokens = self.tokens_cpu.tolist() if self.tokens_cpu is not None else []
-        if self.on_tokens is not None:
-            self.on_tokens(tokens)
+        self.on_tokens(self, tokens)
         sampled: list[list[int]] = [[] for _ in self.req_ids]
         for b, i in enumerate(self.sampling.tolist()):
             sampled[i] = [tokens[b]]
@@ -177,7 +187,7 @@ class TalkerWorker:
         self._stoppable = np.zeros(R, bool)  # a sampled token can end the request (module docstring)
         self._has_stop_ids = np.zeros(R, bool)  # the request is in _stop_ids
         self._stopped: dict[str, int] = {}  # request -> its frames when a token ended it (seen a step late)
-        self._closing: set[str] = set()  # requests that ended by length at a frame whose token was unseen
+        self._in_flight: deque[_StepOutput] = deque()  # step outputs handed to vLLM, not yet resolved
         self.acc = WorkerAccumulator(talker_output_keys(self.options.cadence), self.device,
                                      budget_bytes=self.options.pool_budget_bytes, max_requests=self.max_requests)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
@@ -278,13 +288,8 @@ class TalkerWorker:
     def _update_requests(self, so) -> tuple[list[str], dict[str, int]]:
         """Rows of the step's new, finished and resumed requests; returns the requests whose output
         the accumulator now holds, and those whose output closes this step, now that their end is
-        seen (module docstring), each with the frames it produced after its end."""
-        flush = {}
-        for rid in self._closing | self._stopped.keys():
-            if rid in self.acc:
-                produced = int(self._produced[self._row[rid]])
-                flush[rid] = produced - self._stopped.get(rid, produced)
-        self._closing.clear()
+        seen (module docstring), each with the frames it ends at."""
+        flush = {rid: end for rid, end in self._stopped.items() if rid in self.acc}
         self._stopped.clear()
         for rid in so.finished_req_ids:  # finished or aborted: give everything back
             self._stop_ids.pop(rid, None)
@@ -370,8 +375,8 @@ class TalkerWorker:
         now = time.time()
         self._step_starts.append(now)
         if B == 0:
-            packed = self._collect([], flush, None, 0) if flush else None
-            return _StepOutput(req_ids, sampling, packed, None, opened, {}, {})
+            packed = self._collect([], flush, 0) if flush else None
+            return self._output(req_ids, sampling, packed, None, opened, {}, {})
         ids = [req_ids[i] for i in sampling.tolist()]
         produced = self._produced[state_rows]
         for b in np.flatnonzero(produced == 0).tolist():
@@ -391,63 +396,71 @@ class TalkerWorker:
         self.stats["samples"] += B * tk.FRAME_SAMPLES
         if self.options.output_path == "upstream":
             return self._run_upstream(req_ids, sampling, ids, opened, rows, codes)
-        stoppable = self._stoppable[state_rows]
-        held_back = None  # rows whose frame of this step waits for its token (seen a step late)
-        if self.async_scheduling and stoppable.any():
-            self._closing.update(ids[b] for b in np.flatnonzero(ending & stoppable).tolist())
-            ending &= ~stoppable
-            held_back = state_rows[stoppable]
         finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
         tokens = self.acc.head(B, torch.int64)
         torch.add(codes[:, 0], tk.TEXT_VOCAB, out=tokens)
         audio = self._advance(rows, codes, tokens)
         t0 = time.perf_counter()
         with nvtx_range("worker.output_path"):
-            chunks = {"audio": PaddedBatch(audio, np.full(B, _STEP_FRAMES[0], np.int64)),
-                      "codes": PaddedBatch(codes.unsqueeze(1), np.full(B, _STEP_FRAMES[1], np.int64))}
+            chunks = {"audio": PaddedBatch(audio, np.full(B, _STEP_FRAMES["audio"], np.int64)),
+                      "codes": PaddedBatch(codes.unsqueeze(1), np.full(B, _STEP_FRAMES["codes"], np.int64))}
             if bad:  # the malformed chunk of a test request: one request's audio of another dtype
                 chunks["audio"] = [audio[b].double() if b in bad else audio[b] for b in range(B)]
             failed = self.acc.append(ids, chunks, rows=state_rows)
-            packed = self._collect(finishing, flush, held_back, 8 * B)
+            packed = self._collect(finishing, flush, 8 * B)
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
             self._done[self._row[rid]] = True
         self._note_output_path(t0, packed.host.numel() if packed is not None else 0)
-        on_tokens = partial(self._note_stops, ids, state_rows, produced) if stoppable.any() else None
-        return _StepOutput(req_ids, sampling, packed, None, opened, failed, {}, on_tokens)
+        stoppable = (ids, state_rows, produced) if self._stoppable[state_rows].any() else None
+        return self._output(req_ids, sampling, packed, None, opened, failed, {}, stoppable)
 
-    def _collect(self, finishing: list[str], flush: dict[str, int], held_back: np.ndarray | None,
-                 head_bytes: int) -> PackedStep | None:
-        """The accumulator's collect: the ``held_back`` rows keep this step's frame for a step,
-        ``flush`` closes each of its requests without the frames it produced after its end; their
-        rows are free afterwards."""
-        trailing = None
-        if flush or held_back is not None:
-            trailing = [np.zeros(self.max_requests, np.int64) for _ in _STEP_FRAMES]
-            for t, n in zip(trailing, _STEP_FRAMES):
-                if held_back is not None:
-                    t[held_back] = n
-                for rid, extra in flush.items():
-                    t[self._row[rid]] = extra * n
-        packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, trailing=trailing)
+    def _output(self, *args) -> _StepOutput:
+        """A step's output for vLLM (``_StepOutput``'s arguments after ``on_tokens``): in flight until
+        it is resolved."""
+        step = _StepOutput(self._resolve, *args)
+        self._in_flight.append(step)
+        return step
+
+    def _collect(self, finishing: list[str], flush: dict[str, int], head_bytes: int) -> PackedStep | None:
+        """The accumulator's collect; ``flush`` closes each of its requests at the frames it ends at
+        (what it produced after that is never read), and their rows are free afterwards."""
+        ends = None
+        if flush:
+            ends = [np.full(self.max_requests, np.iinfo(np.int64).max, np.int64) for _ in self.acc.keys]
+            for end, key in zip(ends, self.acc.keys):
+                for rid, frames in flush.items():
+                    end[self._row[rid]] = frames * _STEP_FRAMES[key.name]
+        packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, ends=ends)
         for rid in flush:
             self._free_rows.append(self._row.pop(rid))
         return packed
 
-    def _note_stops(self, ids: list[str], rows: np.ndarray, produced: np.ndarray, tokens: list[int]) -> None:
-        """A step's tokens, seen once its copy has landed: a request whose token ends it (vLLM's
-        ``check_stop``: its eos token, or one of its ``stop_token_ids``) samples no more, and its
-        output closes at the next step, up to this step's frame."""
+    def _resolve(self, step: _StepOutput, tokens: list[int]) -> None:
+        """A step's tokens, seen once its copy has landed. A request whose token ends it (vLLM's
+        ``check_stop``: its eos token, or one of its ``stop_token_ids``) samples no more; the steps
+        that ran before the token was seen (under async scheduling) leave out its frames past the
+        end, and its output closes at the next step, up to this step's frame."""
+        if step in self._in_flight:
+            while self._in_flight.popleft() is not step:
+                pass  # (a step vLLM never resolved)
+        if step.stoppable is None:
+            return
+        ids, rows, produced = step.stoppable
         hit = np.asarray(tokens[:len(rows)], np.int64) == self._eos[rows]
         if self._stop_ids:
             for b in np.flatnonzero(self._has_stop_ids[rows]).tolist():
                 if tokens[b] in self._stop_ids.get(ids[b], ()):
                     hit[b] = True
         for b in np.flatnonzero(hit).tolist():
-            rid = ids[b]
-            if rid in self.acc and rid not in self._stopped:  # (held: not closed by its length already)
-                self._stopped[rid] = int(produced[b])
+            rid, end = ids[b], int(produced[b])
+            if rid in step.ended:
+                continue  # a frame past its end, already left out
+            self.stats["stopped"] += 1
+            for later in self._in_flight:
+                later.drop_past(rid, end)
+            if rid in self.acc:  # (else closed by its length in this step)
+                self._stopped[rid] = end
                 self._done[self._row[rid]] = True
-                self.stats["stopped"] += 1
 
     def _run_upstream(self, req_ids, sampling, ids, opened, rows, codes) -> _StepOutput:
         """The comparison path: every key's batched output copied to the host each step (one blocking
@@ -461,7 +474,7 @@ class TalkerWorker:
         if self.device.type == "cuda":
             self._upstream_copies += 3
         self._note_output_path(t0, audio.numel() * 4 + codes.numel() * 8 + tokens_cpu.numel() * 8)
-        return _StepOutput(req_ids, sampling, None, tokens_cpu, opened, {}, plain)
+        return self._output(req_ids, sampling, None, tokens_cpu, opened, {}, plain)
 
     def _advance(self, rows: torch.Tensor, codes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The frame's audio, and the requests' state moved past it (last token, frame index)."""
