@@ -113,37 +113,51 @@ def test_frames_past_an_end_found_a_step_late_never_reach_the_request(backend_na
     """A step's token is known on the host only once its copy has landed, and under async scheduling
     the next step has run by then. Request "s" ends with its frame of step 5, which the caller
     learns after step 6 ran: step 6's data leaves out its frame there (``drop_newest``; "s" is due
-    there, first in a region "o" shares), and its close at step 7 reads up to its end (``ends``)
-    whether that frame went out or was never due; "o" loses nothing; every output kind."""
+    there, between "a" and "o" in their regions), and its close at step 7 reads up to its end
+    (``ends``) whether that frame went out or was never due; "a" and "o" lose nothing; every output
+    kind."""
     use_backend(backend_name)
     big = np.iinfo(np.int64).max
     for emit in (EmitPolicy.DELTA, EmitPolicy.CUMULATIVE, EmitPolicy.FINAL_ONLY):
         acc = WorkerAccumulator(KEYS, "cpu", budget_bytes=1 << 16, max_requests=4)
+        acc.add_request("a", emit)
         s_row, _ = acc.add_request("s", emit), acc.add_request("o", emit)
-        got = {"s": {"audio": [], "codes": []}, "o": {"audio": [], "codes": []}}
+        got = {rid: {"audio": [], "codes": []} for rid in "aso"}
         for step in range(8):
-            ids = ["s", "o"] if step < 7 else ["o"]  # "s" is not scheduled after its end is seen
+            ids = ["a", "s", "o"] if step < 7 else ["a", "o"]  # "s" is not scheduled after its end is seen
             n = len(ids)
-            acc.append(ids, {"audio": PaddedBatch(torch.arange(10.0 * step, 10.0 * step + 6).repeat(n, 1), [5, 6][-n:]),
+            acc.append(ids, {"audio": PaddedBatch(torch.arange(10.0 * step, 10.0 * step + 6).repeat(n, 1),
+                                                  [6, 5, 6] if n == 3 else [6, 6]),
                              "codes": PaddedBatch(torch.full((n, 1, 3), step, dtype=torch.int64), [1] * n)})
             ends = None
             if step == 7:
                 ends = [np.full(4, big), np.full(4, big)]
                 ends[0][s_row], ends[1][s_row] = 6 * 5, 6
-            packed = acc.collect(["s", "o"] if step == 7 else [], ends=ends)
+            packed = acc.collect(["a", "s", "o"] if step == 7 else [], ends=ends)
             if step == 6 and packed is not None:
                 if emit is not EmitPolicy.FINAL_ONLY:
-                    assert "s" in packed.requests() and "o" in packed.requests()
+                    assert packed.regions[0].request_ids == ["a", "s", "o"]
                 packed.drop_newest("s", {"audio": 5, "codes": 1})
-            for rid in ("s", "o") if packed is not None else ():
+            for rid in "aso" if packed is not None else ():
                 for key, value in packed.tensors(rid).items():
                     got[rid][key].append(value)
-        assert packed.final == {"s", "o"} and len(acc) == 0
+        assert packed.final == {"a", "s", "o"} and len(acc) == 0
         audio_s, codes_s = torch.cat(got["s"]["audio"]), torch.cat(got["s"]["codes"])
         assert torch.equal(audio_s, torch.cat([torch.arange(10.0 * k, 10.0 * k + 5) for k in range(6)])), emit
         assert codes_s[:, 0].tolist() == list(range(6)), emit
-        assert torch.equal(torch.cat(got["o"]["audio"]), torch.cat([torch.arange(10.0 * k, 10.0 * k + 6) for k in range(8)]))
-        assert torch.cat(got["o"]["codes"])[:, 0].tolist() == list(range(8))
+        for rid in "ao":
+            assert torch.equal(torch.cat(got[rid]["audio"]),
+                               torch.cat([torch.arange(10.0 * k, 10.0 * k + 6) for k in range(8)])), (rid, emit)
+            assert torch.cat(got[rid]["codes"])[:, 0].tolist() == list(range(8)), (rid, emit)
+
+
+def test_frames_of_a_multichannel_concat_last_key_cannot_be_left_out():
+    acc = WorkerAccumulator([OutputKey("stereo", S.CONCAT_LAST, torch.float32, (2,), cadence=0)], "cpu")
+    acc.add_request("r", EmitPolicy.DELTA)
+    acc.append(["r"], {"stereo": [torch.arange(6.0).view(2, 3)]})
+    packed = acc.collect()
+    with pytest.raises(ValueError, match="cannot be left out"):
+        packed.drop_newest("r", {"stereo": 1})
 
 
 def test_a_malformed_chunk_fails_only_its_request():

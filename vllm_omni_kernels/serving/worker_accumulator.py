@@ -140,13 +140,16 @@ class PackedStep:
         """Leave out the request's newest ``frames[key]`` frames of each key (data found, after the
         step was packed, to lie past the request's end); the other requests' data stays where it is
         (a region splits around the request's), and a request left without frames of a key leaves
-        that key's region."""
+        that key's region. ValueError for a CONCAT_LAST key with channels (``[*frame, n]``: its
+        older frames are not one span)."""
         regions = []
         for region in self.regions:
             drop = frames.get(region.key, 0)
             if not drop or request_id not in region.request_ids:
                 regions.append(region)
                 continue
+            if region.axis == -1 and region.frame:
+                raise ValueError(f"key {region.key!r}: frames of [*{region.frame}, n] pieces cannot be left out")
             ids, counts = region.request_ids, region.frames
             i = ids.index(request_id)
             per = math.prod(region.frame) * region.dtype.itemsize
