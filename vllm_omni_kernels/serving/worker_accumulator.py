@@ -158,7 +158,8 @@ class PackedStep:
             if i:
                 regions.append(replace(region, request_ids=ids[:i], frames=counts[:i]))
             if keep > 0:
-                regions.append(replace(region, offset=start, request_ids=[request_id], frames=np.array([keep], np.int64)))
+                regions.append(replace(region, offset=start, request_ids=[request_id],
+                                       frames=np.array([keep], np.int64)))
             if i + 1 < len(ids):
                 regions.append(replace(region, offset=start + int(counts[i]) * per, request_ids=ids[i + 1:],
                                        frames=counts[i + 1:]))
