@@ -20,6 +20,7 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine import EngineCoreOutput, FinishReason  # noqa: E402
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector  # noqa: E402
 from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402
+from vllm.v1.metrics.stats import IterationStats  # noqa: E402
 
 from vllm_env import EOS, core_request, sampling, token_output, tokenizer, word_ids  # noqa: E402
 from vllm_omni_kernels.errors import MultimodalOutputError, TensorConsolidationError  # noqa: E402
@@ -538,3 +539,24 @@ def test_worker_pieces_of_every_kind_and_a_frame_that_changes_fail_only_their_re
     assert len(got["f"]) == 1 and torch.equal(got["f"][0], whole["f"])
     assert list(failed) == ["bad"] and "bad" in failed["bad"] and "audio" in failed["bad"]
     assert processor.consolidation_errors == 1 and "bad" not in processor.request_states
+
+
+def test_an_output_with_data_only_adds_no_inter_token_latency():
+    """While a stopped request's final output waits for the worker's rest, the scheduler sends the
+    data that arrives on an output without tokens: vLLM's statistics see the request's tokens as
+    they came (an inter-token latency per token step, the first token's latency once)."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=True)
+    processor.add_request(core_request("r", [5, 6, 7], sampling(RequestOutputKind.DELTA, detokenize=False)), None)
+    piece = {"audio": (0, torch.ones(2))}
+    steps = [token_output("r", 7, cls=OmniEngineCoreOutput, multimodal_delivered=piece),
+             token_output("r", 8, cls=OmniEngineCoreOutput, multimodal_delivered=piece),
+             OmniEngineCoreOutput(request_id="r", new_token_ids=[], multimodal_delivered=piece),
+             token_output("r", 9, finish=FinishReason.STOP, cls=OmniEngineCoreOutput, multimodal_delivered=piece)]
+    stats = []
+    for t, eco in enumerate(steps):
+        iteration = IterationStats()
+        processor.process_outputs([eco], engine_core_timestamp=float(t), iteration_stats=iteration)
+        stats.append(iteration)
+    assert [len(s.time_to_first_tokens_iter) for s in stats] == [1, 0, 0, 0]
+    assert [s.inter_token_latencies_iter for s in stats] == [[], [1.0], [], [2.0]]
+    assert sum(s.num_generation_tokens for s in stats) == 3

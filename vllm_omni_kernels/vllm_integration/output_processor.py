@@ -342,6 +342,14 @@ class MultimodalOutputProcessor(OutputProcessor):
         self._fail_visibly(result)
         return result
 
+    def _update_stats_from_output(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats):
+        """vLLM's, except for an output that carries multimodal data only (no token, not the first,
+        not the last: the scheduler sends one when data arrives while a request's final output
+        waits for the worker's rest): it is no token step, so it adds no inter-token latency."""
+        if (engine_core_output.new_token_ids or req_state.is_prefilling
+                or engine_core_output.finish_reason is not None):
+            super()._update_stats_from_output(req_state, engine_core_output, engine_core_timestamp, iteration_stats)
+
     def _accumulate(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> None:
         """One batched append per device for every multimodal output of the step. A bad value (or
         payload) is an error for its request and key; it never costs another request anything."""
