@@ -21,6 +21,7 @@ from vllm.usage.usage_lib import UsageContext  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.executor import Executor  # noqa: E402
 
+from vllm_omni_kernels.errors import MultimodalOutputError  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.vllm_integration.llm import (  # noqa: E402
     OmniAsyncLLM, OmniLLM, omni_vllm_config, talker_engine_args, talker_processor_options)
@@ -220,3 +221,63 @@ def test_requests_preempted_for_kv_cache_are_recomputed_and_lose_nothing(tmp_pat
     s = run(cfg)["paths"]["worker"]
     assert s["resumptions"] >= 20 and s["requests_stopped"] >= 20  # preempted, then scheduled again
     assert s["finished_exact"] == 108 and s["aborted_checked"] == 12 and s["slots_held_after"] == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_reset_of_running_requests_loses_nothing_or_fails_them_visibly(tmp_path, async_scheduling):
+    """``reset_prefix_cache(reset_running_requests=True)`` (vLLM's admin call, over ZMQ) preempts every
+    running request. Without a step in flight vLLM recomputes them and every sample stays exact;
+    with one in flight (async scheduling) vLLM drops that step's output, whose audio the worker has
+    produced: each such stream fails with a typed error naming it, instead of waiting forever for a
+    token the worker will not sample again (or carrying a frame without its token)."""
+    model = make_model_dir(tmp_path / "model")
+    args = talker_engine_args(model, device="cpu", max_num_seqs=8, args_cls=AsyncEngineArgs, disable_log_stats=True,
+                              async_scheduling=async_scheduling)
+    frames = 300
+
+    async def serve():
+        engine = OmniAsyncLLM.from_engine_args(args)
+        try:
+            got = {f"r{i}": [] for i in range(6)}
+            started = asyncio.Event()
+
+            async def stream(rid):
+                tokens, pieces = [], []
+                params = SamplingParams(max_tokens=frames, output_kind=RequestOutputKind.DELTA, detokenize=False)
+                try:
+                    async for out in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, int(rid[1:]) + 7]), params,
+                                                     request_id=rid):
+                        tokens += out.outputs[0].token_ids
+                        payload = getattr(out.outputs[0], "multimodal_output", None)
+                        if payload is not None:
+                            pieces.append(payload.tensors)
+                            got[rid] = pieces
+                        if all(got.values()):
+                            started.set()
+                except MultimodalOutputError as exc:
+                    return exc
+                return tokens, pieces
+
+            streams = asyncio.gather(*(stream(rid) for rid in got))
+            await started.wait()
+            assert await engine.reset_prefix_cache(reset_running_requests=True)
+            results = await asyncio.wait_for(streams, 120)
+            stats = (await engine.collective_rpc("output_path_stats"))[0]
+            return dict(zip(got, results)), stats
+        finally:
+            engine.shutdown()
+
+    results, stats = asyncio.run(serve())
+    assert stats["resumed"] >= 1 and stats["requests_held"] == 0
+    assert all(p["slots_used"] == 0 for p in stats["accumulator"]["pools"].values())
+    failed = 0
+    for rid, result in results.items():
+        if isinstance(result, MultimodalOutputError):
+            assert result.request_id == rid and "discarded" in str(result)
+            failed += 1
+            continue
+        tokens, pieces = result
+        codes = torch.cat([p["codes"] for p in pieces])
+        assert len(tokens) == frames and (codes[:, 0] + tk.TEXT_VOCAB).tolist() == tokens, rid
+        assert torch.cat([p["audio"] for p in pieces]).equal(tk.expected_audio(codes)), rid
+    assert failed >= 1 if async_scheduling else failed == 0

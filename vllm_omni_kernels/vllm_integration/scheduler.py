@@ -86,8 +86,9 @@ class MultimodalChannel:
             self._worker_open.difference_update(packed.final)
         plain = out.multimodal_outputs or {}
         errors = {rid: MultimodalError(exc.reason, exc.key) for rid, exc in (out.multimodal_errors or {}).items()}
+        failed_clients = {rid: self.requests[rid].client_index for rid in errors if rid in self.requests}
         if errors:
-            self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
+            self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)  # (which forgets them)
         if not (plain or packed or errors or self._worker_open or self.held.active or self._awaiting):
             return outputs
         emitted: set[str] = set()
@@ -104,7 +105,9 @@ class MultimodalChannel:
             request = self.requests.get(rid)
             if awaiting is not None:
                 client = awaiting[0]  # finished, its finish waiting for this data's rest
-            elif request is None or (request.is_finished() and rid not in errors):
+            elif rid in failed_clients:
+                client = failed_clients[rid]  # failed by the worker in a step that gave it no output
+            elif request is None or request.is_finished():
                 continue  # finished requests already got their final output above
             else:
                 client = request.client_index

@@ -11,7 +11,10 @@ A step (``execute_model`` then ``sample_tokens``, as vLLM's GPU runner does):
    (prompt context, last token, frame index: all of a step's new prompts in one upload and one
    batched forward), of the host arrays that count their tokens and frames, and of the worker
    accumulator, with their output kind from their sampling parameters; finished and aborted
-   requests give their row back. The step itself is numpy over these arrays, nothing per request;
+   requests give their row back; a preempted request that vLLM resumes recomputes its tokens and
+   goes on where it stopped, unless vLLM dropped the output of a step the worker had run (a reset of
+   running requests with a step in flight): its audio cannot continue exactly, and it fails with a
+   typed error. The step itself is numpy over these arrays, nothing per request;
 2. the requests whose tokens are all computed after this step sample: one talker forward over them
    (codes ``[B, CODEBOOKS]``), the sampled token ids written straight into the head of the step's
    output buffer, the frames' audio decoded (``[B, FRAME_SAMPLES]``);
@@ -62,6 +65,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from ..accumulator import EmitPolicy
+from ..errors import TensorAccumulationError
 from ..modality import TensorAccumulationStrategy as Strategy
 from ..profiling import nvtx_range
 from ..ring import PaddedBatch
@@ -188,6 +192,7 @@ class TalkerWorker:
         self._has_stop_ids = np.zeros(R, bool)  # the request is in _stop_ids
         self._stopped: dict[str, int] = {}  # request -> its frames when a token ended it (seen a step late)
         self._in_flight: deque[_StepOutput] = deque()  # step outputs handed to vLLM, not yet resolved
+        self._discarded: dict[str, TensorAccumulationError] = {}  # failures for the next step output (_discard)
         self.acc = WorkerAccumulator(talker_output_keys(self.options.cadence), self.device,
                                      budget_bytes=self.options.pool_budget_bytes, max_requests=self.max_requests)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
@@ -303,9 +308,22 @@ class TalkerWorker:
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             if rid in cached.resumed_req_ids and rid in self._row:  # preempted, now recomputed
-                self._computed[self._row[rid]] = cached.num_computed_tokens[i]
+                row = self._row[rid]
+                self._computed[row] = cached.num_computed_tokens[i]
                 self.stats["resumed"] += 1
+                if cached.num_output_tokens[i] < self._produced[row]:
+                    self._discard(rid, int(self._produced[row] - cached.num_output_tokens[i]))
         return opened, flush
+
+    def _discard(self, rid: str, frames: int) -> None:
+        """vLLM resumed a request without the tokens of ``frames`` steps the worker ran (it preempted
+        it with that output in flight and dropped it: a reset of running requests): their audio has
+        left or is in the rings, so the request fails, visibly, with the step's output."""
+        self._discarded[rid] = TensorAccumulationError(
+            f"vLLM discarded {frames} sampled token(s) whose audio the worker had produced (it preempted the request "
+            "and dropped its output in flight); the audio cannot continue exactly", request_id=rid)
+        self._done[self._row[rid]] = True
+        self.acc.abort(rid)
 
     def _admit(self, new_reqs) -> list[str]:
         """Rows and talker state for the step's new requests: their prompts go to the device in one
@@ -414,10 +432,12 @@ class TalkerWorker:
         stoppable = (ids, state_rows, produced) if self._stoppable[state_rows].any() else None
         return self._output(req_ids, sampling, packed, None, opened, failed, {}, stoppable)
 
-    def _output(self, *args) -> _StepOutput:
-        """A step's output for vLLM (``_StepOutput``'s arguments after ``on_tokens``): in flight until
-        it is resolved."""
-        step = _StepOutput(self._resolve, *args)
+    def _output(self, req_ids, sampling, packed, tokens_cpu, opened, failed, plain, stoppable=None) -> _StepOutput:
+        """A step's output for vLLM (``_StepOutput``'s arguments after ``on_tokens``), with the
+        requests that failed since the last one: in flight until it is resolved."""
+        if self._discarded:
+            failed, self._discarded = {**self._discarded, **failed}, {}
+        step = _StepOutput(self._resolve, req_ids, sampling, packed, tokens_cpu, opened, failed, plain, stoppable)
         self._in_flight.append(step)
         return step
 
