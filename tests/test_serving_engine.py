@@ -281,3 +281,43 @@ def test_a_reset_of_running_requests_loses_nothing_or_fails_them_visibly(tmp_pat
         assert len(tokens) == frames and (codes[:, 0] + tk.TEXT_VOCAB).tolist() == tokens, rid
         assert torch.cat([p["audio"] for p in pieces]).equal(tk.expected_audio(codes)), rid
     assert failed >= 1 if async_scheduling else failed == 0
+
+
+def test_a_reset_that_drops_a_stop_token_fails_that_request_visibly(tmp_path):
+    """The reset comes while the step in flight samples request "s"'s stop token: vLLM drops that
+    output and never sees the stop, the worker does and closes "s"'s output. When vLLM resumes "s"
+    (steps later: recomputing every request takes several steps of 32 tokens) the worker holds
+    nothing of it; "s" fails with a typed error instead of running on without tokens forever, and
+    the other requests, whose tokens vLLM dropped too, fail the same way. In process, async."""
+    model = make_model_dir(tmp_path / "model")
+    args = talker_engine_args(model, device="cpu", max_num_seqs=8, async_scheduling=True, disable_log_stats=True,
+                              max_num_batched_tokens=32, max_model_len=256, enable_prefix_caching=False)
+    engine = OmniLLM.from_engine_args(args, enable_multiprocessing=False)
+    try:
+        prompt, stop_at = [5, 6, 7, 8], 6
+        tokens = (tk.rollout(tk.ToyTalker(0), prompt, 40)[:, 0] + tk.TEXT_VOCAB).tolist()
+        assert tokens.index(tokens[stop_at]) == stop_at  # its first occurrence: "s" ends there
+        requests = {f"long{i}": ([10 + i] * 30, None, 60) for i in range(3)}
+        requests["s"] = (prompt, tokens[stop_at], 40)
+        for rid, (p, stop, n) in requests.items():
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=p), SamplingParams(
+                max_tokens=n, output_kind=RequestOutputKind.DELTA, detokenize=False,
+                stop_token_ids=None if stop is None else [stop]))
+        worker = engine.model_executor.driver_worker
+        finish, reset = {}, False
+        for _ in range(500):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    finish[out.request_id] = (out.outputs[0].finish_reason, str(out.outputs[0].stop_reason))
+            row = next((r for k, r in worker._row.items() if k.startswith("s-")), None)
+            if not reset and row is not None and worker._produced[row] == stop_at + 1:  # the stop is in flight
+                assert engine.reset_prefix_cache(reset_running_requests=True)
+                reset = True
+        assert reset and not engine.has_unfinished_requests() and set(finish) == set(requests)
+        for rid, (reason, message) in finish.items():
+            assert reason == "error" and "discarded" in message, (rid, reason, message)
+        assert not worker._row and len(worker.acc) == 0
+    finally:
+        engine.engine_core.shutdown()

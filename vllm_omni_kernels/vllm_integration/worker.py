@@ -193,6 +193,7 @@ class TalkerWorker:
         self._stopped: dict[str, int] = {}  # request -> its frames when a token ended it (seen a step late)
         self._in_flight: deque[_StepOutput] = deque()  # step outputs handed to vLLM, not yet resolved
         self._discarded: dict[str, TensorAccumulationError] = {}  # failures for the next step output (_discard)
+        self._closed: set[str] = set()  # closed on a stop token, not yet finished by vLLM
         self.acc = WorkerAccumulator(talker_output_keys(self.options.cadence), self.device,
                                      budget_bytes=self.options.pool_budget_bytes, max_requests=self.max_requests)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
@@ -298,6 +299,7 @@ class TalkerWorker:
         self._stopped.clear()
         for rid in so.finished_req_ids:  # finished or aborted: give everything back
             self._stop_ids.pop(rid, None)
+            self._closed.discard(rid)
             if rid in flush:
                 continue  # its rest goes this step
             row = self._row.pop(rid, None)
@@ -307,22 +309,28 @@ class TalkerWorker:
         opened = self._admit(so.scheduled_new_reqs) if so.scheduled_new_reqs else []
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            if rid in cached.resumed_req_ids and rid in self._row:  # preempted, now recomputed
-                row = self._row[rid]
+            if rid not in cached.resumed_req_ids:
+                continue
+            row = self._row.get(rid)
+            if row is not None:  # preempted, now recomputed
                 self._computed[row] = cached.num_computed_tokens[i]
                 self.stats["resumed"] += 1
                 if cached.num_output_tokens[i] < self._produced[row]:
-                    self._discard(rid, int(self._produced[row] - cached.num_output_tokens[i]))
+                    self._discard(rid)
+            elif rid in self._closed:  # the worker closed it on a stop token that vLLM dropped
+                self._discard(rid)
         return opened, flush
 
-    def _discard(self, rid: str, frames: int) -> None:
-        """vLLM resumed a request without the tokens of ``frames`` steps the worker ran (it preempted
-        it with that output in flight and dropped it: a reset of running requests): their audio has
-        left or is in the rings, so the request fails, visibly, with the step's output."""
+    def _discard(self, rid: str) -> None:
+        """vLLM resumed a request without tokens of steps the worker ran (it preempted it with that
+        output in flight and dropped it: a reset of running requests): their audio has left or is
+        in the rings, so the request fails, visibly, with the step's output."""
         self._discarded[rid] = TensorAccumulationError(
-            f"vLLM discarded {frames} sampled token(s) whose audio the worker had produced (it preempted the request "
-            "and dropped its output in flight); the audio cannot continue exactly", request_id=rid)
-        self._done[self._row[rid]] = True
+            "vLLM discarded sampled tokens whose audio the worker had produced (it preempted the request and dropped "
+            "its output in flight); the audio cannot continue exactly", request_id=rid)
+        row = self._row.get(rid)
+        if row is not None:
+            self._done[row] = True
         self.acc.abort(rid)
 
     def _admit(self, new_reqs) -> list[str]:
@@ -453,6 +461,7 @@ class TalkerWorker:
         packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, ends=ends)
         for rid in flush:
             self._free_rows.append(self._row.pop(rid))
+            self._closed.add(rid)
         return packed
 
     def _resolve(self, step: _StepOutput, tokens: list[int]) -> None:
