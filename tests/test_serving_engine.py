@@ -318,6 +318,6 @@ def test_a_reset_that_drops_a_stop_token_fails_that_request_visibly(tmp_path):
         assert reset and not engine.has_unfinished_requests() and set(finish) == set(requests)
         for rid, (reason, message) in finish.items():
             assert reason == "error" and "discarded" in message, (rid, reason, message)
-        assert not worker._row and len(worker.acc) == 0
+        assert not worker._row and not worker._closed and len(worker.acc) == 0
     finally:
         engine.engine_core.shutdown()

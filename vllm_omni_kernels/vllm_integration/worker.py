@@ -306,6 +306,7 @@ class TalkerWorker:
             if row is not None:
                 self.acc.abort(rid)
                 self._free_rows.append(row)
+        self._closed.update(rid for rid in flush if rid not in so.finished_req_ids)
         opened = self._admit(so.scheduled_new_reqs) if so.scheduled_new_reqs else []
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -318,6 +319,7 @@ class TalkerWorker:
                 if cached.num_output_tokens[i] < self._produced[row]:
                     self._discard(rid)
             elif rid in self._closed:  # the worker closed it on a stop token that vLLM dropped
+                self._closed.discard(rid)
                 self._discard(rid)
         return opened, flush
 
@@ -461,7 +463,6 @@ class TalkerWorker:
         packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, ends=ends)
         for rid in flush:
             self._free_rows.append(self._row.pop(rid))
-            self._closed.add(rid)
         return packed
 
     def _resolve(self, step: _StepOutput, tokens: list[int]) -> None:
