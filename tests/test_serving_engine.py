@@ -16,12 +16,13 @@ pytest.importorskip("vllm")
 
 from vllm import SamplingParams, TokensPrompt  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.exceptions import VLLMValidationError  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.usage.usage_lib import UsageContext  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.executor import Executor  # noqa: E402
 
-from vllm_omni_kernels.errors import MultimodalOutputError  # noqa: E402
+from vllm_omni_kernels.errors import MultimodalOutputError, OutputMemoryError  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.vllm_integration.llm import (  # noqa: E402
     OmniAsyncLLM, OmniLLM, omni_vllm_config, talker_engine_args, talker_processor_options)
@@ -107,6 +108,77 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
             assert list(out.request_output.outputs[0].token_ids) == (codes[:, 0] + tk.TEXT_VOCAB).tolist()
     for a, b in zip(results[True], results[False]):  # the same talker, the same frames either way
         assert a.multimodal.tensors["codes"].equal(b.multimodal.tensors["codes"])
+
+
+def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_prompt(tmp_path):
+    """``OmniLLM.generate`` takes every output ``step`` returns: with a request of the caller's own
+    in flight (id "0", which ``generate`` once used itself) it refuses to run; a prompt vLLM refuses
+    (longer than ``max_model_len``) raises, and the prompts added before it are aborted. Sampling
+    parameters the talker cannot honour are refused as vLLM refuses a bad parameter."""
+    engine = OmniLLM.from_engine_args(talker_engine_args(make_model_dir(tmp_path / "model"), max_num_seqs=4,
+                                                         max_model_len=64, disable_log_stats=True),
+                                      enable_multiprocessing=False)
+    final = SamplingParams(max_tokens=7, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+    try:
+        engine.add_request("0", TokensPrompt(prompt_token_ids=[20, 21, 22, 23]), final)
+        with pytest.raises(RuntimeError, match="idle engine"):
+            engine.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], final)
+        while engine.has_unfinished_requests():
+            engine.step()
+        with pytest.raises(VLLMValidationError, match="maximum context length"):
+            engine.generate([TokensPrompt(prompt_token_ids=[5, 6, 7]), TokensPrompt(prompt_token_ids=[9] * 80)], final)
+        assert not engine.has_unfinished_requests()
+        (out,) = engine.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], final)
+        assert out.multimodal.tensors["audio"].equal(tk.expected_audio(tk.rollout(tk.ToyTalker(0), [5, 6, 7], 7)))
+        # what the talker's sampling cannot honour is refused at admission (TalkerSampling), not ignored
+        for refused in ({"logprobs": 2}, {"prompt_logprobs": 1}, {"min_tokens": 3, "stop_token_ids": [1100]}):
+            with pytest.raises(VLLMValidationError, match="the talker") as caught:
+                engine.add_request("refused", TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                                   SamplingParams(max_tokens=7, detokenize=False, **refused))
+            assert caught.value.parameter == next(iter(refused))
+        assert not engine.has_unfinished_requests()
+    finally:
+        engine.engine_core.shutdown()
+
+
+def test_a_paused_engine_loses_nothing_and_a_deeper_sleep_is_refused_clearly(tmp_path):
+    """vLLM's ``sleep(level=0)`` pauses scheduling (its pause asks the worker to wait for its
+    device); a stream paused mid-way resumes on ``wake_up`` with every sample. Levels 1 and 2
+    would free the worker's memory, which the talker keeps: they raise an error that says so (vLLM
+    has paused the engine and, in its default mode, aborted its requests by then), and
+    ``wake_up`` resumes serving. Over ZMQ."""
+    engine = OmniLLM.from_engine_args(talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu",
+                                                         max_num_seqs=4, disable_log_stats=True))
+    prompt, frames = [10, 11, 12], 40
+    want = tk.expected_audio(tk.rollout(tk.ToyTalker(0), prompt, frames))
+    delta = SamplingParams(max_tokens=frames, output_kind=RequestOutputKind.DELTA, detokenize=False)
+    try:
+        engine.add_request("a", TokensPrompt(prompt_token_ids=prompt), delta)
+        pieces = []
+
+        def step():
+            for out in engine.step():
+                if out.outputs[0].multimodal_output is not None:
+                    pieces.append(out.outputs[0].multimodal_output.tensors["audio"])
+
+        for _ in range(4):
+            step()
+        engine.sleep(level=0, mode="keep")  # (a step now would wait for output, as vLLM's client does)
+        assert engine.is_sleeping()
+        assert engine.wake_up(["scheduling"]) and not engine.is_sleeping()
+        while engine.has_unfinished_requests():
+            step()
+        assert torch.cat(pieces).equal(want)
+        with pytest.raises(Exception, match="sleep level 1: the talker keeps its weights"):
+            engine.sleep(level=1)
+        assert engine.wake_up() and not engine.is_sleeping()
+        pieces.clear()
+        engine.add_request("b", TokensPrompt(prompt_token_ids=prompt), delta)
+        while engine.has_unfinished_requests():
+            step()
+        assert torch.cat(pieces).equal(want)
+    finally:
+        engine.engine_core.shutdown()
 
 
 def test_an_in_process_caller_that_keeps_its_audio_holds_no_buffer_of_the_worker(tmp_path):
@@ -321,3 +393,47 @@ def test_a_reset_that_drops_a_stop_token_fails_that_request_visibly(tmp_path):
         assert not worker._row and not worker._closed and len(worker.acc) == 0
     finally:
         engine.engine_core.shutdown()
+
+
+def test_requests_the_output_memory_cannot_hold_fail_alone_and_the_engine_serves_on(tmp_path):
+    """An audio arena of 9 MiB (``pool_budget_bytes``) holds nine whole-file requests of 69 frames
+    (each reserves a 1 MiB region for all its audio at once); twelve arrive together over ZMQ. The
+    ones it cannot hold fail with an ``OutputMemoryError`` naming them (the engine core used to die
+    of it, taking every request with it); the rest get every sample; the memory is given back, and
+    the same twelve served again afterwards fit as they arrive."""
+    model = make_model_dir(tmp_path / "model")
+    args = talker_engine_args(model, device="cpu", max_num_seqs=12, args_cls=AsyncEngineArgs, disable_log_stats=True,
+                              additional_config={"omni": {"pool_budget_bytes": 9 << 20}})
+    frames = 69  # 132480 samples: a region of 2^18 (1 MiB of float32)
+
+    async def serve():
+        engine = OmniAsyncLLM.from_engine_args(args)
+        try:
+            async def one(rid):
+                params = SamplingParams(max_tokens=frames, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+                try:
+                    async for out in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), params, request_id=rid):
+                        last = out
+                except MultimodalOutputError as exc:
+                    return exc
+                return last.outputs[0]
+
+            together = await asyncio.gather(*(one(f"r{i}") for i in range(12)))
+            stats = (await engine.collective_rpc("output_path_stats"))[0]
+            one_by_one = [await one(f"again{i}") for i in range(12)]
+            return together, stats, one_by_one
+        finally:
+            engine.shutdown()
+
+    together, stats, one_by_one = asyncio.run(serve())
+    want = tk.expected_audio(tk.rollout(tk.ToyTalker(0), [5, 6, 7], frames))
+    failed = [r for r in together if isinstance(r, MultimodalOutputError)]
+    assert len(failed) == 3, failed
+    for i, result in enumerate(together):
+        if isinstance(result, MultimodalOutputError):
+            assert isinstance(result, OutputMemoryError) and result.request_id == f"r{i}"
+            assert "budget" in str(result) and result.key == "audio"
+        else:
+            assert result.finish_reason == "length" and result.multimodal_output.tensors["audio"].equal(want)
+    assert all(p["slots_used"] == 0 for p in stats["accumulator"]["pools"].values())
+    assert all(not isinstance(r, Exception) and r.multimodal_output.tensors["audio"].equal(want) for r in one_by_one)

@@ -93,6 +93,9 @@ def test_vllm_routes_stay_vllms(server):
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     metrics = httpx.get(f"{url}/metrics").text
     assert "vllm:generation_tokens_total" in metrics and "vllm:num_requests_running" in metrics
+    r = httpx.post(f"{url}/v1/completions", json={"model": str(server["model"]), "prompt": "hello", "max_tokens": 3,
+                                                  "logprobs": 1}, timeout=60)  # the talker has none: 400
+    assert r.status_code == 400 and "the talker returns no logprobs" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("fmt, sample_format", [("pcm", "f32"), ("pcm", "s16"), ("wav", "f32"), ("wav", "s16")])
@@ -196,6 +199,41 @@ def hold_the_bound_and_ask_once_more(server) -> None:
 
 def test_over_the_bound_a_request_gets_503_and_nothing_is_queued(server):
     hold_the_bound_and_ask_once_more(server)
+
+
+@pytest.fixture(scope="module")
+def small_audio_memory(tmp_path_factory):
+    """A server whose worker has 9 MiB of audio memory: nine whole files of 69 characters at once
+    (each reserves a 1 MiB region for all its audio), and twelve requests in flight."""
+    yield from running_server(tmp_path_factory, "--audio-memory-mib", "9", "--max-inflight", "12",
+                              "--max-num-seqs", "12")
+
+
+def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audio(small_audio_memory):
+    """Twelve whole files at once: the three the worker cannot hold are answered 503 with
+    Retry-After (a retry succeeds once others finish), the nine others are exact, and the server
+    serves on (the engine core used to die of it, and every request with it)."""
+    server = small_audio_memory
+    text = "c" * 69
+    body = {"input": text, "response_format": "pcm", "sample_format": "f32"}
+
+    async def together():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(12)))
+
+    responses = asyncio.run(together())
+    want = expected(server, text).astype("<f4").tobytes()
+    assert sorted(r.status_code for r in responses) == [200] * 9 + [503] * 3
+    for r in responses:
+        if r.status_code == 200:
+            assert r.content == want
+        else:
+            error = r.json()["error"]
+            assert r.headers["retry-after"] == "1" and error["type"] == "ServiceUnavailableError"
+            assert "speech-" in error["message"] and "budget" in error["message"], error
+    idle(server)
+    again = httpx.post(f"{server['url']}/v1/audio/speech", json=body, timeout=120)
+    assert again.status_code == 200 and again.content == want
 
 
 def test_two_api_server_processes_stream_exact_audio_and_share_the_bound(two_api_servers):

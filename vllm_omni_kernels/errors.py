@@ -38,6 +38,11 @@ class TensorAccumulationError(MultimodalOutputError):
     """
 
 
+class OutputMemoryError(TensorAccumulationError):
+    """The output memory (a ring pool's preallocated budget) cannot hold the request's data now. It
+    frees as other requests finish: the request can be retried, or the budget raised."""
+
+
 class TensorConsolidationError(MultimodalOutputError):
     """A request's accumulated output cannot be produced; the request must fail visibly."""
 

@@ -25,9 +25,10 @@ step's rows, kept on the device (``_RepeatPlan``) when a step first repeats it: 
 and the kernel reads device memory. Its frames are counted in the host table when something reads it (``_settle``).
 
 Overflow: when a chunk would overwrite unread data the slot grows to the next size class that fits
-(at least double), copying its unread span on the device; with growth off, or the budget spent, that
-request gets a ``TensorAccumulationError`` and nothing of it is written, while the other requests of
-the step go through.
+(at least double), copying its unread span on the device; with growth off that request gets a
+``TensorAccumulationError``, with the budget spent an ``OutputMemoryError`` (a retry can succeed once
+other requests free theirs), and nothing of it is written, while the other requests of the step go
+through.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from .. import backend, ops
-from ..errors import TensorAccumulationError, TensorConsolidationError
+from ..errors import OutputMemoryError, TensorAccumulationError, TensorConsolidationError
 from ..modality import TensorAccumulationStrategy as Strategy
 from ..ops.layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, META_COLS, POS, SLOT, UNREAD
 from ..profiling import nvtx_range
@@ -197,8 +198,8 @@ class RingPool:
             region = self.allocator.alloc(frames)  # none free: the smallest one, grown when needed
         region = region or self.allocator.alloc(self.allocator.min_frames)
         if region is None:
-            raise TensorAccumulationError(f"pool budget of {self.arena.numel() * self.arena.element_size()} "
-                                          "bytes is spent", request_id=request_id, key=self.key)
+            raise OutputMemoryError(f"pool budget of {self.arena.numel() * self.arena.element_size()} bytes is "
+                                    "spent", request_id=request_id, key=self.key)
         self._slot_free[slot] = False
         self._owner[request_id] = slot
         offset, capacity = region
@@ -377,9 +378,9 @@ class RingPool:
                                            request_id=request_id, key=self.key)
         region = self.allocator.alloc(max(needed, 2 * cap))
         if region is None:
-            return TensorAccumulationError(f"cannot grow to {needed} frames: pool budget of "
-                                           f"{self.arena.numel() * self.arena.element_size()} bytes is spent",
-                                           request_id=request_id, key=self.key)
+            return OutputMemoryError(f"cannot grow to {needed} frames: pool budget of "
+                                     f"{self.arena.numel() * self.arena.element_size()} bytes is spent",
+                                     request_id=request_id, key=self.key)
         return region
 
     def _move(self, grown: list[tuple[int, int, int]]) -> None:

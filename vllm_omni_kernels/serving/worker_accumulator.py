@@ -244,16 +244,17 @@ class WorkerAccumulator:
     Args:
         keys: what the model produces each step.
         device: where the chunks are (and the rings).
-        budget_bytes: each key's ring arena (preallocated, never exceeded).
+        budget_bytes: each key's ring arena (preallocated, never exceeded), or per key name.
         max_requests: requests that can hold slots at once (rows ``0 .. max_requests - 1``).
         growth: grow a slot that would overflow (else that request fails).
     """
 
-    def __init__(self, keys: Sequence[OutputKey], device: torch.device | str, *, budget_bytes: int = 256 << 20,
-                 max_requests: int = 1024, growth: bool = True):
+    def __init__(self, keys: Sequence[OutputKey], device: torch.device | str, *,
+                 budget_bytes: int | Mapping[str, int] = 256 << 20, max_requests: int = 1024, growth: bool = True):
         self.device = backend.resolve_device(device)
         self.keys = list(keys)
-        self.pools = [RingPool(k.name, k.dtype, k.frame_shape, self.device, k.strategy, budget_bytes=budget_bytes,
+        budgets = budget_bytes if isinstance(budget_bytes, Mapping) else dict.fromkeys((k.name for k in keys), budget_bytes)
+        self.pools = [RingPool(k.name, k.dtype, k.frame_shape, self.device, k.strategy, budget_bytes=budgets[k.name],
                                initial_frames=k.initial_frames, max_slots=max_requests, growth=growth)
                       for k in self.keys]
         # (index, cadence) of the keys that set the pace

@@ -39,6 +39,7 @@ from vllm.renderers import renderer_from_config
 from vllm.tracing import init_tracer
 from vllm.transformers_utils.config import maybe_register_config_serialize_by_value
 from vllm.usage.usage_lib import UsageContext
+from vllm.utils import random_uuid
 from vllm.v1.engine.admission_control import SharedAdmissionStats
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.input_processor import InputProcessor
@@ -53,6 +54,7 @@ from .client import OmniAsyncMPClient, OmniInprocClient, OmniSyncMPClient
 from .output_processor import MultimodalOutputProcessor
 from .outputs import OmniRequestOutput, wrap_output
 from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
+from .talker_model import TalkerSampling
 from .worker import TalkerExecutor, WorkerOptions
 
 
@@ -68,19 +70,20 @@ class ProcessorOptions:
 
 
 def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int | None = None,
-                       output_path: str = "worker", max_num_seqs: int = 256, args_cls=EngineArgs,
+                       output_path: str = "worker", max_num_seqs: int = 256, args_cls=AsyncEngineArgs,
                        **kwargs) -> EngineArgs:
     """Engine arguments that serve the talker of ``model`` (a ``talker_model.make_model_dir``) with
     ``TalkerExecutor`` on ``device``. ``cadence``: audio samples a streaming request gets at a time;
     ``output_path``: "worker" (this package) or "upstream" (the comparison path). Other keywords
-    go to vLLM's ``EngineArgs`` (``args_cls=AsyncEngineArgs`` for ``OmniAsyncLLM``); vLLM's
-    ``stream_interval`` defaults to the cadence in frames (``talker_stream_interval``)."""
+    go to vLLM's ``AsyncEngineArgs`` (an ``EngineArgs``: ``OmniAsyncLLM`` and ``OmniLLM`` take it);
+    vLLM's ``stream_interval`` defaults to the cadence in frames (``talker_stream_interval``)."""
     omni: dict[str, Any] = {"device": device, "output_path": output_path}
     if cadence is not None:
         omni["cadence"] = int(cadence)
     kwargs.setdefault("stream_interval", talker_stream_interval(cadence))
     extra = dict(kwargs.pop("additional_config", None) or {})
     extra["omni"] = {**extra.get("omni", {}), **omni}
+    kwargs.setdefault("logits_processors", [TalkerSampling])  # what the talker's sampling refuses, at admission
     kwargs.setdefault("max_model_len", 8192)
     kwargs.setdefault("max_num_batched_tokens", max(8192, kwargs["max_model_len"]))
     return args_cls(model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
@@ -223,19 +226,31 @@ class OmniLLM(LLMEngine):
                    processor_options=processor_options)
 
     def generate(self, prompts: Sequence[Any], params) -> list[OmniRequestOutput]:
-        """Run ``prompts`` (with one ``SamplingParams`` or one each) to completion; returns each
-        request's final output (request ids ``"0"``, ``"1"``, ...). Use FINAL_ONLY or CUMULATIVE
-        params for a whole result; DELTA outputs are the last delta."""
+        """Run ``prompts`` (with one ``SamplingParams`` or one each) to completion on an idle engine
+        (its own requests take every output ``step`` returns: RuntimeError while others are in
+        flight); returns each request's final output, in order. Use FINAL_ONLY or CUMULATIVE params
+        for a whole result; DELTA outputs are the last delta. A prompt vLLM refuses raises, and the
+        requests added before it are aborted."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("generate() runs on an idle engine: requests added with add_request() are in flight "
+                               "(step() returns their outputs)")
         params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            self.add_request(str(i), prompt, p)
+        ids = [f"generate-{random_uuid()}-{i}" for i in range(len(prompts))]
+        added = 0
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.add_request(rid, prompt, p)
+                added += 1
+        finally:
+            if added < len(ids):  # a prompt was refused: the ones before it go too
+                self.abort_request(ids[:added])
         final: dict[str, OmniRequestOutput] = {}
         modality = self.output_processor.output_modality
         while self.has_unfinished_requests():
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = wrap_output(out, None, modality)
-        return [final[str(i)] for i in range(len(prompts)) if str(i) in final]
+        return [final[rid] for rid in ids if rid in final]
 
 
 class OmniAsyncLLM(AsyncLLM):

@@ -52,7 +52,7 @@ from vllm.v1.engine.logprobs import LogprobsProcessor
 from vllm.v1.engine.output_processor import OutputProcessor, OutputProcessorOutput, RequestState
 
 from ..accumulator import AccumulatorConfig, EmitPolicy, MultimodalAccumulator
-from ..errors import MultimodalOutputError, TensorAccumulationError, TensorConsolidationError
+from ..errors import MultimodalOutputError, OutputMemoryError, TensorAccumulationError, TensorConsolidationError
 from ..modality import OutputModality, TensorAccumulationStrategy, parse_strategy
 from ..payload import GrowingTensor, MultimodalPayload
 from ..profiling import nvtx_range
@@ -75,9 +75,14 @@ class ConsolidationFailedError(TensorConsolidationError, GenerationError):
     """``AccumulationFailedError``'s counterpart for a ``TensorConsolidationError``."""
 
 
+class OutputMemoryFailedError(OutputMemoryError, AccumulationFailedError):
+    """``AccumulationFailedError``'s counterpart for an ``OutputMemoryError`` (a retry can succeed)."""
+
+
 def _raised_by_generate(exc: MultimodalOutputError, request_id: str) -> MultimodalOutputError:
     """``exc`` as what ``generate`` raises, naming the request by the id its caller gave."""
-    cls = ConsolidationFailedError if isinstance(exc, TensorConsolidationError) else AccumulationFailedError
+    cls = ConsolidationFailedError if isinstance(exc, TensorConsolidationError) else \
+        OutputMemoryFailedError if isinstance(exc, OutputMemoryError) else AccumulationFailedError
     return cls(exc.reason, request_id=request_id, key=exc.key)
 
 
@@ -258,18 +263,18 @@ class OmniRequestState(RequestState):
         return super().make_request_output(new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs)
 
     def _new_request_output(self, *args, **kwargs):
-        """vLLM's output of the request; a DELTA one as a ``MultimodalRequestOutput`` (the same
-        fields; when AsyncLLM merges DELTA outputs a consumer has not read yet, their payloads are
-        merged too)."""
-        out = super()._new_request_output(*args, **kwargs)
-        return MultimodalRequestOutput.adopt(out) if self.output_kind == RequestOutputKind.DELTA else out
+        """vLLM's output of the request as a ``MultimodalRequestOutput`` (the same fields; when
+        AsyncLLM merges DELTA outputs a consumer has not read yet, their payloads are merged too)."""
+        return MultimodalRequestOutput.adopt(super()._new_request_output(*args, **kwargs))
 
     def _new_completion_output(self, token_ids, finish_reason, stop_reason):
+        """vLLM's completion output; once the request has multimodal output, a
+        ``MultimodalCompletionOutput``, every one (an abort's and one with nothing new included:
+        ``multimodal_output`` None)."""
         base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
         if self.accumulator is None and self.arrived is None:
             return base
-        payload = self._payload_or_failure(finish_reason is not None)
-        return base if payload is None else MultimodalCompletionOutput.from_completion(base, payload)
+        return MultimodalCompletionOutput.from_completion(base, self._payload_or_failure(finish_reason is not None))
 
     def _new_pooling_output(self, pooling_output: torch.Tensor):
         """A request with pooling params that also produced multimodal output ends with its pooling
@@ -477,14 +482,15 @@ class MultimodalOutputProcessor(OutputProcessor):
                 self.consolidation_errors += 1
             else:
                 self.failed_by_worker += 1
+            raised = _raised_by_generate(exc, state.external_req_id)  # naming the caller's request id
             if state.queue is not None:
                 # AsyncLLM: the request's generate() raises it
-                state.queue.put(_raised_by_generate(exc, state.external_req_id))
+                state.queue.put(raised)
             for out in result.request_outputs:  # LLMEngine: the output says so
                 if isinstance(out, RequestOutput) and out.request_id == state.external_req_id and out.outputs:
                     out.finished = True
                     out.outputs[0].finish_reason = str(FinishReason.ERROR)
-                    out.outputs[0].stop_reason = str(exc)
+                    out.outputs[0].stop_reason = str(raised)
             if state.request_id in self.request_states:
                 self._finish_request(state)
                 result.reqs_to_abort.append(state.request_id)

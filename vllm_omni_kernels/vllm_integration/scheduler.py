@@ -84,7 +84,7 @@ class MultimodalChannel:
         if packed is not None:
             self._worker_open.difference_update(packed.final)
         plain = out.multimodal_outputs or {}
-        errors = {rid: MultimodalError(exc.reason, exc.key) for rid, exc in (out.multimodal_errors or {}).items()}
+        errors = {rid: MultimodalError.of(exc) for rid, exc in (out.multimodal_errors or {}).items()}
         failed_clients = {rid: self.requests[rid].client_index for rid in errors if rid in self.requests}
         if errors:
             self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)  # (which forgets them)

@@ -54,9 +54,13 @@ logger = init_logger("vllm.omni_kernels.server")
 def make_parser() -> FlexibleArgumentParser:
     parser = make_arg_parser(FlexibleArgumentParser(prog="python -m vllm_omni_kernels serve",
                                                     description=__doc__.split("\n\n")[0]))
+    # max_model_len: an input of --max-input-chars characters (4096, OpenAI's limit), its voice
+    # token, and its frames at speed 1 (one per character)
     parser.set_defaults(distributed_executor_backend=TalkerExecutor, dtype="float32", enforce_eager=True,
-                        max_model_len=8192, max_num_batched_tokens=8192, stream_interval=None)
-    g = parser.add_argument_group("Omni speech")
+                        max_model_len=8208, max_num_batched_tokens=8208, stream_interval=None,
+                        logits_processors=["vllm_omni_kernels.vllm_integration.talker_model:TalkerSampling"])
+    g = parser.add_argument_group("omni-speech", description="The talker, its output memory and the speech "
+                                  "route: `serve --help=omni-speech`.")
     g.add_argument("--talker-device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="where the talker and the worker's rings run (auto: GPU if present)")
     g.add_argument("--talker-threads", type=int, default=None,
@@ -69,7 +73,11 @@ def make_parser() -> FlexibleArgumentParser:
                         "copies and per-step concatenation (for comparison)")
     g.add_argument("--max-inflight", type=int, default=None,
                    help="speech requests in flight at most; more are answered 503 (default: --max-num-seqs)")
-    g.add_argument("--max-input-chars", type=int, default=4096)
+    g.add_argument("--audio-memory-mib", type=int, default=1024,
+                   help="the worker's audio ring arena on the talker's device (MiB, preallocated); a whole-file "
+                        "request holds all its audio there until it finishes (about 8 MiB for 80 s), and one "
+                        "that does not fit is answered 503")
+    g.add_argument("--max-input-chars", type=int, default=4096, help="longest input text, in characters")
     g.add_argument("--retry-after", type=int, default=1, help="seconds a 503 answer asks the client to wait")
     return parser
 
@@ -82,7 +90,8 @@ def engine_args_from(args) -> AsyncEngineArgs:
         extra = json.loads(extra)
     extra = dict(extra)
     extra["omni"] = {**extra.get("omni", {}), "device": args.talker_device, "cadence": args.cadence,
-                     "output_path": args.output_path, "cpu_threads": args.talker_threads}
+                     "output_path": args.output_path, "cpu_threads": args.talker_threads,
+                     "pool_budget_bytes": args.audio_memory_mib << 20}
     args.additional_config = extra
     if args.stream_interval is None:  # not given: outputs at the audio's cadence
         args.stream_interval = talker_stream_interval(args.cadence)

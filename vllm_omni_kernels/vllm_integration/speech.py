@@ -11,7 +11,9 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
   (``pcm``: raw samples; ``wav``: a header of unknown length first, then samples).
 - ``stream: false``: one complete file (the engine delivers the audio once, at the end: FINAL_ONLY).
 - A client that disconnects aborts its request in the engine (its worker slots are freed).
-- Over ``max_inflight`` requests in flight: ``503`` with ``Retry-After``; nothing is queued.
+- Over ``max_inflight`` requests in flight: ``503`` with ``Retry-After``; nothing is queued. The same
+  when the engine's output memory cannot hold the request's audio (``OutputMemoryError``: the worker's
+  ``pool_budget_bytes``, which a FINAL_ONLY request fills with all its audio until it finishes).
 - Bad requests: ``400`` with an OpenAI-style error body naming the parameter; the engine is not touched.
 - Headers: ``Content-Type``, ``X-Audio-Format``, ``X-Audio-Sample-Rate``, ``X-Audio-Sample-Format``,
   ``X-Audio-Channels``, ``X-Request-Id``.
@@ -47,7 +49,7 @@ from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
-from ..errors import MultimodalOutputError
+from ..errors import MultimodalOutputError, OutputMemoryError
 from ..serving import talker as tk
 from ..serving.wav import pcm16, wav_header
 
@@ -58,7 +60,13 @@ MEDIA = {"wav": "audio/wav", "pcm": "audio/pcm"}
 
 
 class SpeechFailedError(Exception):
-    """A speech request failed in the engine (a worker error for this request); names it."""
+    """A speech request failed in the engine (a worker error for this request); names it.
+    ``retryable``: the worker's output memory was full (``OutputMemoryError``), which frees as other
+    requests finish."""
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class SpeechRequest(OpenAIBaseModel):
@@ -182,7 +190,8 @@ class SpeechStream:
             out = await anext(self.gen)
         except (MultimodalOutputError, GenerationError) as exc:
             self.finished = True  # the engine has let the request go
-            raise SpeechFailedError(f"request {self.request_id} failed in the engine: {exc}") from exc
+            raise SpeechFailedError(f"request {self.request_id} failed in the engine: {exc}",
+                                    isinstance(exc, OutputMemoryError)) from exc
         comp = out.outputs[0]
         if comp.finish_reason == "error":
             self.finished = True
@@ -294,16 +303,16 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
     handed_over = False
     try:
         if request.stream:
-            response = await _streamed(stream, request, state.omni_speech_first_audio)
+            response = await _streamed(stream, request, state.omni_speech_first_audio, limits)
             handed_over = isinstance(response, _ClosingStreamingResponse)
             return response
-        return await _whole(stream, request)
+        return await _whole(stream, request, limits)
     finally:
         if not handed_over:
             await stream.close()
 
 
-async def _whole(stream: SpeechStream, request: SpeechRequest) -> Response:
+async def _whole(stream: SpeechStream, request: SpeechRequest, limits: SpeechLimits) -> Response:
     pieces, finished = [], False
     try:
         while not finished:
@@ -311,25 +320,31 @@ async def _whole(stream: SpeechStream, request: SpeechRequest) -> Response:
             if audio:
                 pieces.append(audio)
     except SpeechFailedError as exc:
-        return _failed(exc)
+        return _failed(exc, limits)
     data = b"".join(pieces)
     if request.response_format == "wav":
         data = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32", data_bytes=len(data)) + data
     return Response(data, media_type=MEDIA[request.response_format], headers=_headers(request, stream.request_id))
 
 
-def _failed(exc: SpeechFailedError) -> Response:
+def _failed(exc: SpeechFailedError, limits: SpeechLimits) -> Response:
+    """A request that failed before its response started: 503 with ``Retry-After`` when the engine
+    had no output memory for it (``retryable``), else 500."""
+    if exc.retryable:
+        return _error(f"{exc}; retry later", status=HTTPStatus.SERVICE_UNAVAILABLE, err_type="ServiceUnavailableError",
+                      headers={"Retry-After": str(limits.retry_after_s)})
     return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
 
 
-async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: FirstAudio) -> Response:
+async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: FirstAudio,
+                    limits: SpeechLimits) -> Response:
     """Wait for the first audio (an early failure is still a JSON error), then stream the rest."""
     first, finished = None, False
     try:
         while first is None and not finished:
             first, finished = await stream.next_audio()
     except SpeechFailedError as exc:
-        return _failed(exc)
+        return _failed(exc, limits)
     if request.response_format == "wav":
         first = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32") + (first or b"")
 

@@ -5,7 +5,8 @@
 * ``multimodal_output``: ``{key: tensor or metadata}`` a producer sends as plain per-step chunks
   (the frontend accumulates them);
 * ``multimodal_error``: the worker failed the request's output (``MultimodalError``); the frontend
-  fails the request visibly with a ``TensorAccumulationError``.
+  fails the request visibly with a ``TensorAccumulationError`` (an ``OutputMemoryError`` when the
+  worker's output memory was full).
 
 and ``OmniEngineCoreOutputs`` (the message) the data the worker accumulated and that is due now:
 ``multimodal_buffer``, one host tensor for the whole step (a single zero-copy frame in vLLM's
@@ -43,7 +44,7 @@ import torch
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, bytestr
 
-from ..errors import TensorAccumulationError
+from ..errors import OutputMemoryError, TensorAccumulationError
 from ..profiling import nvtx_range
 from ..serving.worker_accumulator import split_region
 
@@ -63,13 +64,20 @@ class MultimodalRegion(msgspec.Struct, array_like=True, gc=False):  # type: igno
 
 
 class MultimodalError(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
-    """Why the worker failed a request's multimodal output (``key``: the key concerned, if one)."""
+    """Why the worker failed a request's multimodal output (``key``: the key concerned, if one;
+    ``out_of_memory``: its output memory was full, ``OutputMemoryError``)."""
 
     message: str
     key: str | None = None
+    out_of_memory: bool = False
+
+    @classmethod
+    def of(cls, exc: TensorAccumulationError) -> MultimodalError:
+        return cls(exc.reason, exc.key, isinstance(exc, OutputMemoryError))
 
     def to_exception(self, request_id: str) -> TensorAccumulationError:
-        return TensorAccumulationError(self.message, request_id=request_id, key=self.key)
+        cls = OutputMemoryError if self.out_of_memory else TensorAccumulationError
+        return cls(self.message, request_id=request_id, key=self.key)
 
 
 class OmniEngineCoreOutput(EngineCoreOutput, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

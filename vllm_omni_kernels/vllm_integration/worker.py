@@ -42,14 +42,19 @@ before its output has closed here.
 "upstream": the comparison path, where each key's batched output is copied to the host every step
 and sliced per request, as upstream vllm-omni does), ``bad_prompt_token`` (a prompt token that
 makes the talker emit a malformed chunk, for tests of the failure path), ``sync_debug`` (run
-``execute_model`` under CUDA's sync-debug mode "error": any host synchronisation in the step raises)
-and ``cpu_threads`` (torch's threads for a talker on the CPU; None: half the cores, leaving the rest
-to the API server processes beside the engine, unless ``OMP_NUM_THREADS`` says otherwise; idle
-OpenMP threads spin, and a talker on every core slows the API servers that feed it).
+``execute_model`` under CUDA's sync-debug mode "error": any host synchronisation in the step raises),
+``pool_budget_bytes`` (the audio's ring arena, preallocated on the device, 1 GiB by default; a
+FINAL_ONLY request holds all its audio there until it finishes: 7.5 KiB a frame, about 8 MiB for 80
+seconds; a request it cannot hold fails with an ``OutputMemoryError`` naming it, which the speech
+route answers with 503, and every other request goes on) and ``cpu_threads`` (torch's threads for
+a talker on the CPU; None: half the cores, leaving the rest to the API server processes beside the
+engine, unless ``OMP_NUM_THREADS`` says otherwise; idle OpenMP threads spin, and a talker on every
+core slows the API servers that feed it).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import deque
@@ -88,7 +93,7 @@ class WorkerOptions:
     output_path: str = "worker"
     bad_prompt_token: int | None = None
     sync_debug: bool = False
-    pool_budget_bytes: int = 128 << 20
+    pool_budget_bytes: int = 1 << 30
     cpu_threads: int | None = None
 
     @classmethod
@@ -194,8 +199,9 @@ class TalkerWorker:
         self._in_flight: deque[_StepOutput] = deque()  # step outputs handed to vLLM, not yet resolved
         self._discarded: dict[str, TensorAccumulationError] = {}  # failures for the next step output (_discard)
         self._closed: set[str] = set()  # closed on a stop token, not yet finished by vLLM
-        self.acc = WorkerAccumulator(talker_output_keys(self.options.cadence), self.device,
-                                     budget_bytes=self.options.pool_budget_bytes, max_requests=self.max_requests)
+        keys = talker_output_keys(self.options.cadence)
+        self.acc = WorkerAccumulator(keys, self.device, budget_bytes=key_budgets(keys, self.options.pool_budget_bytes),
+                                     max_requests=self.max_requests)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
         self._pending: _StepOutput | None = None
         self.stats = {"steps": 0, "output_steps": 0, "host_bytes": 0, "samples": 0, "resumed": 0, "stopped": 0}
@@ -230,6 +236,9 @@ class TalkerWorker:
         return ("generate",)
 
     def reset_mm_cache(self) -> None:
+        pass  # no multimodal inputs, so no caches of them (vLLM's pause and sleep reset them)
+
+    def reset_encoder_cache(self) -> None:
         pass
 
     def take_draft_token_ids(self):
@@ -238,9 +247,21 @@ class TalkerWorker:
     def check_health(self) -> None:
         pass
 
-    def shutdown(self) -> None:
+    def synchronize_device(self) -> None:
+        """Wait for the talker's device work (vLLM's pause, before it reports the engine paused)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def shutdown(self) -> None:
+        self.synchronize_device()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep levels 1 and 2 free the weights and the KV cache; the talker's memory is its
+        weights and the rings of the requests' output, which stay resident: only level 0 (vLLM pauses
+        scheduling and calls no worker) is served. vLLM has paused the scheduler by the time this is
+        called (and, in its default mode, aborted every request): ``wake_up()`` resumes it."""
+        raise NotImplementedError(f"sleep level {level}: the talker keeps its weights and output rings resident; "
+                                  "use level 0 (pause scheduling only); wake_up() resumes the paused scheduler")
 
     def output_path_stats(self) -> dict:
         """What the output path cost: host time per step that had output (median, p99, mean, in
@@ -323,11 +344,12 @@ class TalkerWorker:
                 self._discard(rid)
         return opened, flush
 
-    def _discard(self, rid: str) -> None:
-        """vLLM resumed a request without tokens of steps the worker ran (it preempted it with that
-        output in flight and dropped it: a reset of running requests): their audio has left or is
-        in the rings, so the request fails, visibly, with the step's output."""
-        self._discarded[rid] = TensorAccumulationError(
+    def _discard(self, rid: str, error: TensorAccumulationError | None = None) -> None:
+        """Fail the request, visibly, with the step's output; it samples no more. ``error``: why
+        (default: vLLM resumed it without tokens of steps the worker ran, which it drops when it
+        preempts a request with that output in flight, in a reset of running requests: their audio
+        has left or is in the rings, so it cannot continue exactly)."""
+        self._discarded[rid] = error or TensorAccumulationError(
             "vLLM discarded sampled tokens whose audio the worker had produced (it preempted the request and dropped "
             "its output in flight); the audio cannot continue exactly", request_id=rid)
         row = self._row.get(rid)
@@ -364,8 +386,11 @@ class TalkerWorker:
                 kind = params.output_kind if params is not None else RequestOutputKind.FINAL_ONLY
                 frames = int(min(self._max_tokens[row], self.max_model_len - len(prompt)))  # what it will hold
                 held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if kind == RequestOutputKind.FINAL_ONLY else None
-                self.acc.add_request(new.req_id, EmitPolicy[kind.name], row=row, frames=held)
-                opened.append(new.req_id)
+                try:
+                    self.acc.add_request(new.req_id, EmitPolicy[kind.name], row=row, frames=held)
+                    opened.append(new.req_id)
+                except TensorAccumulationError as exc:  # its output does not fit (OutputMemoryError): it fails
+                    self._discard(new.req_id, exc)
             rows.append(row)
             prompts.append(prompt)
         # one host table: [row, prompt length, last token, prompt ids (padded)] per new request
@@ -535,6 +560,13 @@ def talker_output_keys(cadence: int) -> list[OutputKey]:
     return [OutputKey("audio", Strategy.CONCAT_LAST, torch.float32, (), cadence=cadence,
                       initial_frames=16 * tk.FRAME_SAMPLES),
             OutputKey("codes", Strategy.CONCAT_DIM0, torch.int64, (tk.CODEBOOKS,), cadence=None, initial_frames=16)]
+
+
+def key_budgets(keys: list[OutputKey], audio_bytes: int) -> dict[str, int]:
+    """Each key's arena: ``audio_bytes`` for the audio, and room for as many frames for the other
+    keys (what a step appends per request, ``_STEP_FRAMES``; at least 1 MiB)."""
+    step = {k.name: _STEP_FRAMES[k.name] * math.prod(k.frame_shape) * k.dtype.itemsize for k in keys}
+    return {name: max(audio_bytes * nbytes // step["audio"], 1 << 20) for name, nbytes in step.items()}
 
 
 def _plain(stats: dict) -> dict:
