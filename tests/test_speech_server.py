@@ -221,6 +221,7 @@ def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audi
         async with httpx.AsyncClient(base_url=server["url"], timeout=120) as client:
             return await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(12)))
 
+    before = idle(server)
     responses = asyncio.run(together())
     want = expected(server, text).astype("<f4").tobytes()
     assert sorted(r.status_code for r in responses) == [200] * 9 + [503] * 3
@@ -231,7 +232,8 @@ def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audi
             error = r.json()["error"]
             assert r.headers["retry-after"] == "1" and error["type"] == "ServiceUnavailableError"
             assert "speech-" in error["message"] and "budget" in error["message"], error
-    idle(server)
+    after = idle(server)  # turned away, not served
+    assert (after["served"] - before["served"], after["rejected"] - before["rejected"]) == (9, 3)
     again = httpx.post(f"{server['url']}/v1/audio/speech", json=body, timeout=120)
     assert again.status_code == 200 and again.content == want
 
@@ -352,3 +354,15 @@ def test_stream_interval_follows_the_cadence_unless_given(tmp_path, argv, interv
     args = make_parser().parse_args([str(tmp_path), *argv])
     args.model = args.model_tag
     assert engine_args_from(args).stream_interval == interval
+
+
+def test_what_additional_config_says_of_the_talker_wins_over_the_servers_options(tmp_path):
+    from vllm_omni_kernels.vllm_integration.server import engine_args_from, make_parser
+
+    args = make_parser().parse_args([str(tmp_path), "--audio-memory-mib", "64", "--cadence", "3840",
+                                     "--additional-config", '{"omni": {"pool_budget_bytes": 9437184, "cadence": 0}}'])
+    args.model = args.model_tag
+    engine_args = engine_args_from(args)
+    omni = engine_args.additional_config["omni"]
+    assert omni["pool_budget_bytes"] == 9437184 and omni["cadence"] == 0 and args.cadence == 0
+    assert engine_args.stream_interval == 1  # the cadence the talker gets: every step

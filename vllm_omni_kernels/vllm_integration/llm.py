@@ -33,9 +33,11 @@ import vllm.envs as envs
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.logger import configure_logging_if_needed
+from vllm.model_executor.models import ModelRegistry
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.profiler.wrapper import create_frontend_profiler
 from vllm.renderers import renderer_from_config
+from vllm.sampling_params import SamplingParams
 from vllm.tracing import init_tracer
 from vllm.transformers_utils.config import maybe_register_config_serialize_by_value
 from vllm.usage.usage_lib import UsageContext
@@ -54,8 +56,25 @@ from .client import OmniAsyncMPClient, OmniInprocClient, OmniSyncMPClient
 from .output_processor import MultimodalOutputProcessor
 from .outputs import OmniRequestOutput, wrap_output
 from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
-from .talker_model import TalkerSampling
 from .worker import TalkerExecutor, WorkerOptions
+
+
+class OmniInputProcessor(InputProcessor):
+    """vLLM's ``InputProcessor`` that also asks the served model class whether it can honour a
+    request's sampling parameters (a ``validate_sampling_params`` classmethod, when the model has
+    one, raising vLLM's ``VLLMValidationError``: the talker's refuses logprobs, say), before vLLM's
+    own checks."""
+
+    def __init__(self, vllm_config: VllmConfig, renderer=None):
+        super().__init__(vllm_config, renderer)
+        model_config = vllm_config.model_config
+        model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+        self._model_check = getattr(model_cls, "validate_sampling_params", None)
+
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        if self._model_check is not None and isinstance(params, SamplingParams):
+            self._model_check(params)
+        return super().process_inputs(request_id, prompt, params, *args, **kwargs)
 
 
 @dataclass
@@ -83,7 +102,6 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
     kwargs.setdefault("stream_interval", talker_stream_interval(cadence))
     extra = dict(kwargs.pop("additional_config", None) or {})
     extra["omni"] = {**extra.get("omni", {}), **omni}
-    kwargs.setdefault("logits_processors", [TalkerSampling])  # what the talker's sampling refuses, at admission
     kwargs.setdefault("max_model_len", 8192)
     kwargs.setdefault("max_num_batched_tokens", max(8192, kwargs["max_model_len"]))
     return args_cls(model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
@@ -190,7 +208,7 @@ class OmniLLM(LLMEngine):
         self.dp_group = None
         self.should_execute_dummy_batch = False
         self.renderer = renderer = renderer_from_config(vllm_config)
-        self.input_processor = InputProcessor(vllm_config, renderer)
+        self.input_processor = OmniInputProcessor(vllm_config, renderer)
         self.output_processor = _processor(renderer, vllm_config, log_stats, processor_options,
                                            tracing_enabled=tracing_endpoint is not None)
         if multiprocess_mode:
@@ -246,10 +264,14 @@ class OmniLLM(LLMEngine):
                 self.abort_request(ids[:added])
         final: dict[str, OmniRequestOutput] = {}
         modality = self.output_processor.output_modality
-        while self.has_unfinished_requests():
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = wrap_output(out, None, modality)
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = wrap_output(out, None, modality)
+        finally:
+            if len(final) < len(ids):  # step() raised: nothing of this call stays in flight
+                self.abort_request([rid for rid in ids if rid not in final])
         return [final[rid] for rid in ids if rid in final]
 
 
@@ -272,7 +294,7 @@ class OmniAsyncLLM(AsyncLLM):
         custom_stat_loggers.extend(load_stat_logger_plugin_factories())
         self.log_stats = log_stats or bool(custom_stat_loggers)
         self.renderer = renderer = renderer_from_config(vllm_config)
-        self.input_processor = InputProcessor(vllm_config, renderer)
+        self.input_processor = OmniInputProcessor(vllm_config, renderer)
         self.admission_stats = (SharedAdmissionStats(client_addresses, client_count, client_index)
                                 if client_addresses is not None and "mp_admission_counters" in client_addresses
                                 else None)

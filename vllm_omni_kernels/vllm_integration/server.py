@@ -57,8 +57,7 @@ def make_parser() -> FlexibleArgumentParser:
     # max_model_len: an input of --max-input-chars characters (4096, OpenAI's limit), its voice
     # token, and its frames at speed 1 (one per character)
     parser.set_defaults(distributed_executor_backend=TalkerExecutor, dtype="float32", enforce_eager=True,
-                        max_model_len=8208, max_num_batched_tokens=8208, stream_interval=None,
-                        logits_processors=["vllm_omni_kernels.vllm_integration.talker_model:TalkerSampling"])
+                        max_model_len=8208, max_num_batched_tokens=8208, stream_interval=None)
     g = parser.add_argument_group("omni-speech", description="The talker, its output memory and the speech "
                                   "route: `serve --help=omni-speech`.")
     g.add_argument("--talker-device", default="auto", choices=("auto", "cuda", "cpu"),
@@ -84,14 +83,17 @@ def make_parser() -> FlexibleArgumentParser:
 
 def engine_args_from(args) -> AsyncEngineArgs:
     """vLLM's engine arguments from the parsed options, this server's merged into
-    ``additional_config["omni"]`` (what ``TalkerWorker`` reads)."""
+    ``additional_config["omni"]`` (what ``TalkerWorker`` reads; a key given there wins)."""
     extra = args.additional_config or {}
     if isinstance(extra, str):
         extra = json.loads(extra)
     extra = dict(extra)
-    extra["omni"] = {**extra.get("omni", {}), "device": args.talker_device, "cadence": args.cadence,
-                     "output_path": args.output_path, "cpu_threads": args.talker_threads,
-                     "pool_budget_bytes": args.audio_memory_mib << 20}
+    # what --additional-config says of the talker wins over these options' values
+    extra["omni"] = {"device": args.talker_device, "cadence": args.cadence, "output_path": args.output_path,
+                     "cpu_threads": args.talker_threads, "pool_budget_bytes": args.audio_memory_mib << 20,
+                     **extra.get("omni", {})}
+    omni = extra["omni"]
+    args.talker_device, args.cadence, args.output_path = omni["device"], omni["cadence"], omni["output_path"]
     args.additional_config = extra
     if args.stream_interval is None:  # not given: outputs at the audio's cadence
         args.stream_interval = talker_stream_interval(args.cadence)

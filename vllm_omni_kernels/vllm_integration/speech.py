@@ -12,8 +12,9 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
 - ``stream: false``: one complete file (the engine delivers the audio once, at the end: FINAL_ONLY).
 - A client that disconnects aborts its request in the engine (its worker slots are freed).
 - Over ``max_inflight`` requests in flight: ``503`` with ``Retry-After``; nothing is queued. The same
-  when the engine's output memory cannot hold the request's audio (``OutputMemoryError``: the worker's
-  ``pool_budget_bytes``, which a FINAL_ONLY request fills with all its audio until it finishes).
+  for a request that fails before its first audio because the engine's output memory cannot hold it
+  (``OutputMemoryError``: the worker's ``pool_budget_bytes``, which a FINAL_ONLY request fills with
+  all its audio until it finishes); it counts as turned away, not served.
 - Bad requests: ``400`` with an OpenAI-style error body naming the parameter; the engine is not touched.
 - Headers: ``Content-Type``, ``X-Audio-Format``, ``X-Audio-Sample-Rate``, ``X-Audio-Sample-Format``,
   ``X-Audio-Channels``, ``X-Request-Id``.
@@ -151,10 +152,12 @@ class Admission:
             self._counts[0] += 1
             return True
 
-    def release(self) -> None:
+    def release(self, served: bool = True) -> None:
+        """A request in flight is done: served, or (``served`` False) turned away after all (the
+        engine had no output memory for it: a 503)."""
         with self._lock:
             self._counts[0] -= 1
-            self._counts[2] += 1
+            self._counts[2 if served else 1] += 1
 
     def unserve(self, n: int) -> None:
         """Take ``n`` served requests off the count (the server's own warm-up requests)."""
@@ -181,6 +184,7 @@ class SpeechStream:
         self.first_metrics = None  # vLLM's request metrics and the time, at the first output with audio
         self.first_at = 0.0
         self.finished = False
+        self.turned_away = False  # the engine had no output memory for it (a 503)
         self._closed = False
 
     async def next_audio(self) -> tuple[bytes | None, bool]:
@@ -190,8 +194,9 @@ class SpeechStream:
             out = await anext(self.gen)
         except (MultimodalOutputError, GenerationError) as exc:
             self.finished = True  # the engine has let the request go
+            self.turned_away = isinstance(exc, OutputMemoryError) and not self.first_at
             raise SpeechFailedError(f"request {self.request_id} failed in the engine: {exc}",
-                                    isinstance(exc, OutputMemoryError)) from exc
+                                    self.turned_away) from exc
         comp = out.outputs[0]
         if comp.finish_reason == "error":
             self.finished = True
@@ -212,7 +217,7 @@ class SpeechStream:
                 await self.gen.aclose()  # vLLM's generate aborts the request on GeneratorExit
                 await self.engine.abort(self.request_id)
         finally:
-            self.admission.release()
+            self.admission.release(served=not self.turned_away)
 
 
 class _ClosingStreamingResponse(StreamingResponse):

@@ -22,8 +22,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from vllm.exceptions import VLLMValidationError
-from vllm.sampling_params import SamplingParams
-from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from ..serving import talker as tk
 
@@ -49,41 +47,25 @@ class OmniTalkerForTTS(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs) -> torch.Tensor:
         return torch.tanh(self.embed_input_ids(input_ids) + self.talker.position[positions % tk._POSITIONS])
 
+    @classmethod
+    def validate_sampling_params(cls, params) -> None:
+        """What the talker's sampling cannot honour, refused when a request arrives
+        (``llm.OmniInputProcessor``: vLLM's validation error, a 400 in the API server). The talker
+        picks each frame's codes itself, greedily (``serving.talker``): ``n``, ``seed`` and the
+        temperature and penalty parameters change nothing; logprobs it has none of, and it does not
+        hold back a stop token until ``min_tokens``."""
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name, None) is not None:
+                raise VLLMValidationError("the talker returns no logprobs", parameter=name)
+        if params.min_tokens and any(tk.TEXT_VOCAB <= t < tk.VOCAB for t in params.stop_token_ids or ()):
+            raise VLLMValidationError("the talker does not hold back a stop token until min_tokens",
+                                      parameter="min_tokens", value=params.min_tokens)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary: the first codebook's, at the code token ids."""
         logits = hidden_states.new_full((hidden_states.shape[0], tk.VOCAB), float("-inf"))
         logits[:, tk.TEXT_VOCAB:] = torch.tanh(hidden_states @ self.talker.mix) @ self.talker.heads[0]
         return logits
-
-
-class TalkerSampling(LogitsProcessor):
-    """What the talker's sampling honours, checked when vLLM admits a request (a logits processor's
-    ``validate_params``: a request it refuses gets vLLM's validation error, 400 in the API server).
-    The talker picks each frame's codes itself, greedily (``serving.talker``): ``n``, ``seed`` and
-    the temperature and penalty parameters change nothing; logprobs it has none of, and it does not
-    hold back a stop token until ``min_tokens``. Nothing of it runs in a sampler."""
-
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams) -> None:
-        p = sampling_params
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(p, name) is not None:
-                raise VLLMValidationError("the talker returns no logprobs", parameter=name)
-        if p.min_tokens and any(tk.TEXT_VOCAB <= t < tk.VOCAB for t in p.all_stop_token_ids):
-            raise VLLMValidationError("the talker does not hold back a stop token until min_tokens",
-                                      parameter="min_tokens", value=p.min_tokens)
-
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        pass
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
-
-    def is_argmax_invariant(self) -> bool:
-        return True
-
-    def update_state(self, batch_update) -> None:
-        pass
 
 
 def make_model_dir(path: str | Path, seed: int = 0) -> Path:

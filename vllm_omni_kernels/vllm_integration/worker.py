@@ -12,9 +12,12 @@ A step (``execute_model`` then ``sample_tokens``, as vLLM's GPU runner does):
    batched forward), of the host arrays that count their tokens and frames, and of the worker
    accumulator, with their output kind from their sampling parameters; finished and aborted
    requests give their row back; a preempted request that vLLM resumes recomputes its tokens and
-   goes on where it stopped, unless vLLM dropped the output of a step the worker had run (a reset of
-   running requests with a step in flight): its audio cannot continue exactly, and it fails with a
-   typed error. The step itself is numpy over these arrays, nothing per request;
+   goes on where it stopped. When vLLM preempts a request with a step in flight (a reset of running
+   requests, as its pause and sleep do) it drops that step's tokens, whose frames the worker has
+   produced: when vLLM samples those frames again the worker hands it the tokens it sampled then
+   (the latest ``_KEPT_TOKENS`` of every row are kept), so its audio goes on exactly; a stop token
+   among them ends the request there, as it would have. The step itself is numpy over these
+   arrays, nothing per request;
 2. the requests whose tokens are all computed after this step sample: one talker forward over them
    (codes ``[B, CODEBOOKS]``), the sampled token ids written straight into the head of the step's
    output buffer, the frames' audio decoded (``[B, FRAME_SAMPLES]``);
@@ -45,8 +48,9 @@ makes the talker emit a malformed chunk, for tests of the failure path), ``sync_
 ``execute_model`` under CUDA's sync-debug mode "error": any host synchronisation in the step raises),
 ``pool_budget_bytes`` (the audio's ring arena, preallocated on the device, 1 GiB by default; a
 FINAL_ONLY request holds all its audio there until it finishes: 7.5 KiB a frame, about 8 MiB for 80
-seconds; a request it cannot hold fails with an ``OutputMemoryError`` naming it, which the speech
-route answers with 503, and every other request goes on) and ``cpu_threads`` (torch's threads for
+seconds; a request it cannot hold, when it arrives or when its region must grow, fails with an
+``OutputMemoryError`` naming it, which the speech route answers with 503 before its first audio, and
+every other request goes on; it must hold the first slots of ``max_num_seqs`` streams) and ``cpu_threads`` (torch's threads for
 a talker on the CPU; None: half the cores, leaving the rest to the API server processes beside the
 engine, unless ``OMP_NUM_THREADS`` says otherwise; idle OpenMP threads spin, and a talker on every
 core slows the API servers that feed it).
@@ -82,6 +86,7 @@ from .talker_model import OmniTalkerForTTS
 from .upstream_style import upstream_worker_outputs
 
 _HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
+_KEPT_TOKENS = 8  # a row's latest sampled tokens, for vLLM to sample again (_replay): it drops a step or two
 _STEP_FRAMES = {"audio": tk.FRAME_SAMPLES, "codes": 1}  # ring frames a step appends per request, per key
 #                                                         (talker_output_keys, in its order)
 
@@ -116,14 +121,17 @@ class WorkerOptions:
 
 class _StepOutput(AsyncModelRunnerOutput):
     """A step's output, resolved when its copy to the host has landed (``get_output``), which is
-    also when the worker learns the step's tokens (``on_tokens``). ``stoppable``: (request ids,
-    rows, frames produced) of the step's sampling requests, when a sampled token can end one."""
+    also when the worker learns the step's tokens (``on_tokens``). ``frames``: (rows, frames
+    produced) of the step's sampling requests; ``stoppable``: (request ids, rows, frames produced)
+    of them, when a sampled token can end one; ``replayed``: (positions in ``req_ids``, rows, frame
+    indices) of the requests whose token vLLM samples again, from ``history`` (``_replay``)."""
 
     def __init__(self, on_tokens, req_ids, sampling: np.ndarray, packed: PackedStep | None, tokens_cpu, opened,
-                 failed, plain, stoppable: tuple[list[str], np.ndarray, np.ndarray] | None = None):
+                 failed, plain, frames=None, stoppable: tuple[list[str], np.ndarray, np.ndarray] | None = None,
+                 replayed=None, history: np.ndarray | None = None):
         self.req_ids, self.sampling, self.packed, self.tokens_cpu = req_ids, sampling, packed, tokens_cpu
         self.opened, self.failed, self.plain, self.on_tokens = opened, failed, plain, on_tokens
-        self.stoppable = stoppable
+        self.frames, self.stoppable, self.replayed, self.history = frames, stoppable, replayed, history
         self.ended: set[str] = set()  # requests whose end an earlier step's token was
 
     def drop_past(self, request_id: str, end: int) -> None:
@@ -147,6 +155,10 @@ class _StepOutput(AsyncModelRunnerOutput):
         sampled: list[list[int]] = [[] for _ in self.req_ids]
         for b, i in enumerate(self.sampling.tolist()):
             sampled[i] = [tokens[b]]
+        if self.replayed is not None:  # every earlier step is resolved: their tokens are in the history
+            at, rows, frames = self.replayed
+            for i, token in zip(at.tolist(), self.history[rows, frames % _KEPT_TOKENS].tolist()):
+                sampled[i] = [token]
         return OmniModelRunnerOutput(
             req_ids=self.req_ids, req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
             sampled_token_ids=sampled, multimodal_outputs=self.plain or None, packed=self.packed,
@@ -198,13 +210,21 @@ class TalkerWorker:
         self._stopped: dict[str, int] = {}  # request -> its frames when a token ended it (seen a step late)
         self._in_flight: deque[_StepOutput] = deque()  # step outputs handed to vLLM, not yet resolved
         self._discarded: dict[str, TensorAccumulationError] = {}  # failures for the next step output (_discard)
-        self._closed: set[str] = set()  # closed on a stop token, not yet finished by vLLM
+        self._tokens = np.zeros((R, _KEPT_TOKENS), np.int64)  # the latest sampled tokens, by frame index
+        self._replay = np.full(R, -1, np.int64)  # the next frame whose token vLLM samples again (-1: none)
+        self._keep_rows: set[str] = set()  # this step's closing requests that keep their rows (_update_requests)
         keys = talker_output_keys(self.options.cadence)
+        floor = first_slots_bytes(keys, int(sched.max_num_seqs))
+        if self.options.pool_budget_bytes < floor:
+            raise ValueError(f"pool_budget_bytes {self.options.pool_budget_bytes} cannot hold the first slots of "
+                             f"max_num_seqs ({sched.max_num_seqs}) streams: {floor} bytes at least "
+                             f"(serve --audio-memory-mib {-(-floor >> 20)})")
         self.acc = WorkerAccumulator(keys, self.device, budget_bytes=key_budgets(keys, self.options.pool_budget_bytes),
                                      max_requests=self.max_requests)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
         self._pending: _StepOutput | None = None
-        self.stats = {"steps": 0, "output_steps": 0, "host_bytes": 0, "samples": 0, "resumed": 0, "stopped": 0}
+        self.stats = {"steps": 0, "output_steps": 0, "host_bytes": 0, "samples": 0, "resumed": 0, "replayed": 0,
+                      "stopped": 0}
         self._upstream_copies = 0
         self._output_path_us: deque[float] = deque(maxlen=_HISTORY)  # the latest steps: a server runs for long
         self._step_starts: deque[float] = deque(maxlen=_HISTORY)
@@ -301,8 +321,8 @@ class TalkerWorker:
             if so.total_num_scheduled_tokens == 0 and not flush:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             req_ids = list(so.num_scheduled_tokens)
-            sampling, rows = self._sampling_rows(so, req_ids)
-            self._pending = self._run(req_ids, sampling, rows, opened, flush)
+            sampling, rows, replayed = self._sampling_rows(so, req_ids)
+            self._pending = self._run(req_ids, sampling, rows, opened, flush, replayed)
         if so.total_num_scheduled_tokens == 0:  # vLLM samples nothing after such a step: the output is this
             pending, self._pending = self._pending, None
             return pending
@@ -315,43 +335,44 @@ class TalkerWorker:
     def _update_requests(self, so) -> tuple[list[str], dict[str, int]]:
         """Rows of the step's new, finished and resumed requests; returns the requests whose output
         the accumulator now holds, and those whose output closes this step, now that their end is
-        seen (module docstring), each with the frames it ends at."""
+        seen (module docstring), each with the frames it ends at. A request closed on a stop token
+        that vLLM has not finished (it dropped the token: below) keeps its row until it does."""
         flush = {rid: end for rid, end in self._stopped.items() if rid in self.acc}
         self._stopped.clear()
         for rid in so.finished_req_ids:  # finished or aborted: give everything back
             self._stop_ids.pop(rid, None)
-            self._closed.discard(rid)
             if rid in flush:
                 continue  # its rest goes this step
             row = self._row.pop(rid, None)
             if row is not None:
                 self.acc.abort(rid)
                 self._free_rows.append(row)
-        self._closed.update(rid for rid in flush if rid not in so.finished_req_ids)
+        self._keep_rows = {rid for rid in flush if rid not in so.finished_req_ids}  # closed, vLLM goes on
         opened = self._admit(so.scheduled_new_reqs) if so.scheduled_new_reqs else []
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            if rid not in cached.resumed_req_ids:
-                continue
             row = self._row.get(rid)
-            if row is not None:  # preempted, now recomputed
-                self._computed[row] = cached.num_computed_tokens[i]
-                self.stats["resumed"] += 1
-                if cached.num_output_tokens[i] < self._produced[row]:
-                    self._discard(rid)
-            elif rid in self._closed:  # the worker closed it on a stop token that vLLM dropped
-                self._closed.discard(rid)
+            if rid not in cached.resumed_req_ids or row is None:
+                continue
+            # preempted, now recomputed; vLLM drops the tokens of a step in flight when it preempts
+            # (a reset of running requests): it samples those frames again, and gets the tokens the
+            # worker sampled (their audio has gone or is in the rings)
+            self._computed[row] = cached.num_computed_tokens[i]
+            self.stats["resumed"] += 1
+            dropped = int(self._produced[row]) - cached.num_output_tokens[i]
+            if 0 < dropped <= _KEPT_TOKENS:
+                self._replay[row] = cached.num_output_tokens[i]
+                self.stats["replayed"] += dropped
+            elif dropped > 0:
                 self._discard(rid)
         return opened, flush
 
     def _discard(self, rid: str, error: TensorAccumulationError | None = None) -> None:
         """Fail the request, visibly, with the step's output; it samples no more. ``error``: why
-        (default: vLLM resumed it without tokens of steps the worker ran, which it drops when it
-        preempts a request with that output in flight, in a reset of running requests: their audio
-        has left or is in the rings, so it cannot continue exactly)."""
+        (default: vLLM resumed it without more tokens than the worker keeps)."""
         self._discarded[rid] = error or TensorAccumulationError(
-            "vLLM discarded sampled tokens whose audio the worker had produced (it preempted the request and dropped "
-            "its output in flight); the audio cannot continue exactly", request_id=rid)
+            f"vLLM discarded more than {_KEPT_TOKENS} sampled tokens whose audio the worker had produced; the audio "
+            "cannot continue exactly", request_id=rid)
         row = self._row.get(rid)
         if row is not None:
             self._done[row] = True
@@ -372,6 +393,7 @@ class TalkerWorker:
                 self.max_model_len
             self._computed[row] = new.num_computed_tokens  # a prefix-cache hit arrives with computed tokens
             self._produced[row] = 0
+            self._replay[row] = -1
             self._done[row] = False
             self._bad[row] = self.options.bad_prompt_token in prompt
             eos = params.eos_token_id if params is not None else None
@@ -410,26 +432,36 @@ class TalkerWorker:
         self.frame.index_fill_(0, rows_dev, 0)
         return opened
 
-    def _sampling_rows(self, so, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Positions (in ``req_ids``) of the requests that sample a frame this step, and their rows."""
+    def _sampling_rows(self, so, req_ids: list[str]):
+        """Positions (in ``req_ids``) of the requests that sample a frame this step, and their rows;
+        and (positions, rows, frame indices) of those whose token vLLM samples again (None: none)."""
         rows = np.fromiter(map(self._row.get, req_ids, repeat(-1)), np.int64, len(req_ids))
         scheduled = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(req_ids))
         at = np.flatnonzero(rows >= 0)  # requests this worker holds (rows are distinct)
         rows = rows[at]
-        self._computed[rows] += scheduled[at]
+        computed = self._computed[rows] = self._computed[rows] + scheduled[at]
+        prompt = self._prompt_len[rows]
         # not a prefill chunk, nor a step scheduled past the request's last frame
-        samples = ~self._done[rows] & (self._computed[rows] >= self._prompt_len[rows] + self._produced[rows])
-        return at[samples], rows[samples]
+        samples = ~self._done[rows] & (computed >= prompt + self._produced[rows])
+        replayed = None
+        replay = self._replay[rows]
+        again = (replay >= 0) & (computed >= prompt + replay)  # vLLM samples a frame the worker has (_replay)
+        if again.any():
+            again_rows = rows[again]
+            replayed = (at[again], again_rows, replay[again])
+            nxt = replay[again] + 1
+            self._replay[again_rows] = np.where(nxt < self._produced[again_rows], nxt, -1)
+        return at[samples], rows[samples], replayed
 
     def _run(self, req_ids: list[str], sampling: np.ndarray, state_rows: np.ndarray, opened: list[str],
-             flush: dict[str, int]) -> _StepOutput:
+             flush: dict[str, int], replayed=None) -> _StepOutput:
         B = len(state_rows)
         self.stats["steps"] += 1
         now = time.time()
         self._step_starts.append(now)
         if B == 0:
             packed = self._collect([], flush, 0) if flush else None
-            return self._output(req_ids, sampling, packed, None, opened, {}, {})
+            return self._output(req_ids, sampling, packed, None, opened, {}, {}, replayed=replayed)
         ids = [req_ids[i] for i in sampling.tolist()]
         produced = self._produced[state_rows]
         for b in np.flatnonzero(produced == 0).tolist():
@@ -448,7 +480,7 @@ class TalkerWorker:
         self._done[state_rows[ending]] = True
         self.stats["samples"] += B * tk.FRAME_SAMPLES
         if self.options.output_path == "upstream":
-            return self._run_upstream(req_ids, sampling, ids, opened, rows, codes)
+            return self._run_upstream(req_ids, sampling, ids, opened, rows, codes, (state_rows, produced), replayed)
         finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
         tokens = self.acc.head(B, torch.int64)
         torch.add(codes[:, 0], tk.TEXT_VOCAB, out=tokens)
@@ -465,20 +497,24 @@ class TalkerWorker:
             self._done[self._row[rid]] = True
         self._note_output_path(t0, packed.host.numel() if packed is not None else 0)
         stoppable = (ids, state_rows, produced) if self._stoppable[state_rows].any() else None
-        return self._output(req_ids, sampling, packed, None, opened, failed, {}, stoppable)
+        return self._output(req_ids, sampling, packed, None, opened, failed, {}, (state_rows, produced), stoppable,
+                            replayed)
 
-    def _output(self, req_ids, sampling, packed, tokens_cpu, opened, failed, plain, stoppable=None) -> _StepOutput:
+    def _output(self, req_ids, sampling, packed, tokens_cpu, opened, failed, plain, frames=None, stoppable=None,
+                replayed=None) -> _StepOutput:
         """A step's output for vLLM (``_StepOutput``'s arguments after ``on_tokens``), with the
         requests that failed since the last one: in flight until it is resolved."""
         if self._discarded:
             failed, self._discarded = {**self._discarded, **failed}, {}
-        step = _StepOutput(self._resolve, req_ids, sampling, packed, tokens_cpu, opened, failed, plain, stoppable)
+        step = _StepOutput(self._resolve, req_ids, sampling, packed, tokens_cpu, opened, failed, plain, frames,
+                           stoppable, replayed, self._tokens)
         self._in_flight.append(step)
         return step
 
     def _collect(self, finishing: list[str], flush: dict[str, int], head_bytes: int) -> PackedStep | None:
         """The accumulator's collect; ``flush`` closes each of its requests at the frames it ends at
-        (what it produced after that is never read), and their rows are free afterwards."""
+        (what it produced after that is never read), and their rows are free afterwards unless vLLM
+        has not finished the request (``_keep_rows``: it samples the row's tokens again)."""
         ends = None
         if flush:
             ends = [np.full(self.max_requests, np.iinfo(np.int64).max, np.int64) for _ in self.acc.keys]
@@ -487,7 +523,8 @@ class TalkerWorker:
                     end[self._row[rid]] = frames * _STEP_FRAMES[key.name]
         packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, ends=ends)
         for rid in flush:
-            self._free_rows.append(self._row.pop(rid))
+            if rid not in self._keep_rows:
+                self._free_rows.append(self._row.pop(rid))
         return packed
 
     def _resolve(self, step: _StepOutput, tokens: list[int]) -> None:
@@ -498,6 +535,9 @@ class TalkerWorker:
         if step in self._in_flight:
             while self._in_flight.popleft() is not step:
                 pass  # (a step vLLM never resolved)
+        if step.frames is not None:  # kept for vLLM to sample again (_replay)
+            rows, produced = step.frames
+            self._tokens[rows, (produced - 1) % _KEPT_TOKENS] = tokens[:len(rows)]
         if step.stoppable is None:
             return
         ids, rows, produced = step.stoppable
@@ -517,7 +557,7 @@ class TalkerWorker:
                 self._stopped[rid] = end
                 self._done[self._row[rid]] = True
 
-    def _run_upstream(self, req_ids, sampling, ids, opened, rows, codes) -> _StepOutput:
+    def _run_upstream(self, req_ids, sampling, ids, opened, rows, codes, frames, replayed) -> _StepOutput:
         """The comparison path: every key's batched output copied to the host each step (one blocking
         copy per key, as ``tensor.cpu()`` does) and sliced per request into plain per-step chunks."""
         tokens = codes[:, 0] + tk.TEXT_VOCAB
@@ -529,7 +569,7 @@ class TalkerWorker:
         if self.device.type == "cuda":
             self._upstream_copies += 3
         self._note_output_path(t0, audio.numel() * 4 + codes.numel() * 8 + tokens_cpu.numel() * 8)
-        return self._output(req_ids, sampling, None, tokens_cpu, opened, {}, plain)
+        return self._output(req_ids, sampling, None, tokens_cpu, opened, {}, plain, frames, replayed=replayed)
 
     def _advance(self, rows: torch.Tensor, codes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The frame's audio, and the requests' state moved past it (last token, frame index)."""
@@ -563,10 +603,20 @@ def talker_output_keys(cadence: int) -> list[OutputKey]:
 
 
 def key_budgets(keys: list[OutputKey], audio_bytes: int) -> dict[str, int]:
-    """Each key's arena: ``audio_bytes`` for the audio, and room for as many frames for the other
-    keys (what a step appends per request, ``_STEP_FRAMES``; at least 1 MiB)."""
+    """Each key's arena: ``audio_bytes`` for the audio, and for every other key room for as many
+    codec frames (what a step appends per request, ``_STEP_FRAMES``) twice over, at least 1 MiB: a
+    region is a power of two of ring frames, so a request's region of a key with fewer ring frames
+    per codec frame can round up by twice as much as its audio region."""
     step = {k.name: _STEP_FRAMES[k.name] * math.prod(k.frame_shape) * k.dtype.itemsize for k in keys}
-    return {name: max(audio_bytes * nbytes // step["audio"], 1 << 20) for name, nbytes in step.items()}
+    return {name: audio_bytes if name == "audio" else max(2 * audio_bytes * nbytes // step["audio"], 1 << 20)
+            for name, nbytes in step.items()}
+
+
+def first_slots_bytes(keys: list[OutputKey], streams: int) -> int:
+    """Audio memory that ``streams`` requests take at once when each holds its first slot (a power
+    of two of the audio key's ``initial_frames``)."""
+    (audio,) = [k for k in keys if k.name == "audio"]
+    return streams * (1 << (audio.initial_frames - 1).bit_length()) * audio.dtype.itemsize
 
 
 def _plain(stats: dict) -> dict:
