@@ -33,7 +33,6 @@ import vllm.envs as envs
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.logger import configure_logging_if_needed
-from vllm.model_executor.models import ModelRegistry
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.profiler.wrapper import create_frontend_profiler
 from vllm.renderers import renderer_from_config
@@ -56,20 +55,20 @@ from .client import OmniAsyncMPClient, OmniInprocClient, OmniSyncMPClient
 from .output_processor import MultimodalOutputProcessor
 from .outputs import OmniRequestOutput, wrap_output
 from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
+from .talker_model import ARCHITECTURE, OmniTalkerForTTS
 from .worker import TalkerExecutor, WorkerOptions
 
 
 class OmniInputProcessor(InputProcessor):
-    """vLLM's ``InputProcessor`` that also asks the served model class whether it can honour a
-    request's sampling parameters (a ``validate_sampling_params`` classmethod, when the model has
-    one, raising vLLM's ``VLLMValidationError``: the talker's refuses logprobs, say), before vLLM's
-    own checks."""
+    """vLLM's ``InputProcessor`` that, for this package's talker, also asks the model class whether
+    it can honour a request's sampling parameters (``OmniTalkerForTTS.validate_sampling_params``,
+    raising vLLM's ``VLLMValidationError``: it refuses logprobs, say) before vLLM's own checks.
+    (Other models' classes are not imported here: vLLM keeps them out of the frontend process.)"""
 
     def __init__(self, vllm_config: VllmConfig, renderer=None):
         super().__init__(vllm_config, renderer)
-        model_config = vllm_config.model_config
-        model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
-        self._model_check = getattr(model_cls, "validate_sampling_params", None)
+        talker = ARCHITECTURE in (vllm_config.model_config.architectures or ())
+        self._model_check = OmniTalkerForTTS.validate_sampling_params if talker else None
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
         if self._model_check is not None and isinstance(params, SamplingParams):
