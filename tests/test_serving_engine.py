@@ -281,12 +281,23 @@ def test_requests_that_end_on_a_stop_token_get_all_their_audio_in_process(tmp_pa
     assert s["slots_held_after"] == 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_requests_preempted_for_kv_cache_are_recomputed_and_lose_nothing(tmp_path, async_scheduling):
+# vLLM's model runner: V2, its default where Triton runs on a GPU, hands the worker a resumed
+# request as a new one; async scheduling is the default there too
+RUNNERS = pytest.mark.parametrize("async_scheduling, runner", [(False, "v1"), (True, "v1"), (True, "v2")])
+
+
+def use_runner(monkeypatch, runner: str) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "v2" else "0")
+
+
+@RUNNERS
+def test_requests_preempted_for_kv_cache_are_recomputed_and_lose_nothing(tmp_path, monkeypatch, async_scheduling,
+                                                                          runner):
     """A KV cache of 16 blocks for 32 streams of up to 100 tokens: vLLM preempts running requests and
     recomputes them (in chunks of at most 32 tokens, with no prefix cache to shorten the
     recomputation) when blocks come free. Their rows and slots stay; every sample is still exact,
     every fourth request ending on a stop token among them."""
+    use_runner(monkeypatch, runner)
     cfg = SimConfig(requests=120, concurrency=32, min_frames=20, max_frames=60, abort_every=10, stop_every=4,
                     cadence=2 * tk.FRAME_SAMPLES, device="cpu", async_scheduling=async_scheduling, paths=("worker",),
                     out_dir=str(tmp_path), progress=False, write_wavs=False,
@@ -297,13 +308,14 @@ def test_requests_preempted_for_kv_cache_are_recomputed_and_lose_nothing(tmp_pat
     assert s["finished_exact"] == 108 and s["aborted_checked"] == 12 and s["slots_held_after"] == 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_reset_of_running_requests_loses_nothing(tmp_path, async_scheduling):
+@RUNNERS
+def test_a_reset_of_running_requests_loses_nothing(tmp_path, monkeypatch, async_scheduling, runner):
     """``reset_prefix_cache(reset_running_requests=True)`` (vLLM's admin call, over ZMQ; its pause
     and sleep make it too) preempts every running request and vLLM recomputes them. With a step in
     flight (async scheduling) it drops that step's tokens, whose audio the worker has produced:
     when vLLM samples those frames again the worker hands it the tokens it sampled, and every
     stream stays exact (it used to wait forever for a token the worker would not sample again)."""
+    use_runner(monkeypatch, runner)
     model = make_model_dir(tmp_path / "model")
     args = talker_engine_args(model, device="cpu", max_num_seqs=8, args_cls=AsyncEngineArgs, disable_log_stats=True,
                               async_scheduling=async_scheduling)
@@ -358,16 +370,19 @@ def test_a_reset_of_running_requests_loses_nothing(tmp_path, async_scheduling):
         assert torch.cat([p["audio"] for p in pieces]).equal(tk.expected_audio(codes)), rid
 
 
-def test_a_reset_that_drops_a_stop_token_loses_nothing(tmp_path):
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_reset_that_drops_a_stop_token_loses_nothing(tmp_path, monkeypatch, runner):
     """The reset comes while the step in flight samples request "s"'s stop token: vLLM drops that
     output and never sees the stop, the worker does and closes "s"'s output at it. When vLLM resumes
     "s" (steps later: recomputing every request takes several steps of 32 tokens) it samples the
     stop again and gets it from the worker, and "s" ends there with every sample; the other
     requests, whose tokens vLLM dropped too, go on exactly. In process, async."""
+    use_runner(monkeypatch, runner)
     model = make_model_dir(tmp_path / "model")
     args = talker_engine_args(model, device="cpu", max_num_seqs=8, async_scheduling=True, disable_log_stats=True,
                               max_num_batched_tokens=32, max_model_len=256, enable_prefix_caching=False)
     engine = OmniLLM.from_engine_args(args, enable_multiprocessing=False)
+    assert engine.vllm_config.use_v2_model_runner == (runner == "v2")
     try:
         prompt, stop_at = [5, 6, 7, 8], 6
         tokens = (tk.rollout(tk.ToyTalker(0), prompt, 40)[:, 0] + tk.TEXT_VOCAB).tolist()

@@ -11,13 +11,14 @@ A step (``execute_model`` then ``sample_tokens``, as vLLM's GPU runner does):
    (prompt context, last token, frame index: all of a step's new prompts in one upload and one
    batched forward), of the host arrays that count their tokens and frames, and of the worker
    accumulator, with their output kind from their sampling parameters; finished and aborted
-   requests give their row back; a preempted request that vLLM resumes recomputes its tokens and
-   goes on where it stopped. When vLLM preempts a request with a step in flight (a reset of running
-   requests, as its pause and sleep do) it drops that step's tokens, whose frames the worker has
-   produced: when vLLM samples those frames again the worker hands it the tokens it sampled then
-   (the latest ``_KEPT_TOKENS`` of every row are kept), so its audio goes on exactly; a stop token
-   among them ends the request there, as it would have. The step itself is numpy over these
-   arrays, nothing per request;
+   requests give their row back; a preempted request that vLLM resumes (among the cached requests,
+   or with its Model Runner V2 as a new one) recomputes its tokens and goes on where it stopped.
+   When vLLM preempts a request with a step in flight (a reset of running requests, as its pause
+   and sleep do) it drops that step's tokens, whose frames the worker has produced: when vLLM
+   samples those frames again the worker hands it the tokens it sampled then (the latest
+   ``_KEPT_TOKENS`` of every row are kept), so its audio goes on exactly; a stop token among them
+   ends the request there, as it would have. The step itself is numpy over these arrays, nothing
+   per request;
 2. the requests whose tokens are all computed after this step sample: one talker forward over them
    (codes ``[B, CODEBOOKS]``), the sampled token ids written straight into the head of the step's
    output buffer, the frames' audio decoded (``[B, FRAME_SAMPLES]``);
@@ -348,24 +349,33 @@ class TalkerWorker:
                 self.acc.abort(rid)
                 self._free_rows.append(row)
         self._keep_rows = {rid for rid in flush if rid not in so.finished_req_ids}  # closed, vLLM goes on
-        opened = self._admit(so.scheduled_new_reqs) if so.scheduled_new_reqs else []
+        new = []
+        for req in so.scheduled_new_reqs:  # with vLLM's Model Runner V2 a resumed request comes as new
+            if req.req_id in self._row:
+                self._resume(req.req_id, req.num_computed_tokens, len(req.prefill_token_ids) - req.prompt_len)
+            else:
+                new.append(req)
+        opened = self._admit(new) if new else []
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            row = self._row.get(rid)
-            if rid not in cached.resumed_req_ids or row is None:
-                continue
-            # preempted, now recomputed; vLLM drops the tokens of a step in flight when it preempts
-            # (a reset of running requests): it samples those frames again, and gets the tokens the
-            # worker sampled (their audio has gone or is in the rings)
-            self._computed[row] = cached.num_computed_tokens[i]
-            self.stats["resumed"] += 1
-            dropped = int(self._produced[row]) - cached.num_output_tokens[i]
-            if 0 < dropped <= _KEPT_TOKENS:
-                self._replay[row] = cached.num_output_tokens[i]
-                self.stats["replayed"] += dropped
-            elif dropped > 0:
-                self._discard(rid)
+            if rid in cached.resumed_req_ids and rid in self._row:
+                self._resume(rid, cached.num_computed_tokens[i], cached.num_output_tokens[i])
         return opened, flush
+
+    def _resume(self, rid: str, computed: int, outputs: int) -> None:
+        """A request vLLM preempted and now recomputes, from ``computed`` tokens, with ``outputs``
+        output tokens. vLLM drops the tokens of a step in flight when it preempts (a reset of
+        running requests): it samples those frames again, and gets the tokens the worker sampled
+        (their audio has gone or is in the rings)."""
+        row = self._row[rid]
+        self._computed[row] = computed
+        self.stats["resumed"] += 1
+        dropped = int(self._produced[row]) - outputs
+        if 0 < dropped <= _KEPT_TOKENS:
+            self._replay[row] = outputs
+            self.stats["replayed"] += dropped
+        elif dropped > 0:
+            self._discard(rid)
 
     def _discard(self, rid: str, error: TensorAccumulationError | None = None) -> None:
         """Fail the request, visibly, with the step's output; it samples no more. ``error``: why
@@ -386,6 +396,10 @@ class TalkerWorker:
         for new in new_reqs:
             prompt = new.prompt_token_ids or [0]
             params = new.sampling_params
+            if not self._free_rows:  # (rows are twice vLLM's seats: module docstring)
+                self._discard(new.req_id, TensorAccumulationError(f"all {self.max_requests} request rows are in use",
+                                                                  request_id=new.req_id))
+                continue
             row = self._free_rows.pop()
             self._row[new.req_id] = row
             self._prompt_len[row] = len(prompt)
@@ -415,6 +429,8 @@ class TalkerWorker:
                     self._discard(new.req_id, exc)
             rows.append(row)
             prompts.append(prompt)
+        if not prompts:
+            return opened
         # one host table: [row, prompt length, last token, prompt ids (padded)] per new request
         width = max(len(p) for p in prompts)
         table = np.zeros((len(prompts), 3 + width), np.int64)
