@@ -351,7 +351,7 @@ class TalkerWorker:
         self._keep_rows = {rid for rid in flush if rid not in so.finished_req_ids}  # closed, vLLM goes on
         new = []
         for req in so.scheduled_new_reqs:  # with vLLM's Model Runner V2 a resumed request comes as new
-            if req.req_id in self._row:
+            if req.req_id in self._row and req.prefill_token_ids is not None:  # (all its tokens, as V2 sends)
                 self._resume(req.req_id, req.num_computed_tokens, len(req.prefill_token_ids) - req.prompt_len)
             else:
                 new.append(req)
