@@ -51,10 +51,10 @@ makes the talker emit a malformed chunk, for tests of the failure path), ``sync_
 FINAL_ONLY request holds all its audio there until it finishes: 7.5 KiB a frame, about 8 MiB for 80
 seconds; a request it cannot hold, when it arrives or when its region must grow, fails with an
 ``OutputMemoryError`` naming it, which the speech route answers with 503 before its first audio, and
-every other request goes on; it must hold the first slots of ``max_num_seqs`` streams) and ``cpu_threads`` (torch's threads for
-a talker on the CPU; None: half the cores, leaving the rest to the API server processes beside the
-engine, unless ``OMP_NUM_THREADS`` says otherwise; idle OpenMP threads spin, and a talker on every
-core slows the API servers that feed it).
+every other request goes on; it must hold the first slots of ``max_num_seqs`` streams) and
+``cpu_threads`` (torch's threads for a talker on the CPU; None: half the cores, leaving the rest to
+the API server processes beside the engine, unless ``OMP_NUM_THREADS`` says otherwise; idle OpenMP
+threads spin, and a talker on every core slows the API servers that feed it).
 """
 
 from __future__ import annotations
