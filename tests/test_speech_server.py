@@ -236,6 +236,16 @@ def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audi
     assert (after["served"] - before["served"], after["rejected"] - before["rejected"]) == (9, 3)
     again = httpx.post(f"{server['url']}/v1/audio/speech", json=body, timeout=120)
     assert again.status_code == 200 and again.content == want
+    # vLLM's own routes answer the same with 503 (the error is vLLM's RetryableRequestError)
+    completion = {"model": str(server["model"]), "prompt": "hello", "max_tokens": 69}
+
+    async def completions():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=completion) for _ in range(12)))
+
+    responses = asyncio.run(completions())
+    assert sorted(r.status_code for r in responses) == [200] * 9 + [503] * 3, [r.text for r in responses]
+    assert all(r.json()["error"]["type"] == "ServiceUnavailableError" for r in responses if r.status_code == 503)
 
 
 def test_two_api_server_processes_stream_exact_audio_and_share_the_bound(two_api_servers):

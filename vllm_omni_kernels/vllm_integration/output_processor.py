@@ -43,7 +43,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from vllm.exceptions import GenerationError
+from vllm.exceptions import GenerationError, RetryableRequestError
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, FinishReason
@@ -75,8 +75,9 @@ class ConsolidationFailedError(TensorConsolidationError, GenerationError):
     """``AccumulationFailedError``'s counterpart for a ``TensorConsolidationError``."""
 
 
-class OutputMemoryFailedError(OutputMemoryError, AccumulationFailedError):
-    """``AccumulationFailedError``'s counterpart for an ``OutputMemoryError`` (a retry can succeed)."""
+class OutputMemoryFailedError(OutputMemoryError, AccumulationFailedError, RetryableRequestError):
+    """``AccumulationFailedError``'s counterpart for an ``OutputMemoryError``: also vLLM's
+    ``RetryableRequestError`` (a retry can succeed), which its API server answers with 503."""
 
 
 def _raised_by_generate(exc: MultimodalOutputError, request_id: str) -> MultimodalOutputError:
