@@ -15,10 +15,10 @@ threads the multimodal channel into ``OmniEngineCoreOutput``s:
   ``FINISHED_ERROR`` and its output carries the error, which the frontend raises to its caller;
 * a request that vLLM finishes while the worker still holds its output (it opened it in
   ``multimodal_opened`` and has not closed it in ``packed.final``): a stop token, which the worker
-  sees only when vLLM does; the worker delivers the rest a step or two later (``worker.py``). The request's final output waits, as vLLM made it
-  (tokens, finish and stop reason, so the frontend treats its stop token as vLLM's would), the data
-  that arrives for it meanwhile goes on outputs of its own, and the final output goes with the rest
-  (``_awaiting``). A finish the worker cannot tell (vLLM's repetition detection, say) makes the
+  sees only when vLLM does; the worker delivers the rest a step or two later (``worker.py``). The
+  request's final output waits, as vLLM made it (tokens, finish and stop reason, so the frontend
+  treats its stop token as vLLM's would), the data that arrives for it meanwhile goes on outputs
+  of its own, and the final output goes with the rest (``_awaiting``). A finish the worker cannot tell (vLLM's repetition detection, say) makes the
   worker drop the output when vLLM reports the request finished: after ``_AWAITED_STEPS`` steps the
   request finishes with an error, so the loss is visible.
 

@@ -61,13 +61,7 @@ MEDIA = {"wav": "audio/wav", "pcm": "audio/pcm"}
 
 
 class SpeechFailedError(Exception):
-    """A speech request failed in the engine (a worker error for this request); names it.
-    ``retryable``: the worker's output memory was full (``OutputMemoryError``), which frees as other
-    requests finish."""
-
-    def __init__(self, message: str, retryable: bool = False):
-        super().__init__(message)
-        self.retryable = retryable
+    """A speech request failed in the engine (a worker error for this request); names it."""
 
 
 class SpeechRequest(OpenAIBaseModel):
@@ -184,7 +178,7 @@ class SpeechStream:
         self.first_metrics = None  # vLLM's request metrics and the time, at the first output with audio
         self.first_at = 0.0
         self.finished = False
-        self.turned_away = False  # the engine had no output memory for it (a 503)
+        self.turned_away = False  # the engine had no output memory for it before its first audio (a 503)
         self._closed = False
 
     async def next_audio(self) -> tuple[bytes | None, bool]:
@@ -195,8 +189,7 @@ class SpeechStream:
         except (MultimodalOutputError, GenerationError) as exc:
             self.finished = True  # the engine has let the request go
             self.turned_away = isinstance(exc, OutputMemoryError) and not self.first_at
-            raise SpeechFailedError(f"request {self.request_id} failed in the engine: {exc}",
-                                    self.turned_away) from exc
+            raise SpeechFailedError(f"request {self.request_id} failed in the engine: {exc}") from exc
         comp = out.outputs[0]
         if comp.finish_reason == "error":
             self.finished = True
@@ -325,17 +318,17 @@ async def _whole(stream: SpeechStream, request: SpeechRequest, limits: SpeechLim
             if audio:
                 pieces.append(audio)
     except SpeechFailedError as exc:
-        return _failed(exc, limits)
+        return _failed(exc, stream, limits)
     data = b"".join(pieces)
     if request.response_format == "wav":
         data = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32", data_bytes=len(data)) + data
     return Response(data, media_type=MEDIA[request.response_format], headers=_headers(request, stream.request_id))
 
 
-def _failed(exc: SpeechFailedError, limits: SpeechLimits) -> Response:
+def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) -> Response:
     """A request that failed before its response started: 503 with ``Retry-After`` when the engine
-    had no output memory for it (``retryable``), else 500."""
-    if exc.retryable:
+    had no output memory for it (``SpeechStream.turned_away``), else 500."""
+    if stream.turned_away:
         return _error(f"{exc}; retry later", status=HTTPStatus.SERVICE_UNAVAILABLE, err_type="ServiceUnavailableError",
                       headers={"Retry-After": str(limits.retry_after_s)})
     return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
@@ -349,7 +342,7 @@ async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: F
         while first is None and not finished:
             first, finished = await stream.next_audio()
     except SpeechFailedError as exc:
-        return _failed(exc, limits)
+        return _failed(exc, stream, limits)
     if request.response_format == "wav":
         first = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32") + (first or b"")
 

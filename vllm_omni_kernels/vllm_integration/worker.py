@@ -215,13 +215,14 @@ class TalkerWorker:
         self._replay = np.full(R, -1, np.int64)  # the next frame whose token vLLM samples again (-1: none)
         self._keep_rows: set[str] = set()  # this step's closing requests that keep their rows (_update_requests)
         keys = talker_output_keys(self.options.cadence)
-        floor = first_slots_bytes(keys, int(sched.max_num_seqs))
+        self.acc = WorkerAccumulator(keys, self.device, budget_bytes=key_budgets(keys, self.options.pool_budget_bytes),
+                                     max_requests=self.max_requests)
+        audio = self.acc.pools[0]  # every stream takes its smallest region at once (the server's warm-up does)
+        floor = int(sched.max_num_seqs) * audio.allocator.min_frames * audio.frame_bytes
         if self.options.pool_budget_bytes < floor:
             raise ValueError(f"pool_budget_bytes {self.options.pool_budget_bytes} cannot hold the first slots of "
                              f"max_num_seqs ({sched.max_num_seqs}) streams: {floor} bytes at least "
                              f"(serve --audio-memory-mib {-(-floor >> 20)})")
-        self.acc = WorkerAccumulator(keys, self.device, budget_bytes=key_budgets(keys, self.options.pool_budget_bytes),
-                                     max_requests=self.max_requests)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
         self._pending: _StepOutput | None = None
         self.stats = {"steps": 0, "output_steps": 0, "host_bytes": 0, "samples": 0, "resumed": 0, "replayed": 0,
@@ -626,13 +627,6 @@ def key_budgets(keys: list[OutputKey], audio_bytes: int) -> dict[str, int]:
     step = {k.name: _STEP_FRAMES[k.name] * math.prod(k.frame_shape) * k.dtype.itemsize for k in keys}
     return {name: audio_bytes if name == "audio" else max(2 * audio_bytes * nbytes // step["audio"], 1 << 20)
             for name, nbytes in step.items()}
-
-
-def first_slots_bytes(keys: list[OutputKey], streams: int) -> int:
-    """Audio memory that ``streams`` requests take at once when each holds its first slot (a power
-    of two of the audio key's ``initial_frames``)."""
-    (audio,) = [k for k in keys if k.name == "audio"]
-    return streams * (1 << (audio.initial_frames - 1).bit_length()) * audio.dtype.itemsize
 
 
 def _plain(stats: dict) -> dict:
