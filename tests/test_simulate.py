@@ -2,6 +2,7 @@
 every request's audio is checked sample for sample inside the run, and the run fails otherwise."""
 
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -44,6 +45,33 @@ def test_wav_round_trip_and_streaming_header(tmp_path):
     streamed = wav_header(24000, float32=False) + pcm16(x)  # length unknown when the header went out
     z, sr = read_wav(streamed)
     assert sr == 24000 and z.dtype == np.int16 and z[0] == -32767 and z[-1] == 32767 and len(z) == 101
+    assert len(wav_header(24000, float32=False)) == 44  # PCM: fmt of 16 bytes, no fact chunk
+    streamed = wav_header(24000, float32=True) + x.tobytes()
+    assert np.array_equal(read_wav(streamed)[0], x)
+
+
+def _chunks(raw: bytes) -> dict[bytes, bytes]:
+    """The chunks of a RIFF/WAVE file by tag, checking that their sizes add up to the RIFF size."""
+    assert raw[:4] == b"RIFF" and raw[8:12] == b"WAVE"
+    assert struct.unpack_from("<I", raw, 4)[0] == len(raw) - 8
+    pos, found = 12, {}
+    while pos < len(raw):
+        size = struct.unpack_from("<I", raw, pos + 4)[0]
+        found[raw[pos:pos + 4]] = raw[pos + 8:pos + 8 + size]
+        pos += 8 + size + (size & 1)
+    assert pos == len(raw)
+    return found
+
+
+def test_a_float_wav_has_the_chunks_a_non_pcm_file_needs(tmp_path):
+    x = np.linspace(-1, 1, 101, dtype=np.float32)
+    write_wav_f32(tmp_path / "x.wav", x, 16000)
+    chunks = _chunks((tmp_path / "x.wav").read_bytes())
+    assert list(chunks) == [b"fmt ", b"fact", b"data"]
+    tag, channels, rate, byte_rate, align, bits, extension = struct.unpack("<HHIIHHH", chunks[b"fmt "])
+    assert (tag, channels, rate, byte_rate, align, bits, extension) == (3, 1, 16000, 64000, 4, 32, 0)
+    assert struct.unpack("<I", chunks[b"fact"]) == (101,)
+    assert list(_chunks(wav_header(16000, float32=False, data_bytes=0))) == [b"fmt ", b"data"]
 
 
 def test_info_reports_backends(capsys):

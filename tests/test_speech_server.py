@@ -113,7 +113,9 @@ def test_streamed_audio_is_the_talkers_samples(server, fmt, sample_format):
     data = b"".join(chunks)
     want = expected(server, text, "nova")
     if fmt == "wav":  # a header of unknown length: RIFF and data sizes 0xFFFFFFFF, then the samples
-        assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff" and data[36:44] == b"data\xff\xff\xff\xff"
+        header = 44 if sample_format == "s16" else 58  # float: an 18-byte fmt chunk and a fact chunk
+        assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff"
+        assert data[header - 8:header] == b"data\xff\xff\xff\xff"
         samples, rate = read_wav(data)
         assert rate == tk.SAMPLE_RATE
         data = samples.tobytes()
@@ -131,7 +133,9 @@ def test_whole_file_is_the_talkers_samples(server, fmt):
     assert r.headers["x-audio-sample-rate"] == str(tk.SAMPLE_RATE) and r.headers["x-audio-sample-format"] == "f32le"
     if fmt == "wav":  # a complete file: its sizes are the real ones
         assert struct.unpack_from("<I", r.content, 4)[0] == len(r.content) - 8
-        assert struct.unpack_from("<I", r.content, 40)[0] == len(r.content) - 44
+        assert r.content[38:42] == b"fact" and r.content[50:54] == b"data"  # a float file: its sample frames
+        assert struct.unpack_from("<I", r.content, 46)[0] * 4 == struct.unpack_from("<I", r.content, 54)[0] \
+            == len(r.content) - 58
     want = expected(server, text, "echo", 1.5)
     got = read_wav(r.content)[0] if fmt == "wav" else np.frombuffer(r.content, "<f4")
     assert got.tobytes() == want.astype("<f4").tobytes()
