@@ -71,6 +71,31 @@ def stats(server) -> dict:
     return httpx.get(f"{server['url']}/v1/audio/speech/stats", timeout=30).json()
 
 
+def metrics(server) -> dict[str, float]:
+    """The speech route's samples on vLLM's ``/metrics``: each outcome's request count, the audio
+    seconds sent, and the number of first-audio times observed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server['url']}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "vllm_omni:speech_requests_total":
+                found[sample.labels["outcome"]] = sample.value
+            elif sample.name in ("vllm_omni:speech_audio_seconds_total",
+                                 "vllm_omni:speech_time_to_first_audio_seconds_count"):
+                found[sample.name.split(":")[1]] = sample.value
+    return found
+
+
+def counted_alike(server, s: dict) -> dict[str, float]:
+    """The route's counts on ``/metrics`` are those of its stats (``s``, taken while idle): the
+    warm-up's requests in neither."""
+    m = metrics(server)
+    assert {k: m.get(k, 0) for k in ("served", "rejected", "failed", "cancelled")} == \
+        {k: s[k] for k in ("served", "rejected", "failed", "cancelled")}, (m, s)
+    return m
+
+
 def idle(server, timeout: float = 30.0) -> dict:
     """The stats once nothing is in flight and the worker holds no request."""
     t0 = time.time()
@@ -152,7 +177,7 @@ def test_openai_client_streams_speech(server):
 
 
 def test_a_disconnect_aborts_the_request_and_frees_its_slots(server):
-    idle(server)
+    counted = idle(server)
     before = stats(server)["worker"]["samples"]
     frames = 2900
     body = {"input": "a" * frames, "response_format": "pcm", "sample_format": "f32", "stream": True}
@@ -162,6 +187,23 @@ def test_a_disconnect_aborts_the_request_and_frees_its_slots(server):
     after = idle(server)  # the stream closed after its first chunk
     assert after["worker"]["samples"] - before < frames * tk.FRAME_SAMPLES, "the request ran to its end"
     assert all(p["bytes_used"] == 0 for p in after["worker"]["accumulator"]["pools"].values())
+    assert (after["cancelled"] - counted["cancelled"], after["served"] - counted["served"]) == (1, 0)
+    counted_alike(server, after)
+
+
+def test_vllms_metrics_count_the_speech_route(server):
+    """``/metrics`` carries the route's outcomes, the audio it sent and its first-audio times:
+    one more streamed request adds one served, its seconds of audio and one first audio."""
+    before = counted_alike(server, idle(server))
+    text = "Counted on the metrics page."
+    body = {"input": text, "response_format": "pcm", "sample_format": "f32", "stream": True}
+    r = httpx.post(f"{server['url']}/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 200
+    after = counted_alike(server, idle(server))
+    assert after["served"] - before["served"] == 1
+    assert after["speech_time_to_first_audio_seconds_count"] - before["speech_time_to_first_audio_seconds_count"] == 1
+    seconds = len(expected(server, text)) / tk.SAMPLE_RATE
+    assert after["speech_audio_seconds_total"] - before["speech_audio_seconds_total"] == pytest.approx(seconds)
 
 
 def hold_the_bound_and_ask_once_more(server) -> None:
@@ -196,7 +238,8 @@ def hold_the_bound_and_ask_once_more(server) -> None:
 
     asyncio.run(scenario())
     s = idle(server)
-    assert s["rejected"] == before["rejected"] + 1 and s["served"] == before["served"] + BOUND
+    assert s["rejected"] == before["rejected"] + 1  # the held streams' clients left before their end
+    assert (s["cancelled"] - before["cancelled"], s["served"] - before["served"]) == (BOUND, 0)
     r = httpx.post(f"{server['url']}/v1/audio/speech", json={"input": "again", "response_format": "pcm"}, timeout=60)
     assert r.status_code == 200
 
@@ -296,6 +339,7 @@ def test_two_api_server_processes_stream_exact_audio_and_share_the_bound(two_api
     assert served0 == served1 >= len(texts)  # one count for both processes
     assert seen0 + seen1 == len(texts) and seen0 and seen1, answers  # the streams went through both
     hold_the_bound_and_ask_once_more(server)
+    counted_alike(server, idle(server))  # either process's /metrics: the sum of both
     assert "vllm:generation_tokens_total" in httpx.get(f"{server['url']}/metrics").text
 
 

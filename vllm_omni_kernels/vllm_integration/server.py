@@ -46,6 +46,7 @@ from vllm.v1.utils import APIServerProcessManager, wait_for_completion_or_failur
 from ..serving.talker import STREAM_CADENCE
 from . import speech
 from .llm import OmniAsyncLLM, omni_vllm_config, talker_processor_options, talker_stream_interval, warm_up
+from .speech import Admission
 from .worker import TalkerExecutor
 
 logger = init_logger("vllm.omni_kernels.server")
@@ -178,7 +179,7 @@ def serve_multi(args, count: int) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     listen_address, sock = setup_server(args, reuse_port=True)
-    args.omni_speech_counts = multiprocessing.get_context("spawn").Array("q", 3)  # inflight, rejected, served
+    args.omni_speech_counts = multiprocessing.get_context("spawn").Array("q", 1 + len(Admission.OUTCOMES))
     engine_args = engine_args_from(args)
     engine_args._api_process_count, engine_args._api_process_rank = count, -1
     config = omni_vllm_config(engine_args, UsageContext.OPENAI_API_SERVER)

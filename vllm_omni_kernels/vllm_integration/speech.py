@@ -21,7 +21,8 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
 
 A stream that fails after its first bytes (a worker error for this request) ends without the final
 chunk of the chunked encoding, so a client sees a truncated response, never a short one that looks
-complete. ``GET /v1/audio/speech/stats`` reports the admission counters, the worker's pools, and
+complete. ``GET /v1/audio/speech/stats`` reports the requests in flight and how those that left
+ended (served, rejected, failed, cancelled: ``Admission``), the worker's pools, and
 where each streamed request's time to first audio went (``FirstAudio``).
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from collections import deque
@@ -104,10 +106,13 @@ class FirstAudio:
 
     PHASES = ("admit", "engine", "deliver", "respond", "total")
 
-    def __init__(self, keep: int = 4096):
+    def __init__(self, keep: int = 4096, observe: bool = True):
         self._rows: deque[tuple[float, ...]] = deque(maxlen=keep)
+        self._observe = observe  # into vLLM's /metrics too (``vllm_omni:speech_time_to_first_audio_seconds``)
 
     def note(self, received: float, out_at: float, written: float, metrics) -> None:
+        if self._observe:
+            _instruments()[2].observe(written - received)
         arrival = getattr(metrics, "arrival_time", 0.0) or received
         engine = getattr(metrics, "first_token_latency", 0.0) or 0.0
         admit = max(arrival - received, 0.0)
@@ -123,40 +128,68 @@ class FirstAudio:
                                     for i, name in enumerate(self.PHASES) for q in (50, 99)}}
 
 
+TTFA_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)  # seconds
+
+
+@functools.cache
+def _instruments():
+    """The route's Prometheus instruments, made once per process in the default registry, which
+    vLLM's ``/metrics`` serves (with several API server processes, through its multiprocess
+    collector: their sum)."""
+    from prometheus_client import Counter, Histogram
+
+    return (Counter("vllm_omni:speech_requests", "Speech requests by how they ended: served, rejected "
+                    "(503), failed, cancelled (the client left).", ["outcome"]),
+            Counter("vllm_omni:speech_audio_seconds", "Seconds of audio the speech route has sent."),
+            Histogram("vllm_omni:speech_time_to_first_audio_seconds", "Streamed speech requests: from the "
+                      "request's arrival to its first audio handed to the HTTP server.", buckets=TTFA_BUCKETS))
+
+
 class Admission:
-    """At most ``limit`` speech requests in flight; counts what it turned away and what it served.
-    The counts are this process's (single-threaded: the server's event loop), or ``shared``: a
-    ``multiprocessing`` int64 array ``[inflight, rejected, served]`` with its lock, which the API
-    server processes of one server share (``server.serve_multi``)."""
+    """At most ``limit`` speech requests in flight, and how those that left ended (``OUTCOMES``):
+    served (every sample sent), rejected (turned away: over the bound, or no output memory before
+    its first audio; a 503), failed (an engine error after that) or cancelled (the client left
+    first). The counts are this process's (single-threaded: the server's event loop), or
+    ``shared``: a ``multiprocessing`` int64 array ``[inflight, *OUTCOMES]`` with its lock, which
+    the API server processes of one server share (``server.serve_multi``). They also go to vLLM's
+    ``/metrics`` (``vllm_omni:speech_requests_total{outcome}``, ``vllm_omni:speech_audio_seconds_total``).
+    While ``counting`` is False (the server's own warm-up requests) only the bound is kept."""
+
+    OUTCOMES = ("rejected", "served", "failed", "cancelled")
 
     def __init__(self, limit: int, shared=None):
         self.limit = limit
-        self._counts = shared if shared is not None else [0, 0, 0]
+        self.counting = True
+        self._counts = shared if shared is not None else [0] * (1 + len(self.OUTCOMES))
         self._lock = shared.get_lock() if shared is not None else contextlib.nullcontext()
 
     inflight = property(lambda self: self._counts[0])
-    rejected = property(lambda self: self._counts[1])
-    served = property(lambda self: self._counts[2])
+
+    def counts(self) -> dict[str, int]:
+        """Every outcome's count."""
+        with self._lock:
+            return dict(zip(self.OUTCOMES, self._counts[1:]))
 
     def try_acquire(self) -> bool:
         with self._lock:
             if self._counts[0] >= self.limit:
-                self._counts[1] += 1
+                self._count("rejected")
                 return False
             self._counts[0] += 1
             return True
 
-    def release(self, served: bool = True) -> None:
-        """A request in flight is done: served, or (``served`` False) turned away after all (the
-        engine had no output memory for it: a 503)."""
+    def release(self, outcome: str = "served", audio_seconds: float = 0.0) -> None:
+        """A request in flight is done, with one of ``OUTCOMES``, having sent ``audio_seconds``."""
         with self._lock:
             self._counts[0] -= 1
-            self._counts[2 if served else 1] += 1
+            self._count(outcome)
+        if self.counting and audio_seconds:
+            _instruments()[1].inc(audio_seconds)
 
-    def unserve(self, n: int) -> None:
-        """Take ``n`` served requests off the count (the server's own warm-up requests)."""
-        with self._lock:
-            self._counts[2] -= n
+    def _count(self, outcome: str) -> None:
+        if self.counting:
+            self._counts[1 + self.OUTCOMES.index(outcome)] += 1
+            _instruments()[0].labels(outcome=outcome).inc()
 
 
 def samples_bytes(audio: torch.Tensor, sample_format: str) -> bytes:
@@ -179,6 +212,8 @@ class SpeechStream:
         self.first_at = 0.0
         self.finished = False
         self.turned_away = False  # the engine had no output memory for it before its first audio (a 503)
+        self.failed = False  # the engine failed it
+        self.samples = 0  # audio samples handed to the response so far
         self._closed = False
 
     async def next_audio(self) -> tuple[bytes | None, bool]:
@@ -187,30 +222,40 @@ class SpeechStream:
         try:
             out = await anext(self.gen)
         except (MultimodalOutputError, GenerationError) as exc:
-            self.finished = True  # the engine has let the request go
+            self.finished = self.failed = True  # the engine has let the request go
             self.turned_away = isinstance(exc, OutputMemoryError) and not self.first_at
             raise SpeechFailedError(f"request {self.request_id} failed in the engine: {exc}") from exc
         comp = out.outputs[0]
         if comp.finish_reason == "error":
-            self.finished = True
+            self.finished = self.failed = True
             raise SpeechFailedError(f"request {self.request_id} failed in the engine: {comp.stop_reason}")
         payload = getattr(comp, "multimodal_output", None)
         audio = None if payload is None else payload.tensors.get("audio")
         self.finished = out.finished
         if audio is not None and not self.first_at:
             self.first_at, self.first_metrics = time.time(), out.metrics
+        if audio is not None:
+            self.samples += audio.numel()
         return (samples_bytes(audio, self.sample_format) if audio is not None and audio.numel() else None), out.finished
+
+    @property
+    def outcome(self) -> str:
+        """How the request ended, as ``Admission`` counts it (one still running when its response
+        closed: its client left)."""
+        return "rejected" if self.turned_away else "failed" if self.failed else \
+            "served" if self.finished else "cancelled"
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        outcome = self.outcome
         try:
             if not self.finished:
                 await self.gen.aclose()  # vLLM's generate aborts the request on GeneratorExit
                 await self.engine.abort(self.request_id)
         finally:
-            self.admission.release(served=not self.turned_away)
+            self.admission.release(outcome, self.samples / tk.SAMPLE_RATE)
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -377,8 +422,7 @@ async def speech_stats(raw_request: Request) -> JSONResponse:
     phases = first_audio.summary()
     if raw_request.query_params.get("reset") == "1":
         state.omni_speech_first_audio = FirstAudio()
-    return JSONResponse({"inflight": admission.inflight, "max_inflight": admission.limit,
-                         "rejected": admission.rejected, "served": admission.served,
+    return JSONResponse({"inflight": admission.inflight, "max_inflight": admission.limit, **admission.counts(),
                          "api_server": dict(zip(("index", "count"), state.omni_api_server)), "first_audio": phases,
                          "worker": worker})
 
@@ -387,25 +431,28 @@ async def warm_up_route(app) -> None:
     """Speech requests through the app itself before it serves (in process, no socket): one
     streamed and one whole file, one after the other, so that the first clients do not pay for what
     runs once per process on first use (the route, its validation, the streamed response); the
-    engine was warmed already (``llm.warm_up``). They are not counted as served, nor in
-    ``FirstAudio``. Several API server processes warm at once under one bound: one that finds the
+    engine was warmed already (``llm.warm_up``). They are not counted (``Admission.counting``),
+    nor in ``FirstAudio``. Several API server processes warm at once under one bound: one that finds the
     bound taken (503) skips the rest of its warm-up."""
     import httpx
 
     body = {"input": "warm up", "response_format": "pcm", "stream": True}
-    served = 0
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warm-up",
-                                 timeout=120) as client:
-        for payload in (body, {**body, "stream": False}):
-            r = await client.post("/v1/audio/speech", json=payload)
-            if r.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
-                logger.info("speech route warm-up skipped: the bound is taken by other API server processes")
-                break
-            if r.status_code != HTTPStatus.OK:
-                raise RuntimeError(f"the speech route's warm-up request failed ({r.status_code}): {r.text[:500]}")
-            served += 1
-    app.state.omni_speech_admission.unserve(served)
-    app.state.omni_speech_first_audio = FirstAudio()
+    admission: Admission = app.state.omni_speech_admission
+    admission.counting = False
+    app.state.omni_speech_first_audio = FirstAudio(observe=False)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warm-up",
+                                     timeout=120) as client:
+            for payload in (body, {**body, "stream": False}):
+                r = await client.post("/v1/audio/speech", json=payload)
+                if r.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
+                    logger.info("speech route warm-up skipped: the bound is taken by other API server processes")
+                    break
+                if r.status_code != HTTPStatus.OK:
+                    raise RuntimeError(f"the speech route's warm-up request failed ({r.status_code}): {r.text[:500]}")
+    finally:
+        admission.counting = True
+        app.state.omni_speech_first_audio = FirstAudio()
 
 
 def install(app, limits: SpeechLimits, shared_counts=None, api_server: tuple[int, int] = (0, 1)) -> None:
