@@ -280,7 +280,8 @@ def main() -> None:
             bench("worker", B, args.frames, min(args.steps, 100), torch.device(args.device), args.cadence, prof,
                   args.profile)
             text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=text).sort_stats(order).print_stats(30)
             print(text.getvalue())
         w, u = pair["worker"], pair["upstream"]
         if args.device == "cuda":

@@ -22,6 +22,7 @@ reference (``reference``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from .. import backend as _backend
@@ -35,7 +36,12 @@ _MODULES = {("cuda", "ring"): "cuda_ext", ("cuda", "gather"): "cuda_ext", ("cupy
 def _impl(is_cuda: bool, op: str = "ring"):
     """The backend module that runs ``op`` ("ring" or "gather") on CUDA (``is_cuda``) or CPU tensors
     (``reference`` for the torch backend)."""
-    return importlib.import_module(f"{__name__}.{_MODULES[(_backend.name_for(is_cuda), op)]}")
+    return _module(_backend.name_for(is_cuda), op)
+
+
+@functools.cache
+def _module(backend: str, op: str):
+    return importlib.import_module(f"{__name__}.{_MODULES[(backend, op)]}")
 
 
 def set_programmatic_launch(enabled: bool) -> None:
