@@ -5,6 +5,8 @@ free the request's slots; the bound must answer 503; bad requests 400 without to
 vLLM's own routes stay vLLM's."""
 
 import asyncio
+import base64
+import json
 import os
 import signal
 import struct
@@ -174,6 +176,46 @@ def test_openai_client_streams_speech(server):
                                                             response_format="pcm") as resp:
         data = b"".join(resp.iter_bytes())
     assert data == pcm16(expected(server, text, "sage"))
+
+
+def sse_events(lines) -> list[dict]:
+    """The JSON of every ``data:`` line of a server-sent event stream."""
+    return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+
+
+def test_openai_client_streams_speech_as_server_sent_events(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server['url']}/v1", api_key="none", max_retries=0)
+    text = "Events through the OpenAI client."
+    with client.audio.speech.with_streaming_response.create(model=str(server["model"]), voice="sage", input=text,
+                                                            response_format="pcm", stream_format="sse") as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp.iter_lines())
+    *deltas, done = events
+    assert deltas and {e["type"] for e in deltas} == {"speech.audio.delta"}
+    assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == pcm16(expected(server, text, "sage"))
+    prompt = 1 + len(server["tokenizer"](text, add_special_tokens=False)["input_ids"])
+    frames = len(expected(server, text, "sage")) // tk.FRAME_SAMPLES
+    assert done == {"type": "speech.audio.done",
+                    "usage": {"input_tokens": prompt, "output_tokens": frames, "total_tokens": prompt + frames}}
+
+
+def test_server_sent_events_carry_the_bytes_a_stream_carries(server):
+    """A wav of float samples as events: the deltas joined are the streamed response's bytes (its
+    header of unknown length first); ``stream: false`` with events is a 400."""
+    text = "The same bytes, as events."
+    body = {"input": text, "voice": "nova", "response_format": "wav", "sample_format": "f32"}
+    streamed = httpx.post(f"{server['url']}/v1/audio/speech", json={**body, "stream": True}, timeout=60)
+    with httpx.stream("POST", f"{server['url']}/v1/audio/speech", json={**body, "stream_format": "sse"},
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers["x-audio-format"] == "wav"
+        events = sse_events(r.iter_lines())
+    assert events[-1]["type"] == "speech.audio.done"
+    assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == streamed.content
+    assert read_wav(streamed.content)[0].tobytes() == expected(server, text, "nova").astype("<f4").tobytes()
+    r = httpx.post(f"{server['url']}/v1/audio/speech", json={**body, "stream_format": "sse", "stream": False},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
 def test_a_disconnect_aborts_the_request_and_frees_its_slots(server):
@@ -359,6 +401,8 @@ BAD = [
     ({"input": "x", "voice": 3}, "body.voice"),
     ({"input": "x", "response_format": ["pcm"]}, "body.response_format"),
     ({"input": "x", "sample_format": "f64"}, "body.sample_format"),
+    ({"input": "x", "stream_format": "chunks"}, "body.stream_format"),
+    ({"input": "x", "stream_format": "sse", "stream": False}, "stream"),
     ({"input": "y" * 3001}, "input"),  # over --max-input-chars
     ({"input": "y" * 2500, "speed": 0.25}, "input"),  # 10000 frames: past max_model_len
 ]

@@ -10,6 +10,10 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
 - ``stream: true``: chunked transfer; every DELTA span the engine delivers is written as it arrives
   (``pcm``: raw samples; ``wav``: a header of unknown length first, then samples).
 - ``stream: false``: one complete file (the engine delivers the audio once, at the end: FINAL_ONLY).
+- ``stream_format: "sse"`` (OpenAI's): the same spans as server-sent events, each
+  ``{"type": "speech.audio.delta", "audio": <base64>}``, then ``{"type": "speech.audio.done",
+  "usage": {...}}`` (prompt tokens in, codec frames out); it streams without ``stream``, and with
+  ``stream: false`` it is a 400. The deltas' bytes are what ``stream: true`` would send.
 - A client that disconnects aborts its request in the engine (its worker slots are freed).
 - Over ``max_inflight`` requests in flight: ``503`` with ``Retry-After``; nothing is queued. The same
   for a request that fails before its first audio because the engine's output memory cannot hold it
@@ -28,9 +32,11 @@ where each streamed request's time to first audio went (``FirstAudio``).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import time
 from collections import deque
@@ -77,6 +83,7 @@ class SpeechRequest(OpenAIBaseModel):
     response_format: str = Field(default="wav", strict=True)
     speed: float = Field(default=1.0, ge=0.25, le=4.0, strict=True)
     stream: bool = Field(default=False, strict=True)
+    stream_format: Literal["audio", "sse"] = "audio"
     sample_format: Literal["s16", "f32"] = "s16"
 
 
@@ -214,6 +221,7 @@ class SpeechStream:
         self.turned_away = False  # the engine had no output memory for it before its first audio (a 503)
         self.failed = False  # the engine failed it
         self.samples = 0  # audio samples handed to the response so far
+        self.output_tokens = 0  # codec frames the engine produced for it so far
         self._closed = False
 
     async def next_audio(self) -> tuple[bytes | None, bool]:
@@ -232,6 +240,7 @@ class SpeechStream:
         payload = getattr(comp, "multimodal_output", None)
         audio = None if payload is None else payload.tensors.get("audio")
         self.finished = out.finished
+        self.output_tokens += len(comp.token_ids)
         if audio is not None and not self.first_at:
             self.first_at, self.first_metrics = time.time(), out.metrics
         if audio is not None:
@@ -317,7 +326,7 @@ router = APIRouter()
 
 
 @router.post("/v1/audio/speech", dependencies=[Depends(validate_json_request)],
-             responses={HTTPStatus.OK.value: {"content": {"audio/wav": {}, "audio/pcm": {}}},
+             responses={HTTPStatus.OK.value: {"content": {"audio/wav": {}, "audio/pcm": {}, "text/event-stream": {}}},
                         HTTPStatus.BAD_REQUEST.value: {"model": ErrorResponse},
                         HTTPStatus.SERVICE_UNAVAILABLE.value: {"model": ErrorResponse}})
 @with_cancellation
@@ -333,20 +342,23 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
     if len(prompt) + frames > engine.model_config.max_model_len:
         return _error(f"input needs {len(prompt) + frames} positions at speed {request.speed}; this model serves "
                       f"{engine.model_config.max_model_len}", "input")
+    streamed = request.stream or request.stream_format == "sse"
+    if request.stream_format == "sse" and "stream" in request.model_fields_set and not request.stream:
+        return _error("stream_format 'sse' streams the audio; stream false asks for one file", "stream")
     if not admission.try_acquire():
         return _error(f"{admission.inflight} speech requests in flight, the most this server takes; retry later",
                       status=HTTPStatus.SERVICE_UNAVAILABLE, err_type="ServiceUnavailableError",
                       headers={"Retry-After": str(limits.retry_after_s)})
     request_id = f"speech-{random_uuid()}"
-    kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+    kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
     params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False)
     stream = SpeechStream(engine, admission, request_id,
                           engine.generate(tokens_input(prompt), params, request_id=request_id),
                           request.sample_format, received)
     handed_over = False
     try:
-        if request.stream:
-            response = await _streamed(stream, request, state.omni_speech_first_audio, limits)
+        if streamed:
+            response = await _streamed(stream, request, state.omni_speech_first_audio, limits, len(prompt))
             handed_over = isinstance(response, _ClosingStreamingResponse)
             return response
         return await _whole(stream, request, limits)
@@ -380,8 +392,9 @@ def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) 
 
 
 async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: FirstAudio,
-                    limits: SpeechLimits) -> Response:
-    """Wait for the first audio (an early failure is still a JSON error), then stream the rest."""
+                    limits: SpeechLimits, prompt_tokens: int) -> Response:
+    """Wait for the first audio (an early failure is still a JSON error), then stream the rest: the
+    bytes as they are, or as server-sent events (``stream_format`` "sse")."""
     first, finished = None, False
     try:
         while first is None and not finished:
@@ -391,22 +404,37 @@ async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: F
     if request.response_format == "wav":
         first = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32") + (first or b"")
 
-    async def body():
+    async def audio():
         if first:
             first_audio.note(stream.received, stream.first_at, time.time(), stream.first_metrics)
             yield first
         done = finished
         while not done:
             try:
-                audio, done = await stream.next_audio()
+                piece, done = await stream.next_audio()
             except SpeechFailedError:
                 logger.exception("speech stream %s failed after its first audio; the response is cut", stream.request_id)
                 raise
-            if audio:
-                yield audio
+            if piece:
+                yield piece
 
-    return _ClosingStreamingResponse(stream, body(), media_type=MEDIA[request.response_format],
+    async def events():
+        async for piece in audio():
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode("ascii")})
+        usage = {"input_tokens": prompt_tokens, "output_tokens": stream.output_tokens,
+                 "total_tokens": prompt_tokens + stream.output_tokens}
+        yield _event({"type": "speech.audio.done", "usage": usage})
+
+    if request.stream_format == "sse":
+        return _ClosingStreamingResponse(stream, events(), media_type="text/event-stream",
+                                         headers={**_headers(request, stream.request_id), "Cache-Control": "no-cache"})
+    return _ClosingStreamingResponse(stream, audio(), media_type=MEDIA[request.response_format],
                                      headers=_headers(request, stream.request_id))
+
+
+def _event(data: dict) -> bytes:
+    """One server-sent event carrying ``data`` as JSON."""
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 @router.get("/v1/audio/speech/stats")
