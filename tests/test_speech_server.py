@@ -293,9 +293,37 @@ def test_over_the_bound_a_request_gets_503_and_nothing_is_queued(server):
 @pytest.fixture(scope="module")
 def small_audio_memory(tmp_path_factory):
     """A server whose worker has 9 MiB of audio memory: nine whole files of 69 characters at once
-    (each reserves a 1 MiB region for all its audio), and twelve requests in flight."""
+    (each reserves a 1 MiB region for all its audio), and twelve requests in flight. Its talker
+    makes a malformed second chunk for every request in the voice "onyx" (the worker's
+    ``bad_prompt_token``, a test option: a voice is a prompt's first token)."""
+    config = json.dumps({"omni": {"bad_prompt_token": VOICES["onyx"]}})
     yield from running_server(tmp_path_factory, "--audio-memory-mib", "9", "--max-inflight", "12",
-                              "--max-num-seqs", "12")
+                              "--max-num-seqs", "12", "--additional-config", config)
+
+
+def test_a_request_that_fails_after_its_first_audio_is_cut_and_counted_as_failed(small_audio_memory):
+    """The worker fails a request whose second chunk is malformed. A stream has had its first
+    audio: its chunked response ends without the last chunk, so the client cannot take the audio
+    for complete; a whole file is a 500. Both count as failed, and the next request is exact."""
+    server = small_audio_memory
+    url = f"{server['url']}/v1/audio/speech"
+    text = "Cut short after the first frame."
+    body = {"input": text, "voice": "onyx", "response_format": "pcm", "sample_format": "f32", "stream": True}
+    before = idle(server)
+    got = []
+    with pytest.raises(httpx.RemoteProtocolError):
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            got.extend(r.iter_raw())
+    want = expected(server, text, "onyx").astype("<f4").tobytes()
+    assert b"".join(got) == want[:4 * tk.FRAME_SAMPLES]  # the first frame, then nothing
+    whole = httpx.post(url, json={**body, "stream": False}, timeout=60)
+    assert whole.status_code == 500 and whole.json()["error"]["type"] == "InternalServerError"
+    after = idle(server)
+    assert (after["failed"] - before["failed"], after["served"] - before["served"]) == (2, 0)
+    counted_alike(server, after)
+    again = httpx.post(url, json={**body, "voice": "alloy", "stream": False}, timeout=60)
+    assert again.status_code == 200 and again.content == expected(server, text).astype("<f4").tobytes()
 
 
 def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audio(small_audio_memory):
