@@ -1,6 +1,6 @@
 """The output path of a TTS engine step at a fixed load, this package's against the upstream style,
 in one process: B streams, each producing one codec frame (1920 float32 samples and its codes) per
-step, DELTA, CUMULATIVE and FINAL_ONLY in turn, every request ``--frames`` frames long and started
+step, DELTA, CUMULATIVE and FINAL_ONLY in turn (``--kinds``), every request ``--frames`` frames long and started
 in turn so that the batch stays full and ``B / frames`` requests finish and start every step.
 
 Per step and path it times, on the host:
@@ -19,7 +19,8 @@ talker's engine does (``llm.talker_stream_interval``). Every finished request's 
 sample for sample against what its frames decode to.
 Prints one line per path and a ratio line; ``--out`` writes JSON (``plot.py`` draws it).
 
-Usage: python profiling/bench_output_path.py [--streams 64,256] [--frames 40] [--steps 200] [--device cuda] [--profile worker|frontend]
+Usage: python profiling/bench_output_path.py [--streams 64,256] [--frames 40] [--steps 200] [--device cuda]
+       [--kinds delta,cumulative,final_only] [--profile worker|frontend]
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class _Stream:
 
 
 def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cadence: int,
-          profile: cProfile.Profile | None = None, profiled: str = "worker") -> dict:
+          profile: cProfile.Profile | None = None, profiled: str = "worker", kinds=KINDS) -> dict:
     options = talker_processor_options(path)
     processor = options.processor_cls(None, log_stats=False, stream_interval=talker_stream_interval(cadence),
                                       output_modality=options.output_modality,
@@ -86,7 +87,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
     def start() -> None:
         i = born[0]
         born[0] += 1
-        s = _Stream(f"req-{i}", free_rows.pop(), KINDS[i % 3], frames)
+        s = _Stream(f"req-{i}", free_rows.pop(), kinds[i % len(kinds)], frames)
         params = SamplingParams(max_tokens=frames, output_kind=s.kind, detokenize=False)
         processor.add_request(EngineCoreRequest(
             request_id=s.rid, prompt_token_ids=[5, 6, 7], mm_features=None, sampling_params=params,
@@ -262,14 +263,17 @@ def main() -> None:
     ap.add_argument("--cadence", type=int, default=tk.STREAM_CADENCE)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kinds", default="delta,cumulative,final_only", help="output kinds, taken in turn")
     ap.add_argument("--profile", choices=("worker", "frontend"), default=None,
                     help="cProfile of this package's worker step or frontend, after the run")
     args = ap.parse_args()
+    kinds = tuple(RequestOutputKind[k.strip().upper()] for k in args.kinds.split(","))
     results = []
     for B in (int(b) for b in args.streams.split(",")):
         pair = {}
         for path in ("worker", "upstream"):
-            r = pair[path] = bench(path, B, args.frames, args.steps, torch.device(args.device), args.cadence)
+            r = pair[path] = bench(path, B, args.frames, args.steps, torch.device(args.device), args.cadence,
+                                   kinds=kinds)
             results.append(r)
             print(f"{path:>8} B={B}: worker {r['worker_us_median']:.0f} us, wire {r['wire_us_median']:.0f} us, "
                   f"frontend {r['frontend_us_median']:.0f} us (multimodal {r['frontend_multimodal_us_median']:.0f}), "
@@ -278,7 +282,7 @@ def main() -> None:
         if args.profile:
             prof = cProfile.Profile()
             bench("worker", B, args.frames, min(args.steps, 100), torch.device(args.device), args.cadence, prof,
-                  args.profile)
+                  args.profile, kinds)
             text = io.StringIO()
             for order in ("tottime", "cumulative"):
                 pstats.Stats(prof, stream=text).sort_stats(order).print_stats(30)
