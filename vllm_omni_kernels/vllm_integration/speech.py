@@ -52,7 +52,7 @@ from vllm import SamplingParams
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse, OpenAIBaseModel
 from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_cancellation
-from vllm.exceptions import GenerationError
+from vllm.exceptions import VLLMError, VLLMServerError
 from vllm.inputs.engine import tokens_input
 from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind
@@ -146,17 +146,19 @@ def _instruments():
     from prometheus_client import Counter, Histogram
 
     return (Counter("vllm_omni:speech_requests", "Speech requests by how they ended: served, rejected "
-                    "(503), failed, cancelled (the client left).", ["outcome"]),
-            Counter("vllm_omni:speech_audio_seconds", "Seconds of audio the speech route has sent."),
+                    "(turned away before they ran), failed, cancelled (the client left).", ["outcome"]),
+            Counter("vllm_omni:speech_audio_seconds", "Seconds of audio the speech route took from the engine "
+                    "for its responses."),
             Histogram("vllm_omni:speech_time_to_first_audio_seconds", "Streamed speech requests: from the "
                       "request's arrival to its first audio handed to the HTTP server.", buckets=TTFA_BUCKETS))
 
 
 class Admission:
     """At most ``limit`` speech requests in flight, and how those that left ended (``OUTCOMES``):
-    served (every sample sent), rejected (turned away: over the bound, or no output memory before
-    its first audio; a 503), failed (an engine error after that) or cancelled (the client left
-    first). The counts are this process's (single-threaded: the server's event loop), or
+    served (the whole response handed to the HTTP server), rejected (turned away before it ran:
+    over the bound, no output memory before its first audio, or refused by vLLM), failed (an
+    engine error) or cancelled (the client left first). The counts are this process's
+    (single-threaded: the server's event loop), or
     ``shared``: a ``multiprocessing`` int64 array ``[inflight, *OUTCOMES]`` with its lock, which
     the API server processes of one server share (``server.serve_multi``). They also go to vLLM's
     ``/metrics`` (``vllm_omni:speech_requests_total{outcome}``, ``vllm_omni:speech_audio_seconds_total``).
@@ -220,6 +222,7 @@ class SpeechStream:
         self.finished = False
         self.turned_away = False  # the engine had no output memory for it before its first audio (a 503)
         self.failed = False  # the engine failed it
+        self.delivered = False  # the whole response was handed to the HTTP server
         self.samples = 0  # audio samples handed to the response so far
         self.output_tokens = 0  # codec frames the engine produced for it so far
         self._closed = False
@@ -229,10 +232,15 @@ class SpeechStream:
         none) and whether it was the last."""
         try:
             out = await anext(self.gen)
-        except (MultimodalOutputError, GenerationError) as exc:
+        except (MultimodalOutputError, VLLMServerError) as exc:
             self.finished = self.failed = True  # the engine has let the request go
             self.turned_away = isinstance(exc, OutputMemoryError) and not self.first_at
             raise SpeechFailedError(f"request {self.request_id} failed in the engine: {exc}") from exc
+        except VLLMError:  # vLLM refused it (its client errors, a full queue): its handlers answer
+            self.finished = True
+            self.turned_away = not self.first_at
+            self.failed = not self.turned_away
+            raise
         comp = out.outputs[0]
         if comp.finish_reason == "error":
             self.finished = self.failed = True
@@ -249,10 +257,10 @@ class SpeechStream:
 
     @property
     def outcome(self) -> str:
-        """How the request ended, as ``Admission`` counts it (one still running when its response
-        closed: its client left)."""
+        """How the request ended, as ``Admission`` counts it (a response that closed before all of
+        it was handed over: its client left)."""
         return "rejected" if self.turned_away else "failed" if self.failed else \
-            "served" if self.finished else "cancelled"
+            "served" if self.delivered else "cancelled"
 
     async def close(self) -> None:
         if self._closed:
@@ -268,7 +276,8 @@ class SpeechStream:
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """A streaming response that closes its ``SpeechStream`` however the response ends."""
+    """A streaming response that closes its ``SpeechStream`` however the response ends (its body
+    marks the stream delivered after its last piece was sent)."""
 
     def __init__(self, stream: SpeechStream, body, **kwargs):
         super().__init__(body, **kwargs)
@@ -277,6 +286,21 @@ class _ClosingStreamingResponse(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        finally:
+            await self._stream.close()
+
+
+class _ClosingFileResponse(Response):
+    """A whole file that closes its ``SpeechStream`` once it was sent (delivered) or failed to be."""
+
+    def __init__(self, stream: SpeechStream, content: bytes, **kwargs):
+        super().__init__(content, **kwargs)
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+            self._stream.delivered = True
         finally:
             await self._stream.close()
 
@@ -357,11 +381,10 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
                           request.sample_format, received)
     handed_over = False
     try:
-        if streamed:
-            response = await _streamed(stream, request, state.omni_speech_first_audio, limits, len(prompt))
-            handed_over = isinstance(response, _ClosingStreamingResponse)
-            return response
-        return await _whole(stream, request, limits)
+        response = await (_streamed(stream, request, state.omni_speech_first_audio, limits, len(prompt)) if streamed
+                          else _whole(stream, request, limits))
+        handed_over = isinstance(response, (_ClosingStreamingResponse, _ClosingFileResponse))
+        return response
     finally:
         if not handed_over:
             await stream.close()
@@ -379,7 +402,8 @@ async def _whole(stream: SpeechStream, request: SpeechRequest, limits: SpeechLim
     data = b"".join(pieces)
     if request.response_format == "wav":
         data = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32", data_bytes=len(data)) + data
-    return Response(data, media_type=MEDIA[request.response_format], headers=_headers(request, stream.request_id))
+    return _ClosingFileResponse(stream, data, media_type=MEDIA[request.response_format],
+                                headers=_headers(request, stream.request_id))
 
 
 def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) -> Response:
@@ -418,6 +442,11 @@ async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: F
             if piece:
                 yield piece
 
+    async def sent(body):  # resumed after its last yield only once the server has sent that piece
+        async for piece in body:
+            yield piece
+        stream.delivered = True
+
     async def events():
         async for piece in audio():
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode("ascii")})
@@ -426,9 +455,9 @@ async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: F
         yield _event({"type": "speech.audio.done", "usage": usage})
 
     if request.stream_format == "sse":
-        return _ClosingStreamingResponse(stream, events(), media_type="text/event-stream",
+        return _ClosingStreamingResponse(stream, sent(events()), media_type="text/event-stream",
                                          headers={**_headers(request, stream.request_id), "Cache-Control": "no-cache"})
-    return _ClosingStreamingResponse(stream, audio(), media_type=MEDIA[request.response_format],
+    return _ClosingStreamingResponse(stream, sent(audio()), media_type=MEDIA[request.response_format],
                                      headers=_headers(request, stream.request_id))
 
 
@@ -492,6 +521,9 @@ def install(app, limits: SpeechLimits, shared_counts=None, api_server: tuple[int
     app.state.omni_speech_limits = limits
     app.state.omni_speech_admission = Admission(limits.max_inflight, shared_counts)
     app.state.omni_speech_first_audio = FirstAudio()
+    requests = _instruments()[0]  # on /metrics from the start, every outcome at 0
+    for outcome in Admission.OUTCOMES:
+        requests.labels(outcome=outcome)
 
 
 __all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "install", "plan_request", "router", "samples_bytes",
