@@ -253,7 +253,8 @@ class WorkerAccumulator:
                  budget_bytes: int | Mapping[str, int] = 256 << 20, max_requests: int = 1024, growth: bool = True):
         self.device = backend.resolve_device(device)
         self.keys = list(keys)
-        budgets = budget_bytes if isinstance(budget_bytes, Mapping) else dict.fromkeys((k.name for k in keys), budget_bytes)
+        budgets = budget_bytes if isinstance(budget_bytes, Mapping) else \
+            dict.fromkeys((k.name for k in keys), budget_bytes)
         self.pools = [RingPool(k.name, k.dtype, k.frame_shape, self.device, k.strategy, budget_bytes=budgets[k.name],
                                initial_frames=k.initial_frames, max_slots=max_requests, growth=growth)
                       for k in self.keys]

@@ -18,9 +18,10 @@ threads the multimodal channel into ``OmniEngineCoreOutput``s:
   sees only when vLLM does; the worker delivers the rest a step or two later (``worker.py``). The
   request's final output waits, as vLLM made it (tokens, finish and stop reason, so the frontend
   treats its stop token as vLLM's would), the data that arrives for it meanwhile goes on outputs
-  of its own, and the final output goes with the rest (``_awaiting``). A finish the worker cannot tell (vLLM's repetition detection, say) makes the
-  worker drop the output when vLLM reports the request finished: after ``_AWAITED_STEPS`` steps the
-  request finishes with an error, so the loss is visible.
+  of its own, and the final output goes with the rest (``_awaiting``). A finish the worker cannot
+  tell (vLLM's repetition detection, say) makes the worker drop the output when vLLM reports the
+  request finished: after ``_AWAITED_STEPS`` steps the request finishes with an error, so the
+  loss is visible.
 
 A multimodal output never finishes a request; a request that has multimodal output in a step but
 produced no token (a generation stage) still gets an output for that step.
