@@ -290,3 +290,45 @@ def test_host_buffer_is_not_reused_while_anything_made_of_it_lives():
         del held
         again, _ = buffers.take(4096)  # now everything made of the first buffer is gone: it is reused
         assert buffers.allocations == allocated, name
+
+
+class _Pending:
+    """A copy's event that has not completed: what ``torch.cuda.Event.query()`` says while the
+    step's device-to-host copy is still queued; ``done`` completes it."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_host_buffer_whose_copy_may_still_run_stays_on_the_free_list():
+    """A step whose output nobody waited for (vLLM drops a step it never resolves) gives its buffer
+    back before its copy has run. More buffers free than kept must not let that one go: pinned
+    memory let go goes back to torch's host allocator, which does not know of the copy (it went
+    through a ``frombuffer`` tensor) and would hand the memory to the next pinned allocation while
+    the copy still writes it. Once the copy has run, the buffer may go."""
+    import gc
+    import weakref
+
+    from vllm_omni_kernels.serving.worker_accumulator import _HostBuffers
+
+    buffers = _HostBuffers(keep=1, pinned=False)
+    host, note_copy = buffers.take(1 << 20)
+    pending = _Pending()
+    note_copy(pending)
+    del host  # dropped before its copy ran
+    big, note_big = buffers.take(4 << 20)  # the first one is free but its copy has not run: a new one
+    note_big(None)
+    first = weakref.ref(buffers._free[0][0])
+    del big
+    small, note_small = buffers.take(1 << 20)  # two free, one kept: the smaller (the first) would go
+    note_small(None)
+    gc.collect()
+    assert first() is not None and buffers.alive == buffers.allocations == 2
+    del small
+    pending.done = True
+    buffers.take(1 << 20)[1](None)  # its copy has run: now it goes as any other would
+    gc.collect()
+    assert first() is None and buffers.alive == 1 and buffers.allocations == 2

@@ -188,7 +188,10 @@ class _HostBuffers:
     buffer comes back through a thread-safe queue and only ``take`` (the step's thread) looks at the
     free list.
     Allocating pinned memory (``cudaHostAlloc``) costs about a millisecond: that happens only while
-    the buffers in flight outgrow what was allocated before (a few at the start).
+    the buffers in flight outgrow what was allocated before (a few at the start). A buffer leaves the
+    free list (back to torch's host allocator) only once its last copy has run: the copy went
+    through a tensor made with ``torch.frombuffer``, which that allocator knows nothing of, so it
+    would hand the memory out again while the copy still writes it.
     """
 
     def __init__(self, keep: int = 16, pinned: bool = True):
@@ -205,10 +208,13 @@ class _HostBuffers:
         while not self._returned.empty():
             buffer, copied = self._returned.get_nowait()
             self._free.append((buffer, copied[0]))
-        if len(self._free) > self._keep:  # keep the largest few
+        if len(self._free) > self._keep:  # keep the largest few, and every one a copy may still write
             self._free.sort(key=lambda item: item[0].numel())
-            self.alive -= len(self._free) - self._keep
-            del self._free[:len(self._free) - self._keep]
+            extra = len(self._free) - self._keep
+            kept = [(buffer, event) for i, (buffer, event) in enumerate(self._free)
+                    if i >= extra or not (event is None or event.query())]
+            self.alive -= len(self._free) - len(kept)
+            self._free = kept
         buffer = None
         for i, (candidate, event) in enumerate(self._free):
             if candidate.numel() >= nbytes and (event is None or event.query()):
