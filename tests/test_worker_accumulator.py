@@ -175,6 +175,23 @@ def test_a_malformed_chunk_fails_only_its_request():
     assert acc.failed == 2 and all(p.stats().slots_used == 0 for p in acc.pools)
 
 
+
+@pytest.mark.parametrize("form", ["list", "padded"])
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_a_request_named_twice_in_one_step_fails_with_its_error(form, backend_name, use_backend):
+    """Both chunks would be planned at the same head, the second over the first: the request
+    fails with an error naming it, and the other request of the step is appended exactly."""
+    use_backend(backend_name)
+    acc = WorkerAccumulator(KEYS, "cpu")
+    for rid in "ab":
+        acc.add_request(rid, EmitPolicy.FINAL_ONLY)
+    chunks = [torch.ones(3), torch.full((3,), 2.0), torch.full((3,), 5.0)]
+    audio = chunks if form == "list" else PaddedBatch(torch.stack(chunks), [3, 3, 3])
+    failed = acc.append(["a", "a", "b"], {"audio": audio})
+    assert set(failed) == {"a"} and "twice" in str(failed["a"]) and failed["a"].key == "audio" and "a" not in acc
+    assert torch.equal(acc.collect(["b"]).tensors("b")["audio"], chunks[2])
+    assert all(p.stats().slots_used == 0 for p in acc.pools)
+
 def test_abort_frees_slots():
     acc = WorkerAccumulator(KEYS, "cpu")
     acc.add_request("a", EmitPolicy.DELTA)

@@ -357,16 +357,18 @@ class WorkerAccumulator:
                rows: np.ndarray | None = None) -> dict[str, TensorAccumulationError]:
         """Append one step: ``outputs[key]`` is a ``PaddedBatch`` aligned with ``request_ids`` or a
         per-request list (None: nothing this step). ``rows``: the requests' rows (int64, as
-        ``add_request`` gave them), else looked up. One launch per key. Returns the requests that
-        failed (their slots are freed; every other request's chunk was appended), a request that
-        holds no row among them.
+        ``add_request`` gave them, each request once), else looked up. One launch per key. Returns
+        the requests that failed (their slots are freed; every other request's chunk was
+        appended), a request that holds no row, or is named twice, among them.
         """
         failed: dict[str, TensorAccumulationError] = {}
         with nvtx_range("worker.append"):
             if rows is None:
                 rows = np.fromiter(map(self._row.get, request_ids, repeat(-1)), np.int64, len(request_ids))
-            if len(rows) and (rows.min() < 0 or not self._held[rows].all()):
-                rows = None  # a request without a row: the pools look every request up and name it
+                if len(set(request_ids)) != len(request_ids):
+                    rows = None  # a request named twice: the pools look every request up and name it
+            if rows is not None and len(rows) and (rows.min() < 0 or not self._held[rows].all()):
+                rows = None  # a request without a row: likewise
             for key, pool in zip(self.keys, self.pools):
                 chunks = outputs.get(key.name)
                 if chunks is not None:
