@@ -541,6 +541,42 @@ def test_worker_pieces_of_every_kind_and_a_frame_that_changes_fail_only_their_re
     assert processor.consolidation_errors == 1 and "bad" not in processor.request_states
 
 
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_worker_pieces_and_per_step_values_of_one_request(kind):
+    """A request whose worker data (``multimodal_delivered``) and per-step values
+    (``multimodal_output``) come in the same outputs, the worker's less often (its cadence): every
+    CUMULATIVE output holds everything so far of both, the steps without new worker data included;
+    DELTA outputs add up to everything. A key that comes both ways fails the request, naming it."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=False, strategies={"emb": "concat_dim0"})
+    for rid in ("r", "both"):
+        processor.add_request(core_request(rid, [5, 6, 7], sampling(kind, max_tokens=3, detokenize=False)), None)
+    audio = torch.arange(8.0)
+    got, errors = [], {}
+    for step in range(3):
+        worker = {"multimodal_delivered": {"audio": (-1, audio)}} if step == 0 else {}
+        outs = [token_output("r", 7 + step, finish=FinishReason.LENGTH if step == 2 else None,
+                             cls=OmniEngineCoreOutput, multimodal_output={"emb": torch.full((1, 2), float(step))},
+                             **worker)]
+        if step == 0:
+            outs.append(token_output("both", 7, cls=OmniEngineCoreOutput, multimodal_output={"audio": audio},
+                                     multimodal_delivered={"audio": (-1, audio)}))
+        for out in processor.process_outputs(outs).request_outputs:
+            if out.outputs[0].finish_reason == "error":
+                errors[out.request_id] = out.outputs[0].stop_reason
+            elif out.request_id == "r":
+                got.append(out.outputs[0].multimodal_output)
+    embs = torch.arange(3.0).repeat_interleave(2).view(3, 2)
+    if kind == RequestOutputKind.CUMULATIVE:
+        assert len(got) == 3
+        for step, payload in enumerate(got):
+            assert torch.equal(payload.tensors["audio"], audio), step
+            assert torch.equal(payload.tensors["emb"], embs[:step + 1]), step
+    else:
+        assert torch.equal(torch.cat([p.tensors["audio"] for p in got if "audio" in p.tensors]), audio)
+        assert torch.equal(torch.cat([p.tensors["emb"] for p in got]), embs)
+    assert list(errors) == ["both"] and "audio" in errors["both"] and "both" not in processor.request_states
+
 def test_an_output_with_data_only_adds_no_inter_token_latency():
     """While a stopped request's final output waits for the worker's rest, the scheduler sends the
     data that arrives on an output without tokens: vLLM's statistics see the request's tokens as

@@ -158,23 +158,27 @@ class OmniRequestState(RequestState):
 
     def _take_payload(self, finished: bool) -> MultimodalPayload | None:
         payload = None
+        cumulative = self.output_kind == RequestOutputKind.CUMULATIVE
         if self.arrived:
             arrived, self.arrived = self.arrived, []
-            cumulative = self.output_kind == RequestOutputKind.CUMULATIVE
             payload = MultimodalPayload(*(self._so_far(arrived) if cumulative else self._joined(arrived)))
+        elif cumulative and self.so_far:  # nothing new from the worker: still everything so far
+            payload = MultimodalPayload(*self._so_far([]))
         acc = self.accumulator
         if acc is not None and self.request_id in acc:
             own = acc.collect([self.request_id] if finished else (), request_ids=[self.request_id]).get(self.request_id)
             if own and payload is not None:
                 for key, value in own.tensors.items():
-                    if key not in payload.tensors:
-                        payload.tensors[key] = value
-                        if key in own.axes:
-                            payload.axes[key] = own.axes[key]
+                    if key in payload.tensors:
+                        raise TensorConsolidationError("the key came both from the worker and as per-step values",
+                                                       request_id=self.request_id, key=key)
+                    payload.tensors[key] = value
+                    if key in own.axes:
+                        payload.axes[key] = own.axes[key]
                 payload.metadata.update(own.metadata)
             elif own:
                 payload = own
-        if self.output_kind == RequestOutputKind.CUMULATIVE and self.accumulator is None:
+        if cumulative and self.accumulator is None:
             self.last = payload or None
         return payload if payload else None
 
