@@ -247,6 +247,8 @@ def test_empty_gather_launches_nothing(use_backend):
     (lambda j, d, s: j.ints(torch.zeros(4, 2, dtype=torch.int32), [0], torch.zeros(1, 3, dtype=torch.int64)),
      ValueError),
     (lambda j, d, s: j.values(torch.zeros(3, dtype=torch.int32), [1, 2]), ValueError),
+    (lambda j, d, s: j.values(torch.zeros(2, dtype=torch.int64), np.array([2**33 + 7, -2**40])), ValueError),
+    (lambda j, d, s: j.values(torch.zeros(2, dtype=torch.int32), [1.5, 2.0]), TypeError),
     (lambda j, d, s: j.rows(d, [0], [1.0, 2.0]), TypeError),
 ])
 def test_bad_jobs_raise_before_anything_is_recorded(bad, err):
@@ -270,9 +272,16 @@ def test_two_jobs_writing_one_row_is_rejected():
     g.jobs.rows_each(dst, [0, 1], [torch.ones(2, 4), torch.ones(1, 4)])
     with pytest.raises(ValueError, match="same destination row"):
         g.launch()
-    g.jobs.clear()
-    g.jobs.rows_each(dst, [0, 2], [torch.ones(2, 4), torch.ones(2, 4)])
+    g.jobs.rows_each(dst, [0, 2], [torch.ones(2, 4), torch.ones(2, 4)])  # the next step: a refused one left nothing
     assert g.launch() == 1 and (dst == 1).all()
+    # values over a row an int job writes
+    g = RowGather(torch.float32, 4, "cpu", max_float_rows=1, max_int_rows=4, max_values=4)
+    flags = torch.zeros(4, dtype=torch.int32)
+    g.jobs.ints(flags, [1, 2], torch.tensor([5, 6], dtype=torch.int32))
+    g.jobs.values(flags, [1, 1, 1, 1])
+    with pytest.raises(ValueError, match="same destination row"):
+        g.launch()
+    assert (flags == 0).all()
 
 
 def test_capacity_is_checked_before_launch():

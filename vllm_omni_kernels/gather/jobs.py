@@ -32,6 +32,7 @@ from ..ops.layout import INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, R_DST_ROW, R_
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
 _INTS = (int, np.integer)
+_INT32 = np.iinfo(np.int32)
 
 
 @dataclass(frozen=True)
@@ -302,11 +303,18 @@ class GatherJobs:
         return checked
 
     def values(self, dst: torch.Tensor, values) -> None:
-        """Write host int32 ``values`` into the 1-D contiguous int tensor ``dst`` (same length)."""
+        """Write host int32 ``values`` into the 1-D contiguous int tensor ``dst`` (same length).
+        ``TypeError`` for values that are not integers, ``ValueError`` for one outside int32's range
+        (nothing is wrapped)."""
         if not isinstance(dst, torch.Tensor) or dst.dim() != 1 or not dst.is_contiguous():
             raise ValueError("values go into a 1-D contiguous tensor")
         self._check(dst, "destination", INT_DTYPES, (1,))
-        v = np.ascontiguousarray(values, dtype=np.int32).reshape(-1)
+        v = np.asarray(values).reshape(-1)
+        if v.size and v.dtype.kind not in "iub":
+            raise TypeError(f"values must be integers, got {v.dtype}")
+        if v.size and (v.min() < _INT32.min or v.max() > _INT32.max):
+            raise ValueError(f"values outside int32's range [{_INT32.min}, {_INT32.max}]")
+        v = np.ascontiguousarray(v, dtype=np.int32)
         if v.size != dst.numel():
             raise ValueError(f"{v.size} values for a destination of {dst.numel()}")
         if v.size:
@@ -344,9 +352,11 @@ class GatherJobs:
         with ``check_rows=False``."""
         if not self.check_rows:
             return
-        for blocks in (self.float_blocks, self.int_blocks):
+        values = [dst.data_ptr() + np.arange(dst.numel(), dtype=np.int64) * dst.element_size()
+                  for dst, _ in self.value_blocks]  # one-element rows, as an int job's into a 1-D tensor
+        for blocks, more in ((self.float_blocks, []), (self.int_blocks, values)):
             starts = [dst.data_ptr() + np.atleast_1d(_destination_rows(src, src_rows, dst_rows)) * dst.stride(0)
-                      * dst.element_size() for src, src_rows, dst, dst_rows in blocks]
+                      * dst.element_size() for src, src_rows, dst, dst_rows in blocks] + more
             if starts:
                 flat = np.concatenate(starts)
                 if np.unique(flat).size != flat.size:

@@ -64,11 +64,16 @@ class RowGather:
         return target, count
 
     def launch(self) -> int:
-        """Run and clear the recorded jobs: one kernel (0 launches when there are none)."""
+        """Run and clear the recorded jobs: one kernel (0 launches when there are none). A launch
+        refused (``ValueError``: over capacity, two jobs on one row) runs nothing and clears them too."""
         jobs = self.jobs
         if jobs.n_float + jobs.n_int == 0:
             return 0
-        table, count = self._encode(resident=False)
+        try:
+            table, count = self._encode(resident=False)
+        except ValueError:  # refused: nothing ran, and the next step starts from no jobs
+            jobs.clear()
+            raise
         ops.row_gather(jobs, table, self.anchor, grid_rows=count)
         jobs.clear()
         self.launches += 1
