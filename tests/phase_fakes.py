@@ -103,6 +103,8 @@ class FakeTalker:
             ids = ids[:-1]
         elif self.break_batch == "updates":
             updates = updates[:-1]
+        elif self.break_batch == "update type":  # the last row's update is not a dict
+            updates[-1] = 5
         elif self.break_batch == "arity":
             return ids, emb
         if not self.mtp:

@@ -161,7 +161,7 @@ def test_invalid_offsets_raise_before_any_hook(use_backend, backend, case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("broken", ["rows", "ids", "updates", "arity"])
+@pytest.mark.parametrize("broken", ["rows", "ids", "updates", "update type", "arity"])
 @pytest.mark.parametrize("mtp", [True, False])
 def test_incomplete_hook_outputs_raise_with_buffers_unchanged(use_backend, backend, broken, mtp):
     runner = make_runner(use_backend, backend, mtp=mtp, prompts={"p": 4, "x": 2, "y": 2})
@@ -170,7 +170,7 @@ def test_incomplete_hook_outputs_raise_with_buffers_unchanged(use_backend, backe
     before = runner.inputs_embeds.clone(), runner.input_ids.clone()
     with pytest.raises(PhaseRoutingError) as err:
         runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
-    assert err.value.request_id == "x"
+    assert err.value.request_id == ("y" if broken == "update type" else "x")
     assert torch.equal(runner.inputs_embeds, before[0]) and torch.equal(runner.input_ids, before[1])
     assert "meta" not in runner.model_intermediate_buffer["p"]  # no update merged, not even row p's
     runner.model.break_batch = None  # the runner is usable again
@@ -205,11 +205,42 @@ def test_mtp_forward_scatters_to_non_contiguous_offsets(use_backend, backend):
     assert runner.model_intermediate_buffer["b"]["codes"]["audio"].tolist() == [[120, 121, 122, 123]]
 
 
-def test_mtp_forward_rejects_repeated_offsets():
+def test_mtp_forward_rejects_repeated_offsets_naming_a_request_that_repeats():
     runner = FakeRunner(FakeTalker(H, torch.float32))
-    runner.add_request("a", 1)
-    with pytest.raises(PhaseRoutingError):
-        runner._talker_mtp_forward(["a", "b"], runner.inputs_embeds, [2, 2])
+    for rid in "abc":
+        runner.add_request(rid, 1)
+    with pytest.raises(PhaseRoutingError) as err:
+        runner._talker_mtp_forward(["a", "b", "c"], runner.inputs_embeds, [5, 2, 2])
+    assert err.value.request_id == "c"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_mtp_outputs_merge_no_update(use_backend, backend):
+    """MTP's outputs exist only after the step's first launch: a bad one fails the step with no
+    update merged (the prefill row's own included)."""
+    runner = make_runner(use_backend, backend, prompts={"p": 4, "x": 2})
+    runner.model.talker_mtp = lambda ids, embeds, hidden, text: (embeds[:, :-1], None)  # one column short
+    spans = runner.schedule([("p", 0, 3), ("x", 2, 1)])
+    with pytest.raises(PhaseRoutingError, match="talker_mtp embeddings") as err:
+        runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
+    assert err.value.request_id == "x" and "meta" not in runner.model_intermediate_buffer["p"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scalar_mtp_inputs_of_another_size_name_their_request(use_backend, backend):
+    runner = make_runner(use_backend, backend, batch_hook=False, prompts={"a": 1})
+    hook = runner.model.preprocess
+
+    def bad(input_ids, input_embeds, **info):
+        ids, embeds, update = hook(input_ids, input_embeds, **info)
+        update["mtp_inputs"] = (torch.zeros(H + 1), update["mtp_inputs"][1])
+        return ids, embeds, update
+
+    runner.model.preprocess = bad
+    spans = runner.schedule([("a", 3, 1)])
+    with pytest.raises(PhaseRoutingError, match="last_hidden") as err:
+        runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
+    assert err.value.request_id == "a"
 
 
 def test_scalar_hook_wrong_embedding_rows_names_request():
@@ -231,6 +262,20 @@ def test_code_slots_are_reused_after_release():
     check_step(runner, [("c", 1, 1), ("b", 2, 1)])
     runner._omni_release_request("b")
     check_step(runner, [("c", 2, 1)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_requests_vllm_keeps_but_did_not_schedule_give_their_code_slots_to_the_step(use_backend, backend):
+    """vLLM keeps a preempted request, and one it did not schedule this step, in its requests:
+    with two code slots, a and b decode, a waits, and the step of b and c still runs; a's info
+    still shows a's latest codes, in a tensor of its own now."""
+    runner = make_runner(use_backend, backend, max_rows=2, prompts={"a": 1, "b": 1, "c": 1})
+    check_step(runner, [("a", 1, 1), ("b", 1, 1)])
+    codes = runner.model_intermediate_buffer["a"]["codes"]["audio"].clone()
+    check_step(runner, [("b", 2, 1), ("c", 1, 1)])
+    now = runner.model_intermediate_buffer["a"]["codes"]["audio"]
+    assert torch.equal(now, codes) and all(now.data_ptr() != row.data_ptr() for row in runner._omni_gather.codes)
+    check_step(runner, [("a", 2, 1), ("c", 2, 1)])  # a back: b gives its slot up
 
 
 # ------------------------------------------------------------------- property test

@@ -49,4 +49,5 @@ class TensorConsolidationError(MultimodalOutputError):
 
 class PhaseRoutingError(MultimodalOutputError, ValueError):
     """A step of the prefill/decode routing cannot run: corrupt token offsets, or a hook returned
-    outputs that do not match its rows. Raised before any runner buffer is written."""
+    outputs that do not match its rows. Raised before any runner buffer is written, except for MTP's
+    outputs, which exist only after the step's first launch (``phase.runner``)."""

@@ -69,15 +69,22 @@ class DecodeGather:
 
     # ---------------------------------------------------------------- code slots
 
-    def code_slot(self, request_id: str, live) -> int:
+    def code_slot(self, request_id: str, live, keep=(), evict=None) -> int:
         """The request's row of ``codes`` (assigned on first use). ``live``: request ids still running,
-        used to reclaim slots of requests that ended without ``release`` when none is free."""
+        used to reclaim slots of requests that ended without ``release`` when none is free. Then, with
+        ``evict``, a request not in ``keep`` gives its slot up: ``evict(request_id, slot)`` runs first
+        (to save what the row holds for it)."""
         slot = self._slot_of.get(request_id)
         if slot is not None:
             return slot
         if not self._free:
             for rid in [r for r in self._slot_of if r not in live]:
                 self.release(rid)
+        if not self._free and evict is not None:
+            other = next((r for r in self._slot_of if r not in keep), None)
+            if other is not None:
+                evict(other, self._slot_of[other])
+                self.release(other)
         if not self._free:
             raise PhaseRoutingError(f"all {self.max_rows} code slots are held", request_id=request_id)
         slot = self._free.pop()

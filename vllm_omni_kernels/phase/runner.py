@@ -16,10 +16,11 @@ reads only what such a runner has, so tests drive it with CPU buffers and a fake
 A step (``_omni_preprocess``): phase metadata for every row; the routing plan, validated before any
 hook runs; the hooks in batch order, each output validated as it returns, copies recorded, not done
 (a decode run's at once, the scalar rows' collected and recorded together after the last hook);
-then one fused launch (ids, non-MTP embeddings, packed MTP inputs, code flags), the updates merged,
-and with MTP ``_talker_mtp_forward`` (MTP model, one fused launch: MTP embeddings to their token
-offsets, codes to the per-request code buffer). On any ``PhaseRoutingError`` nothing has been
-written to a runner buffer and no update merged.
+then one fused launch (ids, non-MTP embeddings, packed MTP inputs, code flags), with MTP
+``_talker_mtp_forward`` (MTP model, one fused launch: MTP embeddings to their token offsets, codes
+to the per-request code buffer), and the updates merged. On any ``PhaseRoutingError`` no update has
+been merged, and nothing has been written to a runner buffer unless the error is in MTP's outputs
+(MTP reads the packed inputs that the first launch writes along with the step's ids and embeddings).
 
 Code updates are ``{key: {sub: codes_view}}`` with ``codes_view`` the request's row of the
 persistent code buffer ``[1, Q]``: it always holds that request's latest codes (copy it to keep a
@@ -155,10 +156,10 @@ class OmniPhaseRunnerMixin:
                 gather.pre.jobs.clear()
                 raise
             gather.pre.launch()
+            if self.has_talker_mtp:
+                pending += self._omni_mtp([req_ids[r] for r in plan.mtp_rows], inputs_embeds, plan.mtp_offsets)
             for request_id, update in pending:
                 self._update_intermediate_buffer(request_id, update)
-            if self.has_talker_mtp:
-                self._talker_mtp_forward([req_ids[r] for r in plan.mtp_rows], inputs_embeds, plan.mtp_offsets)
 
     def _omni_decode_run(self, run: DecodeRun, phase: PhaseBatch, req_ids: list[str], input_ids: torch.Tensor,
                          inputs_embeds: torch.Tensor) -> list[tuple[str, Any]]:
@@ -191,6 +192,10 @@ class OmniPhaseRunnerMixin:
             raise PhaseRoutingError(f"preprocess_decode_batch must return one update per row ({rows}), got "
                                     f"{len(updates) if isinstance(updates, list | tuple) else type(updates).__name__}",
                                     request_id=rids[0])
+        for rid, update in zip(rids, updates):
+            if update is not None and not isinstance(update, dict):
+                raise PhaseRoutingError(f"preprocess_decode_batch update must be a dict, got {type(update).__name__}",
+                                        request_id=rid)
         try:
             if not same_ids:
                 self._omni_gather.pre.jobs.ints(input_ids, run.offsets, ids.reshape(-1))
@@ -229,10 +234,10 @@ class OmniPhaseRunnerMixin:
             if not isinstance(mtp_inputs, tuple | list) or len(mtp_inputs) != 2:
                 raise PhaseRoutingError("a single-token decode row of an MTP runner needs "
                                         "update['mtp_inputs'] = (last_hidden, text_step)", request_id=rid)
-            hidden, text = (t.reshape(-1, h) if isinstance(t, torch.Tensor) else t for t in mtp_inputs)
-            for what, t in (("mtp_inputs last_hidden", hidden), ("mtp_inputs text_step", text)):
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != (1, h):
+            for what, t in zip(("mtp_inputs last_hidden", "mtp_inputs text_step"), mtp_inputs):
+                if not isinstance(t, torch.Tensor) or t.numel() != h:  # [1, H] or any shape of H elements
                     raise _shape_error(rid, what, t, (1, h))
+            hidden, text = (t.reshape(1, h) for t in mtp_inputs)
             scalar.add(scalar.mtp, rid, step.mtp_index, (ids if new_ids else ids_in).reshape(-1), embeds, hidden, text)
         else:
             in_place = embeds.data_ptr() == embed_slice.data_ptr() and embeds.stride() == embed_slice.stride()
@@ -255,9 +260,14 @@ class OmniPhaseRunnerMixin:
         duplicates. An empty batch is a no-op. One fused launch: embeddings to their offsets, codes to
         the requests' code slots; each request's info gets ``{key: {sub: codes_view}}``.
         """
+        for request_id, update in self._omni_mtp(decode_req_ids, inputs_embeds, start_offsets):
+            self._update_intermediate_buffer(request_id, update)
+
+    def _omni_mtp(self, decode_req_ids: list[str], inputs_embeds: torch.Tensor, start_offsets) -> list:
+        """``_talker_mtp_forward`` without the merge: returns the code updates, (request, update)."""
         m = len(decode_req_ids)
         if m == 0:
-            return
+            return []
         with nvtx_range("omni.talker_mtp"):
             gather = self._omni_gather
             offsets = np.asarray(start_offsets, dtype=np.int64).reshape(-1)
@@ -265,9 +275,13 @@ class OmniPhaseRunnerMixin:
                 raise ValueError(f"{offsets.size} offsets for {m} MTP rows")
             bad = np.flatnonzero((offsets < 0) | (offsets >= inputs_embeds.shape[0]))
             if bad.size or np.unique(offsets).size != m:
-                i = int(bad[0]) if bad.size else int(np.flatnonzero(np.diff(np.sort(offsets)) == 0)[0])
+                if bad.size:
+                    i = int(bad[0])
+                else:  # a repeat: the later of two equal offsets, by its position in the batch
+                    order = np.argsort(offsets, kind="stable")
+                    i = int(order[np.flatnonzero(np.diff(offsets[order]) == 0)[0] + 1])
                 raise PhaseRoutingError(f"MTP token offsets {offsets.tolist()} are out of bounds or repeat",
-                                        request_id=decode_req_ids[min(i, m - 1)])
+                                        request_id=decode_req_ids[i])
             out = self._omni_call_talker_mtp(gather.mtp_input_ids[:m], gather.mtp_inputs_embeds[:m],
                                              gather.last_hidden[:m], gather.text_step[:m], decode_req_ids)
             if not isinstance(out, tuple | list) or len(out) != 2:
@@ -278,17 +292,34 @@ class OmniPhaseRunnerMixin:
                 raise _shape_error(decode_req_ids[0], "talker_mtp embeddings", embeds, (m, h))
             if codes is not None and (not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.shape[0] < m):
                 raise _shape_error(decode_req_ids[0], "talker_mtp codes", codes, (m, "Q"))
-            slots = np.array([gather.code_slot(r, live=self.requests) for r in decode_req_ids], dtype=np.int64)
+            key, sub = getattr(self.model, "talker_mtp_output_key", ("codes", "audio"))
+            slots = self._omni_code_slots(decode_req_ids, key, sub)
             try:
                 gather.add_mtp_outputs(inputs_embeds, offsets, embeds, codes, slots)
             except _RECORD_ERRORS as exc:
                 gather.post.jobs.clear()
                 raise PhaseRoutingError(f"talker_mtp outputs: {exc}", request_id=decode_req_ids[0]) from exc
             gather.post.launch()
-            if codes is not None:
-                key, sub = getattr(self.model, "talker_mtp_output_key", ("codes", "audio"))
-                for rid, slot in zip(decode_req_ids, slots):
-                    self._update_intermediate_buffer(rid, {key: {sub: gather.codes[slot:slot + 1]}})
+            if codes is None:
+                return []
+            return [(rid, {key: {sub: gather.codes[slot:slot + 1]}}) for rid, slot in zip(decode_req_ids, slots)]
+
+    def _omni_code_slots(self, request_ids: list[str], key: str, sub: str) -> np.ndarray:
+        """The code slots of the step's MTP rows. vLLM keeps preempted requests, and those it did not
+        schedule this step, in ``self.requests``, so they keep their slots; when a request of the
+        step finds none free, one of them gives its slot up, and its info's view of its latest
+        codes becomes a copy of its own (its info shows the same codes)."""
+        gather = self._omni_gather
+
+        def evict(request_id: str, slot: int) -> None:
+            held = self.model_intermediate_buffer.get(request_id, {}).get(key)
+            view = held.get(sub) if isinstance(held, dict) else None
+            if isinstance(view, torch.Tensor) and gather.codes is not None \
+                    and view.data_ptr() == gather.codes[slot].data_ptr():
+                held[sub] = view.clone()
+
+        return np.array([gather.code_slot(r, live=self.requests, keep=request_ids, evict=evict) for r in request_ids],
+                        dtype=np.int64)
 
     # ---------------------------------------------------------------- updates
 
