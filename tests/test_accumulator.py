@@ -165,8 +165,35 @@ def test_chunk_that_requires_grad_does_not_cost_later_keys(acc):
     assert torch.equal(p.tensors["audio"], torch.full((2,), 2.0)) and p.tensors["codes"].shape == (1, 4)
 
 
-def test_structural_errors_are_raised_before_anything_is_appended(acc):
+@pytest.mark.parametrize("codes", [
+    [torch.ones(1, 4), torch.ones(1, 4)],  # two values for one request
+    PaddedBatch(torch.ones(2, 1, 4, dtype=torch.int64), [1]),  # two rows for one request
+    PaddedBatch(torch.ones(0, 1, 4, dtype=torch.int64), []),  # no row
+    PaddedBatch(torch.ones(1, 1, 4, dtype=torch.int64), [1, 1]),  # two lengths
+])
+def test_structural_errors_are_raised_before_anything_is_appended(acc, codes):
     acc.add_request("a")
     with pytest.raises(ValueError):
-        acc.append_step(["a"], {"audio": [torch.ones(2)], "codes": [torch.ones(1, 4), torch.ones(1, 4)]})
+        acc.append_step(["a"], {"audio": [torch.ones(2)], "codes": codes})
     assert "audio" not in acc.collect(["a"])["a"].tensors
+
+
+def test_a_padded_batch_of_other_rows_is_refused_when_a_request_of_it_is_rejected(acc):
+    """Rows are taken by position when some request is rejected: a batch of three rows for two
+    requests is as wrong then as otherwise."""
+    acc.add_request("a", EmitPolicy.DELTA)
+    with pytest.raises(ValueError):
+        acc.append_step(["a", "unknown"], {"audio": PaddedBatch(torch.arange(9.0).view(3, 3), [3, 3])})
+
+
+def test_a_pool_stays_within_its_budget_and_a_frame_past_it_fails_its_request():
+    """A budget smaller than ``initial_frames`` frames holds fewer frames a slot (the arena is never
+    larger than the budget); a frame larger than the whole budget is that request's error."""
+    acc = MultimodalAccumulator(AccumulatorConfig(modality=M.IMAGE, pool_budget_bytes=1 << 20), "cpu")
+    for rid in "ab":
+        acc.add_request(rid)
+    assert acc.append_step(["a"], {"image": [torch.ones(1, 3, 64, 64)]}) == []
+    assert acc.stats()["bytes_reserved"] <= 1 << 20
+    errors = acc.append_step(["a", "b"], {"image": [torch.ones(2, 3, 64, 64), torch.ones(1, 3, 512, 512)]})
+    assert [(e.request_id, e.key) for e in errors] == [("b", "image")]
+    assert acc.collect(["a"])["a"].tensors["image"].shape == (3, 3, 64, 64)

@@ -347,6 +347,16 @@ def test_repeated_steps_launch_from_kept_rows_and_match_concatenation(backend, s
     assert pool.stats().unread_bytes == 0
 
 
+
+def test_static_append_refuses_a_source_it_cannot_read_in_place(backend):
+    """Rows of a transposed buffer are not of unit stride: their view would be a copy taken when
+    the append is made, and every launch would append that copy, not the step's chunks."""
+    pool = make_pool(initial_frames=8, budget_bytes=1 << 16)
+    for r in "ab":
+        pool.alloc(r)
+    with pytest.raises(ValueError, match="in place"):
+        pool.static_append(["a", "b"], torch.zeros(6, 2).t(), [3, 3])
+
 def test_static_append_prepares_from_what_changed_and_matches_concatenation(backend):
     """A fixed-shape append (``StaticAppend``: prepare, then launch from resident rows; what a graph
     replays) between eager appends of the same slots, drains, growth, another request's slot and a

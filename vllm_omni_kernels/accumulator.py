@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,11 +110,12 @@ class MultimodalAccumulator:
 
         Returns the per-request errors (already logged and counted); nothing else is raised for bad
         values, and a bad value costs only that request's value for that key. ValueError for a
-        structurally wrong call (a value that is neither, misaligned lengths), raised before anything
-        of the step is accumulated.
+        structurally wrong call (a value that is neither, misaligned lengths, a ``PaddedBatch`` whose
+        rows or lengths are not one per request), raised before anything of the step is accumulated.
         """
         for key, chunks in outputs.items():
             if isinstance(chunks, PaddedBatch):
+                _check_batch(key, chunks, len(request_ids))
                 continue
             if isinstance(chunks, (torch.Tensor, str, bytes)) or not isinstance(chunks, Sequence):
                 raise ValueError(f"outputs[{key!r}] must be a PaddedBatch or a per-request sequence, "
@@ -145,8 +147,9 @@ class MultimodalAccumulator:
         """The pool for chunks of ``key`` of this dtype and frame shape (made on first use).
 
         Raises:
-            TensorAccumulationError: the chunks are on another device than the accumulator, or have
-                frames without elements (the caller attributes it to its requests).
+            TensorAccumulationError: the chunks are on another device than the accumulator, have
+                frames without elements, or frames larger than the pool budget (the caller
+                attributes it to its requests).
         """
         if device != self.device:
             raise TensorAccumulationError(f"tensor on {device} but the accumulator is on {self.device}", key=key)
@@ -158,6 +161,10 @@ class MultimodalAccumulator:
             cfg = self.config
             frames = cfg.initial_frames.get(key, 4096) if isinstance(cfg.initial_frames, Mapping) \
                 else cfg.initial_frames
+            frame_bytes = math.prod(frame) * dtype.itemsize
+            if frame_bytes > cfg.pool_budget_bytes:
+                raise TensorAccumulationError(f"a frame of {frame_bytes} bytes exceeds the pool budget of "
+                                              f"{cfg.pool_budget_bytes} bytes", key=key)
             pool = self._pools[ident] = RingPool(
                 key, dtype, frame, device, strategy, budget_bytes=cfg.pool_budget_bytes,
                 initial_frames=frames, max_slots=cfg.max_slots, growth=cfg.growth)
@@ -217,12 +224,7 @@ class MultimodalAccumulator:
         if not idx:
             return
         lengths = np.asarray(batch.lengths.numpy() if isinstance(batch.lengths, torch.Tensor) else batch.lengths)
-        if lengths.shape != (len(request_ids),):
-            errors.extend(TensorAccumulationError(
-                f"PaddedBatch has {lengths.size} lengths for {len(request_ids)} requests",
-                request_id=request_ids[i], key=key) for i in idx)
-            return
-        sub = PaddedBatch(data[idx], lengths[idx])  # rare path (some request rejected): gathers rows
+        sub = PaddedBatch(data[idx], lengths.reshape(-1)[idx])  # rare path (some request rejected): gathers rows
         errors.extend(pool.append([request_ids[i] for i in idx], sub).errors)
 
     def _append_values(self, key: str, request_ids: Sequence[str], values: Sequence[Any], errors: list) -> None:
@@ -338,3 +340,20 @@ class MultimodalAccumulator:
             "pools": per_pool,
         }
 
+
+def _check_batch(key: str, batch: PaddedBatch, requests: int) -> None:
+    """ValueError (TypeError for device lengths) unless ``batch`` has one row and one length per
+    request; a batch whose data is no tensor is left to the per-request errors."""
+    data, lengths = batch.data, batch.lengths
+    if isinstance(data, torch.Tensor) and (data.dim() < 1 or data.shape[0] != requests):
+        rows = data.shape[0] if data.dim() else 0
+        raise ValueError(f"outputs[{key!r}] is a PaddedBatch of {rows} rows for {requests} requests")
+    if isinstance(lengths, torch.Tensor):
+        if lengths.device.type != "cpu":
+            raise TypeError(f"outputs[{key!r}]: PaddedBatch.lengths must be host values; a device tensor would "
+                            "sync every step")
+        count = lengths.numel()
+    else:
+        count = np.size(lengths)
+    if count != requests:
+        raise ValueError(f"outputs[{key!r}] is a PaddedBatch of {count} lengths for {requests} requests")

@@ -121,7 +121,8 @@ class RingPool:
         dtype, frame_shape, device: what every chunk must match.
         strategy: CONCAT_DIM0 or CONCAT_LAST.
         budget_bytes: the arena size; preallocated at construction, never exceeded.
-        initial_frames: capacity of a new slot (rounded up to a power of two); also the smallest block.
+        initial_frames: capacity of a new slot (rounded up to a power of two, and at most what the
+            budget holds); also the smallest block.
         max_slots: how many requests may hold a slot at once.
         growth: grow a slot on overflow (else raise for that request).
         max_rows: initial metadata rows (grows, rarely, when a larger step arrives).
@@ -143,8 +144,12 @@ class RingPool:
         self.growth = growth
         self.max_slots = max_slots
         self.frame_bytes = self.frame_elems * dtype.itemsize
-        min_frames = 1 << max(0, int(initial_frames) - 1).bit_length()
-        self.allocator = BuddyAllocator(max(budget_bytes // self.frame_bytes, min_frames), min_frames)
+        if budget_bytes < self.frame_bytes:
+            raise ValueError(f"pool {key!r}: a budget of {budget_bytes} bytes holds no frame of {self.frame_bytes}")
+        # a new slot's frames: initial_frames rounded up to a power of two, as many as the budget holds
+        min_frames = min(1 << max(0, int(initial_frames) - 1).bit_length(),
+                         1 << ((budget_bytes // self.frame_bytes).bit_length() - 1))
+        self.allocator = BuddyAllocator(budget_bytes // self.frame_bytes, min_frames)
         self.arena = torch.empty(self.allocator.total_frames * self.frame_elems, dtype=dtype, device=self.device)
         self.state = torch.zeros(max_slots, dtype=torch.int64, device=self.device)  # layout.py: head words
         self.table = np.zeros((max_slots, META_COLS), np.int64)  # planner.py: one row per slot
@@ -751,11 +756,17 @@ class RingPool:
 
     def plan_static(self, request_ids: Sequence[str], src: torch.Tensor, lengths):
         """The source view, slots, frames, linear offsets and stride of a fixed-shape append of
-        ``src`` (a ``PaddedBatch``'s data) for ``request_ids``. Raises its first error."""
+        ``src`` (a ``PaddedBatch``'s data) for ``request_ids``. Raises its first error; ValueError
+        for a source whose rows are not of unit stride (the view would be a copy taken now, and
+        every launch would append that instead of what the source holds then)."""
         errors: list[TensorAccumulationError] = []
         rows = self._rows_from_batch(list(request_ids), src, lengths, errors)
         if errors or rows is None:
             raise errors[0] if errors else ValueError("empty static append")
+        if rows[0].data_ptr() != src.data_ptr():
+            raise ValueError(f"pool {self.key!r}: a static append reads its source in place at every launch, and "
+                             f"rows of shape {tuple(src.shape)} and strides {src.stride()} cannot be read so "
+                             "(make it contiguous once, and write the step's chunks there)")
         return rows[:5]
 
 
