@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from vllm_omni_kernels.ring.allocator import BuddyAllocator
@@ -37,3 +38,58 @@ def test_invalid_configuration():
     with pytest.raises(ValueError):
         BuddyAllocator(2, 8)
     assert BuddyAllocator(64, 8).alloc(65) is None
+
+
+def _trees(total_blocks, min_frames):
+    out, off = [], 0
+    for order in range(total_blocks.bit_length() - 1, -1, -1):
+        if total_blocks >> order & 1:
+            out.append((off, min_frames << order))
+            off += min_frames << order
+    return out
+
+
+def _model_has_block(live, size, trees):
+    for t0, tsize in trees:
+        if tsize < size:
+            continue
+        for o in range(t0, t0 + tsize, size):
+            if all(o + size <= a or a + s <= o for a, s in live.items()):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_allocs_and_frees_match_a_model_of_the_arena(seed):
+    """Every region lies in one initial block, aligned to its size, apart from every live one; an
+    alloc fails only when no free aligned block of its size exists in the model; all freed, the
+    arena merges back."""
+    rng = np.random.default_rng(seed)
+    min_frames = int(rng.choice([1, 2, 4, 8]))
+    blocks = int(rng.integers(1, 70))
+    a = BuddyAllocator(blocks * min_frames + int(rng.integers(0, min_frames)), min_frames)
+    trees = _trees(blocks, min_frames)
+    live: dict[int, int] = {}
+    for _ in range(400):
+        if live and rng.random() < 0.45:
+            off = list(live)[int(rng.integers(0, len(live)))]
+            a.free(off)
+            del live[off]
+        else:
+            frames = int(rng.integers(1, 3 * min_frames * 8))
+            order = a.order_for(frames)
+            size = min_frames << order
+            got = a.alloc(frames)
+            if got is None:
+                assert not _model_has_block(live, size, trees) or order > a.max_order, (seed, frames, live)
+                continue
+            off, sz = got
+            assert sz == size and sz >= frames and off % sz == 0
+            assert any(t0 <= off and off + sz <= t0 + ts for t0, ts in trees)
+            for o, s in live.items():
+                assert off + sz <= o or o + s <= off, (seed, got, o, s)
+            live[off] = sz
+        assert a.used_frames == sum(live.values())
+    for off in list(live):
+        a.free(off)
+    assert a.is_merged() and a.used_frames == 0
