@@ -23,7 +23,7 @@ def expected_step(runner, rows, offsets=None):
             run.clear()
 
     for (rid, c, span), s in zip(rows, starts):
-        prefill = c < len(runner.requests[rid].prompt_token_ids)
+        prefill = c < runner.requests[rid].num_prompt_tokens
         single = span == 1 and not prefill
         if model.batch_hook and single:
             run.append((rid, c))

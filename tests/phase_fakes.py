@@ -134,8 +134,10 @@ class FakeRunner(OmniPhaseRunnerMixin):
         self._omni_init_phase_routing(hidden_size=model.hidden, dtype=model.dtype, device=device,
                                       max_num_reqs=max_rows, max_num_tokens=max_tokens)
 
-    def add_request(self, rid: str, prompt_len: int) -> None:
-        self.requests[rid] = SimpleNamespace(prompt_token_ids=list(range(prompt_len)))
+    def add_request(self, rid: str, prompt_len: int, embeds: bool = False) -> None:
+        """A request's state as vLLM's runner keeps it (``embeds``: a prompt of embeddings, no ids)."""
+        ids = None if embeds else list(range(prompt_len))
+        self.requests[rid] = SimpleNamespace(prompt_token_ids=ids, num_prompt_tokens=prompt_len)
 
     def schedule(self, rows: list[tuple[str, int, int]], offsets: list[int] | None = None):
         """Lay out a step: rows of (request id, computed before the step, span); token buffers get

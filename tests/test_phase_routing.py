@@ -71,6 +71,19 @@ def test_contract_table_row_phase_and_mtp_eligibility(use_backend, backend, prom
     assert kind == ("batch" if mtp else "scalar")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prompt_of_embeddings_is_prefill_until_computed_and_a_row_without_state_is_refused(use_backend, backend):
+    runner = make_runner(use_backend, backend)
+    runner.add_request("e", 4, embeds=True)
+    check_step(runner, [("e", 0, 3)])
+    assert runner.model.calls[0][:2] == ("scalar", "e") and runner.model.calls[0][3][IS_PREFILL] is True
+    assert runner.model.calls[0][3][PROMPT_LEN] == 4
+    spans = runner.schedule([("e", 3, 1), ("gone", 1, 1)])
+    with pytest.raises(PhaseRoutingError) as err:
+        runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
+    assert err.value.request_id == "gone" and runner.model.calls[1:] == []
+
+
 def test_phase_batch_is_vectorized_and_exact():
     p = PhaseBatch.compute([5, 5, 5, 1, 8], [0, 4, 5, 0, 4], [4, 1, 1, 1, 3])
     assert p.is_prefill.tolist() == [True, True, False, True, True]

@@ -2,7 +2,8 @@
 
 The contract (``shared/seeds/002``): for each row of the current input batch,
 
-* ``_omni_prompt_len``: ``len(prompt_token_ids)`` of the request's current state (``int``);
+* ``_omni_prompt_len``: the prompt's length in the request's current state (``int``): vLLM's
+  ``num_prompt_tokens``, ``len(prompt_token_ids)`` or the prompt embeddings' rows;
 * ``_omni_num_computed_tokens``: the row's computed tokens *before* this step, cached progress
   included (``int``);
 * ``_omni_is_prefill``: exactly ``num_computed < prompt_len`` (``bool``).

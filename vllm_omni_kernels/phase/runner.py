@@ -9,7 +9,8 @@ reads only what such a runner has, so tests drive it with CPU buffers and a fake
   ``talker_mtp(ids, embeds, last_hidden, text_step) -> (embeds, codes)`` and
   ``talker_mtp_output_key`` (default ``("codes", "audio")``);
 * ``self.input_batch.req_ids`` and ``.num_computed_tokens_cpu`` (before this step);
-* ``self.requests[req_id].prompt_token_ids``; ``self.query_start_loc.np`` (token offsets);
+* ``self.requests[req_id].num_prompt_tokens`` (vLLM's, token ids or prompt embeddings);
+  ``self.query_start_loc.np`` (token offsets);
 * ``self.model_intermediate_buffer``: per-request info dicts, which the hooks receive (with
   ``request_id`` and the three phase keys refreshed) and which ``updates`` are merged into.
 
@@ -108,7 +109,13 @@ class OmniPhaseRunnerMixin:
     def _omni_phase_batch(self, num_scheduled_tokens: np.ndarray) -> PhaseBatch:
         req_ids = self.input_batch.req_ids
         rows = len(req_ids)
-        prompt_len = [len(getattr(self.requests.get(r), "prompt_token_ids", None) or ()) for r in req_ids]
+        prompt_len = []
+        for r in req_ids:
+            state = self.requests.get(r)
+            if state is None:
+                raise PhaseRoutingError("a row of the batch whose request the runner holds no state for",
+                                        request_id=r)
+            prompt_len.append(state.num_prompt_tokens)  # token ids or prompt embeddings
         return PhaseBatch.compute(prompt_len, self.input_batch.num_computed_tokens_cpu[:rows],
                                   num_scheduled_tokens[:rows], self.query_start_loc.np[:rows])
 
