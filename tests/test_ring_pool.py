@@ -134,6 +134,10 @@ def test_padded_batch_errors_per_request(backend):
         pool.append(["a"], PaddedBatch(data[:1], torch.ones(1, dtype=torch.int64, device="meta")))
     with pytest.raises(ValueError):
         pool.append(["a", "b"], PaddedBatch(data, [1, 1, 1]))
+    for lengths in ([2.7, 1.0, 1.0], torch.tensor([2.7, 1.0, 1.0])):  # not cut to 2 frames
+        with pytest.raises(TypeError, match="integers"):
+            pool.append(list("abc"), PaddedBatch(data, lengths))
+    assert torch.equal(pool.consolidate(["a"])[0], data[0, :2])
 
 
 def test_free_double_free_and_freed_slot(backend):

@@ -771,7 +771,11 @@ class RingPool:
 
 
 def _host_lengths(lengths) -> np.ndarray:
-    """A ``PaddedBatch``'s host lengths as a flat int64 array."""
+    """A ``PaddedBatch``'s host lengths as a flat int64 array (TypeError for lengths that are not
+    integers: 2.7 frames is no length, and would be cut to 2)."""
     if isinstance(lengths, torch.Tensor):
         lengths = lengths.numpy()
-    return np.asarray(lengths, dtype=np.int64).reshape(-1)
+    n = np.asarray(lengths)
+    if n.dtype.kind not in "iu" and n.size:
+        raise TypeError(f"PaddedBatch.lengths must be integers, got {n.dtype}")
+    return n.astype(np.int64, copy=False).reshape(-1)
