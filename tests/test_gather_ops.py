@@ -307,6 +307,13 @@ def test_static_launch_replays_the_prepared_table(use_backend):
         want = torch.zeros(4, 4)
         want[rows] = src[:len(rows)]
         assert torch.equal(dst, want)
+    with pytest.raises(ValueError, match="grid of 1 rows"):  # fewer rows than the table's records
+        g.run_static(grid_rows=1)
+    g.jobs.clear()
+    g.jobs.rows(torch.zeros(4, 4), [0, 1, 2, 3], torch.ones(4, 4))
+    g.jobs.ints(torch.zeros(4, dtype=torch.int32), [0], torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="covers 4"):  # more records than the kernel run for 4 rows covers
+        g.prepare_static()
 
 
 def test_many_int_rows_copy_as_the_reference(use_backend):
