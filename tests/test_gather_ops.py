@@ -282,6 +282,16 @@ def test_two_jobs_writing_one_row_is_rejected():
     with pytest.raises(ValueError, match="same destination row"):
         g.launch()
     assert (flags == 0).all()
+    # two views of one buffer whose rows overlap in part (one starts two elements into the other's)
+    g = RowGather(torch.float32, 4, "cpu", max_float_rows=4, max_int_rows=1)
+    buf = torch.zeros(20)
+    g.jobs.rows(buf[:16].view(4, 4), [1], torch.ones(1, 4))
+    g.jobs.rows(buf[2:18].view(4, 4), [1], torch.ones(1, 4))
+    with pytest.raises(ValueError, match="same destination row"):
+        g.launch()
+    g.jobs.rows(buf[:16].view(4, 4), [0, 2], torch.ones(2, 4))  # rows end to end: no overlap
+    g.jobs.rows(buf[:16].view(4, 4), [1, 3], torch.ones(2, 4))
+    assert g.launch() == 1 and (buf[:16] == 1).all()
 
 
 def test_capacity_is_checked_before_launch():

@@ -348,19 +348,26 @@ class GatherJobs:
         return len(d)
 
     def check_disjoint(self) -> None:
-        """Raise ``ValueError`` if two jobs write one destination row (a race in one launch). A no-op
-        with ``check_rows=False``."""
+        """Raise ``ValueError`` if two jobs write overlapping destination bytes (the same row, or rows
+        of two views of one buffer that overlap in part: a race in one launch). A no-op with
+        ``check_rows=False``."""
         if not self.check_rows:
             return
-        values = [dst.data_ptr() + np.arange(dst.numel(), dtype=np.int64) * dst.element_size()
-                  for dst, _ in self.value_blocks]  # one-element rows, as an int job's into a 1-D tensor
-        for blocks, more in ((self.float_blocks, []), (self.int_blocks, values)):
-            starts = [dst.data_ptr() + np.atleast_1d(_destination_rows(src, src_rows, dst_rows)) * dst.stride(0)
-                      * dst.element_size() for src, src_rows, dst, dst_rows in blocks] + more
-            if starts:
-                flat = np.concatenate(starts)
-                if np.unique(flat).size != flat.size:
-                    raise ValueError("two jobs of one launch write the same destination row")
+        starts, ends = [], []
+        for src, src_rows, dst, dst_rows in self.float_blocks + self.int_blocks:
+            first = dst.data_ptr() + np.atleast_1d(_destination_rows(src, src_rows, dst_rows)) * dst.stride(0) \
+                * dst.element_size()
+            starts.append(first)
+            ends.append(first + (dst.shape[1] if dst.dim() == 2 else 1) * dst.element_size())
+        for dst, _ in self.value_blocks:  # one-element rows, as an int job's into a 1-D tensor
+            first = dst.data_ptr() + np.arange(dst.numel(), dtype=np.int64) * dst.element_size()
+            starts.append(first)
+            ends.append(first + dst.element_size())
+        if starts:
+            start, end = np.concatenate(starts), np.concatenate(ends)
+            order = np.argsort(start, kind="stable")
+            if (start[order][1:] < end[order][:-1]).any():
+                raise ValueError("two jobs of one launch write the same destination row")
 
     # ------------------------------------------------------------------ the table
 
