@@ -115,8 +115,9 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
 def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_prompt(tmp_path):
     """``OmniLLM.generate`` takes every output ``step`` returns: with a request of the caller's own
     in flight (id "0", which ``generate`` once used itself) it refuses to run; a prompt vLLM refuses
-    (longer than ``max_model_len``) raises, and the prompts added before it are aborted. Sampling
-    parameters the talker cannot honour are refused as vLLM refuses a bad parameter."""
+    (longer than ``max_model_len``) raises, and the prompts added before it are aborted. One prompt
+    is one request; sampling parameters that are neither one nor one per prompt are refused, and
+    so are those the talker cannot honour, as vLLM refuses a bad parameter."""
     engine = OmniLLM.from_engine_args(talker_engine_args(make_model_dir(tmp_path / "model"), max_num_seqs=4,
                                                          max_model_len=64, disable_log_stats=True),
                                       enable_multiprocessing=False)
@@ -132,6 +133,10 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
         assert not engine.has_unfinished_requests()
         (out,) = engine.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], final)
         assert out.multimodal.tensors["audio"].equal(tk.expected_audio(tk.rollout(tk.ToyTalker(0), [5, 6, 7], 7)))
+        (one,) = engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), final)  # one prompt, not a list of keys
+        assert one.multimodal.tensors["audio"].equal(out.multimodal.tensors["audio"])
+        with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+            engine.generate([TokensPrompt(prompt_token_ids=[5, 6, 7 + i]) for i in range(3)], [final, final])
         # what the talker's sampling cannot honour is refused at admission (TalkerSampling), not ignored
         for refused in ({"logprobs": 2}, {"prompt_logprobs": 1}, {"min_tokens": 3, "stop_token_ids": [1100]}):
             with pytest.raises(VLLMValidationError, match="the talker") as caught:

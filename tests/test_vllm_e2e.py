@@ -184,3 +184,20 @@ def test_a_finish_waits_for_the_workers_rest_and_fails_visibly_when_it_never_com
     assert steps == _AWAITED_STEPS
     (final_b,) = [e for e in outputs_b if e.finish_reason is not None]
     assert final_b.finish_reason == FinishReason.ERROR and "rest did not come" in final_b.multimodal_error.message
+
+
+def test_a_request_aborted_while_its_first_step_runs_leaves_nothing_held(tmp_path):
+    """vLLM's engine core takes aborts between a step and ``update_from_output``: a request the
+    worker opened in that step and that was aborted meanwhile is not held open afterwards (it
+    would stay so for ever, and the channel's work would run every step)."""
+    from vllm.v1.request import RequestStatus
+
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    sched.add_request(sched_request("a", [5, 6, 7], sampling(max_tokens=8)))
+    so = sched.schedule()
+    ids = list(so.num_scheduled_tokens)
+    out = OmniModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[[40] for _ in ids], multimodal_opened=["a"])
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    sched.update_from_output(so, out)
+    assert "a" not in sched.requests and sched._worker_open == set()

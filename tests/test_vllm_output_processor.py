@@ -577,6 +577,36 @@ def test_worker_pieces_and_per_step_values_of_one_request(kind):
         assert torch.equal(torch.cat([p.tensors["emb"] for p in got]), embs)
     assert list(errors) == ["both"] and "audio" in errors["both"] and "both" not in processor.request_states
 
+
+def test_a_failed_sample_of_n_leaves_its_siblings_outputs_as_they_are():
+    """n = 2 under ``LLMEngine`` (no queue): sample 0 fails in the worker while sample 1 gets its
+    next token in the same step. Only sample 0's completion says "error"; sample 1's output
+    goes on, and the request is not reported finished."""
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    from vllm_omni_kernels.vllm_integration.wire import MultimodalError
+
+    processor = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    parent = ParentRequest(core_request("par", [3, 4], sampling(RequestOutputKind.DELTA, n=2, max_tokens=6)))
+    kids = []
+    for index in range(2):
+        child_id, params = parent.get_child_info(index)
+        kids.append(child_id)
+        child = core_request(child_id, [3, 4], params)
+        child.external_req_id = "par"  # as LLMEngine.add_request makes the samples: copies of the request
+        processor.add_request(child, None, parent, index, None)
+    processor.process_outputs([OmniEngineCoreOutput(request_id=c, new_token_ids=[5],
+                                                    multimodal_output={"audio": torch.ones(4)}) for c in kids])
+    result = processor.process_outputs([
+        OmniEngineCoreOutput(request_id=kids[0], new_token_ids=[6], finish_reason=FinishReason.ERROR,
+                             multimodal_error=MultimodalError("boom")),
+        OmniEngineCoreOutput(request_id=kids[1], new_token_ids=[6], multimodal_output={"audio": torch.ones(4)})])
+    by_index = {completion.index: (out, completion) for out in result.request_outputs for completion in out.outputs}
+    assert by_index[0][1].finish_reason == "error" and "boom" in by_index[0][1].stop_reason
+    out, completion = by_index[1]
+    assert (out.finished, completion.finish_reason, completion.stop_reason) == (False, None, None)
+    assert torch.equal(completion.multimodal_output.tensors["audio"], torch.ones(4))
+
 def test_an_output_with_data_only_adds_no_inter_token_latency():
     """While a stopped request's final output waits for the worker's rest, the scheduler sends the
     data that arrives on an output without tokens: vLLM's statistics see the request's tokens as

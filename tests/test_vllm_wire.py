@@ -46,6 +46,24 @@ def test_multimodal_output_survives_vllm_encoder_and_omni_decoder_exactly():
     assert quiet.multimodal_output is None
 
 
+
+def test_tensors_nested_in_plain_values_arrive_as_tensors():
+    """vLLM's decoder restores tensors only where a field is typed as one: a plain value holding
+    tensors in a dict or a list (one past vLLM's inline size: a buffer of its own) arrives as it
+    was sent, as it does in process; a bad one of them fails that key of that request."""
+    t = torch.arange(4096, dtype=torch.float32)
+    sent = {"audio": t, "extra": {"pitch": t, "small": t[:8], "notes": ["a", 1]}, "parts": [t[:2], [t]]}
+    outs = EngineCoreOutputs(outputs=[OmniEngineCoreOutput(request_id="a", new_token_ids=[1],
+                                                           multimodal_output=sent)])
+    got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs)).outputs[0].multimodal_output
+    assert torch.equal(got["audio"], t) and torch.equal(got["extra"]["pitch"], t)
+    assert torch.equal(got["extra"]["small"], t[:8]) and got["extra"]["notes"] == ["a", 1]
+    assert torch.equal(got["parts"][0], t[:2]) and torch.equal(got["parts"][1][0], t)
+    frames = MsgpackEncoder().encode(outs)
+    bad = OmniMsgpackDecoder().decode([frames[0]]).outputs[0].multimodal_output  # their buffers left out
+    assert isinstance(bad["extra"], TensorAccumulationError) and bad["extra"].key == "extra"
+    assert isinstance(bad["parts"], TensorAccumulationError) and bad["extra"].request_id == "a"
+
 def test_vllm_own_decoder_drops_the_field_silently():
     """Why the decoder piece exists: vLLM's client decoder keeps only EngineCoreOutput's fields."""
     outs, *_ = frame()

@@ -242,16 +242,21 @@ class OmniLLM(LLMEngine):
                    usage_context=usage_context, stat_loggers=stat_loggers, multiprocess_mode=bool(multiprocess),
                    processor_options=processor_options)
 
-    def generate(self, prompts: Sequence[Any], params) -> list[OmniRequestOutput]:
-        """Run ``prompts`` (with one ``SamplingParams`` or one each) to completion on an idle engine
-        (its own requests take every output ``step`` returns: RuntimeError while others are in
-        flight); returns each request's final output, in order. Use FINAL_ONLY or CUMULATIVE params
-        for a whole result; DELTA outputs are the last delta. A prompt vLLM refuses raises, and the
-        requests added before it are aborted."""
+    def generate(self, prompts: Any, params) -> list[OmniRequestOutput]:
+        """Run ``prompts`` (one prompt, or a sequence of them; with one ``SamplingParams`` or one
+        each: ValueError for another count) to completion on an idle engine (its own requests take
+        every output ``step`` returns: RuntimeError while others are in flight); returns each
+        request's final output, in order. Use FINAL_ONLY or CUMULATIVE params for a whole result;
+        DELTA outputs are the last delta. A prompt vLLM refuses raises, and the requests added
+        before it are aborted."""
         if self.has_unfinished_requests():
             raise RuntimeError("generate() runs on an idle engine: requests added with add_request() are in flight "
                                "(step() returns their outputs)")
+        if isinstance(prompts, str | Mapping) or not isinstance(prompts, Sequence):  # one prompt
+            prompts = [prompts]
         params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         ids = [f"generate-{random_uuid()}-{i}" for i in range(len(prompts))]
         added = 0
         try:

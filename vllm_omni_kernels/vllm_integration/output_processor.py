@@ -492,10 +492,14 @@ class MultimodalOutputProcessor(OutputProcessor):
                 # AsyncLLM: the request's generate() raises it
                 state.queue.put(raised)
             for out in result.request_outputs:  # LLMEngine: the output says so
-                if isinstance(out, RequestOutput) and out.request_id == state.external_req_id and out.outputs:
+                if not (isinstance(out, RequestOutput) and out.request_id == state.external_req_id):
+                    continue
+                for completion in out.outputs:  # of n > 1 samples, the failed one's only (its siblings go on)
+                    if state.parent_req is None or completion.index == state.request_index:
+                        completion.finish_reason = str(FinishReason.ERROR)
+                        completion.stop_reason = str(raised)
+                if state.parent_req is None:
                     out.finished = True
-                    out.outputs[0].finish_reason = str(FinishReason.ERROR)
-                    out.outputs[0].stop_reason = str(raised)
             if state.request_id in self.request_states:
                 self._finish_request(state)
                 result.reqs_to_abort.append(state.request_id)

@@ -58,6 +58,7 @@ class MultimodalChannel:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._worker_open: set[str] = set()  # requests whose output the worker holds
+        self._finished: set[str] = set()  # requests finish_requests finished since the last step's update
         self._awaiting: dict[str, list] = {}  # finished request -> [client, its final output, steps waited]
         self.held = HeldTokens()
 
@@ -70,6 +71,7 @@ class MultimodalChannel:
         finished = super().finish_requests(request_ids, finished_status)
         for request in finished:
             self._worker_open.discard(request.request_id)
+            self._finished.add(request.request_id)
             self.held.drop(request.request_id)
         return finished
 
@@ -81,7 +83,10 @@ class MultimodalChannel:
                 return outputs
             out = OmniModelRunnerOutput(req_ids=[], req_id_to_index={})  # a step with nothing on the channel
         packed = out.packed
-        self._worker_open.update(out.multimodal_opened or ())
+        # not a request finished since the step ran (vLLM's engine core takes aborts between the
+        # step and this): it would be held open for ever
+        self._worker_open.update(rid for rid in out.multimodal_opened or () if rid not in self._finished)
+        self._finished.clear()
         if packed is not None:
             self._worker_open.difference_update(packed.final)
         plain = out.multimodal_outputs or {}

@@ -197,8 +197,8 @@ class OmniMsgpackDecoder(MsgpackDecoder):
             if isinstance(out, OmniEngineCoreOutputs):
                 with nvtx_range("frontend.decode_multimodal"):
                     for eco in [eco for eco in out.outputs if eco.multimodal_output]:
-                        eco.multimodal_output = {k: self._tensor_or_error(v, eco.request_id, k)
-                                                 if _is_tensor_triple(v) else v for k, v in eco.multimodal_output.items()}
+                        eco.multimodal_output = {k: self._restore(v, eco.request_id, k)
+                                                 for k, v in eco.multimodal_output.items()}
                     resolve_regions(out, decoded=True)
             t2 = time.perf_counter()
             self.multimodal_seconds += t2 - t1
@@ -206,6 +206,23 @@ class OmniMsgpackDecoder(MsgpackDecoder):
             return out
         finally:
             self.aux_buffers = ()
+
+    def _restore(self, value: Any, request_id: str, key: str) -> Any:
+        """A plain value with each tensor in it a tensor again, at any depth of lists and dicts (vLLM's
+        encoder makes every tensor a ``[dtype, shape, data]`` triple; its decoder restores only
+        fields typed as tensors), or the error of the first triple that cannot be one."""
+        if _is_tensor_triple(value):
+            return self._tensor_or_error(value, request_id, key)
+        if isinstance(value, dict):
+            items = list(zip(value, (self._restore(v, request_id, key) for v in value.values())))
+        elif isinstance(value, list | tuple):
+            items = list(enumerate(self._restore(v, request_id, key) for v in value))
+        else:
+            return value
+        error = next((v for _, v in items if isinstance(v, TensorAccumulationError)), None)
+        if error is not None:
+            return error
+        return dict(items) if isinstance(value, dict) else [v for _, v in items]
 
     def _tensor_or_error(self, triple: Any, request_id: str, key: str) -> torch.Tensor | TensorAccumulationError:
         """The tensor a ``[dtype, shape, data]`` triple of this message stands for, or the error that
