@@ -19,6 +19,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 template <int S> struct Bits;
+template <> struct Bits<1> { typedef unsigned char T; };
 template <> struct Bits<2> { typedef unsigned short T; };
 template <> struct Bits<4> { typedef unsigned int T; };
 template <> struct Bits<8> { typedef unsigned long long T; };
@@ -212,6 +213,7 @@ __device__ __forceinline__ void row_gather(char* __restrict__ base, const i64* _
     vok::ring_copy<S, false>(static_cast<T*>(arena), nullptr, meta, static_cast<T*>(out), F, last);    \
   }
 
+VOK_RING(1)
 VOK_RING(2)
 VOK_RING(4)
 VOK_RING(8)

@@ -57,7 +57,7 @@ void check_ring(const at::Tensor& arena, const at::Tensor& meta, const at::Tenso
   TORCH_CHECK(rows <= 65535, "at most 65535 rows per launch");
   TORCH_CHECK(max_elems <= 2147483647, "a row of at most 2**31 - 1 elements per launch");
   const int64_t es = arena.element_size();
-  TORCH_CHECK(es == 2 || es == 4 || es == 8, "element size ", es, " not supported");
+  TORCH_CHECK(es == 1 || es == 2 || es == 4 || es == 8, "element size ", es, " not supported");
 }
 
 dim3 ring_grid(int64_t rows, int64_t max_elems) {
@@ -65,6 +65,7 @@ dim3 ring_grid(int64_t rows, int64_t max_elems) {
 }
 
 const void* ring_entry(int64_t es, bool write) {
+  if (es == 1) return write ? (const void*)&vok_ring_write_e1 : (const void*)&vok_ring_read_e1;
   if (es == 2) return write ? (const void*)&vok_ring_write_e2 : (const void*)&vok_ring_read_e2;
   if (es == 4) return write ? (const void*)&vok_ring_write_e4 : (const void*)&vok_ring_read_e4;
   return write ? (const void*)&vok_ring_write_e8 : (const void*)&vok_ring_read_e8;

@@ -18,7 +18,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import pytest  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
-ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64]
+ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,7 +21,7 @@ from vllm_omni_kernels.ops.layout import cuda_defines
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "kernels"
-ENTRY_POINTS = [f"vok_ring_{op}_e{s}" for op in ("write", "read") for s in (2, 4, 8)] + \
+ENTRY_POINTS = [f"vok_ring_{op}_e{s}" for op in ("write", "read") for s in (1, 2, 4, 8)] + \
     [f"vok_row_gather_e{s}_a{a}" for s in (2, 4) for a in (0, 1)]
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
