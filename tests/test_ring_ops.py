@@ -1,6 +1,7 @@
 """Triton ring kernels (interpreter on CPU) against the torch reference, on identical inputs."""
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ALL_DTYPES, stable_seed
@@ -36,3 +37,18 @@ def test_triton_multi_program_rows_advance_head_once(seed, frame_shape, last, ma
     for read in (False, True):
         check_case(seed, dtype=ALL_DTYPES[0], frame_shape=frame_shape, last=last, read=read, rows=2,
                    max_cap=max_cap)
+
+
+def test_triton_puts_a_rows_programs_on_the_grids_first_axis(monkeypatch):
+    """A row may have up to 2**31 - 1 elements (twelve 1080p RGB frames are 75 million): its
+    programs go on the grid's first axis, which CUDA lets hold that many, and the rows on the
+    second (65535 at most), as the CUDA kernels do."""
+    from vllm_omni_kernels.ops import triton_ring
+
+    grids = []
+    monkeypatch.setattr(triton_ring, "_write", lambda grid, *args, **kwargs: grids.append(grid))
+    monkeypatch.setattr(triton_ring, "_read", lambda grid, *args, **kwargs: grids.append(grid))
+    x, frame = torch.empty(0), 3 * 1080 * 1920
+    triton_ring.ring_write(x, x, x, x, rows=3, frame_elems=frame, last=False, max_elems=12 * frame)
+    triton_ring.ring_read(x, x, x, rows=3, frame_elems=frame, last=False, max_elems=12 * frame)
+    assert [g[1] for g in grids] == [3, 3] and all(g[0] > 65535 for g in grids)

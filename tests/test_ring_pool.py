@@ -140,6 +140,20 @@ def test_padded_batch_errors_per_request(backend):
     assert torch.equal(pool.consolidate(["a"])[0], data[0, :2])
 
 
+
+def test_unread_data_past_what_one_launch_copies_is_its_requests_error(backend):
+    """A read copies a request's unread span in one launch, of at most 2**31 - 1 elements: data
+    past that would stay in the slot for good, so the request gets an error when it would get
+    there (here a 1 MiB frame: 2047 of them), and nothing of it is written."""
+    pool = RingPool("video", torch.uint8, (1 << 20,), "cpu", S.CONCAT_DIM0, budget_bytes=4 << 20, initial_frames=2)
+    pool.alloc("a")
+    slots = pool.slots(["a"])
+    pool.advance(slots, np.array([2000]))  # what 2000 frames appended would count (none is written here)
+    errors = []
+    keep = pool.make_room(["a"], slots, np.array([100]), errors)  # 100 frames fit one launch; 2100 do not
+    assert not keep[0] and "one launch copies" in str(errors[0]) and errors[0].request_id == "a"
+    assert pool.unread_frames("a") == 2000 and pool.stats().growths == 0
+
 def test_free_double_free_and_freed_slot(backend):
     pool = make_pool()
     pool.alloc("a")

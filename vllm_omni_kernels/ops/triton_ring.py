@@ -1,8 +1,10 @@
 """Triton ring copies: one launch moves every request's chunk of a step (see ``layout.py``).
 
-Grid: ``(rows, blocks)``; program ``(r, b)`` copies elements ``[b*BLOCK, (b+1)*BLOCK)`` of row r's
-``N*F`` elements. All rows get the same number of programs (from the largest row) so the grid is
-fixed for a fixed step shape, which is what CUDA-graph replay needs.
+Grid: ``(blocks, rows)``, as the CUDA kernels' (a row's programs on the first axis, which may hold
+2**31 - 1 of them; the second holds 65535); program ``(b, r)`` copies elements
+``[b*BLOCK, (b+1)*BLOCK)`` of row r's ``N*F`` elements. All rows get the same number of programs
+(from the largest row) so the grid is fixed for a fixed step shape, which is what CUDA-graph replay
+needs.
 
 The write kernel publishes the new head itself (``layout.py`` has the head word). With one program
 per row (rows of up to ``SINGLE_MAX`` elements: the usual decode-step chunk) that program reads the
@@ -90,8 +92,8 @@ def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F, LAST: tl.cons
                        BLOCK: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         wait_previous_grid()
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
+    blk = tl.program_id(0)
+    row = tl.program_id(1)
     meta_row = meta_ptr + row * COLS
     e = blk * BLOCK + tl.arange(0, BLOCK)
     outer, inner, lin, mask = _lin_offsets(meta_row, e, F, LAST, MONO)
@@ -114,7 +116,7 @@ def _ring_write_kernel(arena_ptr, state_ptr, meta_ptr, src_ptr, F, LAST: tl.cons
         word = tl.atomic_add(state_ptr + slot, 1, sem="relaxed")
         if pos < 0:
             pos = word >> HEAD_SHIFT
-        if (word & TICKET_MASK) == tl.num_programs(1) - 1:
+        if (word & TICKET_MASK) == tl.num_programs(0) - 1:
             tl.store(state_ptr + slot, _next_head_word(pos, n, cap))
         tl.store(arena_ptr + _ring_index(meta_row, outer, inner, pos, F, LAST), vals, mask=mask)
 
@@ -124,8 +126,8 @@ def _ring_read_kernel(arena_ptr, meta_ptr, out_ptr, F,
                       LAST: tl.constexpr, MONO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         wait_previous_grid()
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
+    blk = tl.program_id(0)
+    row = tl.program_id(1)
     meta_row = meta_ptr + row * COLS
     pos = tl.load(meta_row + POS)
     e = blk * BLOCK + tl.arange(0, BLOCK)
@@ -156,7 +158,7 @@ def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -
         return
     blocks, block, warps = _shape(max_elems, rows)
     on = pdl.for_tensor(arena)
-    _write((rows, blocks), arena, state, meta, src, frame_elems, LAST=last, MONO=last and frame_elems == 1,
+    _write((blocks, rows), arena, state, meta, src, frame_elems, LAST=last, MONO=last and frame_elems == 1,
            BLOCK=block, SINGLE=blocks == 1, PDL=on, num_warps=warps, launch_pdl=on)
 
 
@@ -166,5 +168,5 @@ def ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems) -> None:
         return
     blocks, block, warps = _shape(max_elems, rows)
     on = pdl.for_tensor(arena)
-    _read((rows, blocks), arena, meta, out, frame_elems, LAST=last, MONO=last and frame_elems == 1, BLOCK=block,
+    _read((blocks, rows), arena, meta, out, frame_elems, LAST=last, MONO=last and frame_elems == 1, BLOCK=block,
           PDL=on, num_warps=warps, launch_pdl=on)

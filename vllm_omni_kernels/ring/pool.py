@@ -339,13 +339,16 @@ class RingPool:
     def make_room(self, request_ids: Sequence[str], slots: np.ndarray, n: np.ndarray,
                   errors: list | None = None) -> np.ndarray:
         """Grow the slots that ``n`` more frames would overflow; returns a keep-mask. A request whose
-        slot cannot grow (growth off, budget spent, a chunk past the per-launch limit) gets a
+        slot cannot grow (growth off, budget spent) or whose unread data would pass what one launch
+        copies (2**31 - 1 elements: a read copies a request's unread span at once) gets a
         ``TensorAccumulationError``: appended to ``errors``, or raised when ``errors`` is None."""
         self._settle()
         keep = np.ones(len(slots), dtype=bool)
         rows = self.table[slots]
-        over = rows[:, UNREAD] + n > rows[:, CAP]
-        too_big = n * self.frame_elems > _INT32_MAX if len(n) and n.max() * self.frame_elems > _INT32_MAX else ()
+        total = rows[:, UNREAD] + n
+        over = total > rows[:, CAP]
+        too_big = total * self.frame_elems > _INT32_MAX if len(n) and total.max() * self.frame_elems > _INT32_MAX \
+            else ()
         if not (over.any() or len(too_big)):
             return keep
         over, too_big = np.flatnonzero(over), np.flatnonzero(too_big)
@@ -353,8 +356,8 @@ class RingPool:
         for i in too_big:
             keep[i] = False
             failed.append(TensorAccumulationError(
-                f"chunk of {int(n[i])} frames exceeds the per-step limit of {_INT32_MAX // self.frame_elems}",
-                request_id=request_ids[i], key=self.key))
+                f"{int(total[i])} unread frames would pass the {_INT32_MAX // self.frame_elems} one launch copies "
+                "(2**31 - 1 elements): read the request's data more often", request_id=request_ids[i], key=self.key))
         grown: list[tuple[int, int, int]] = []  # (slot, new region's offset, its frames)
         for i in over:
             if keep[i]:
@@ -604,7 +607,7 @@ class RingPool:
         rows = len(slots)
         frames = plan_write(self.table, slots, n, lin_off, lin_stride, host)
         unread = host[:rows, UNREAD] + n
-        if frames * self.frame_elems > _INT32_MAX or (unread > host[:rows, CAP]).any():
+        if int(unread.max()) * self.frame_elems > _INT32_MAX or (unread > host[:rows, CAP]).any():
             # Grow the slots (rare): their rows move, and a growth's copy takes a staging buffer.
             fit = self.make_room(request_ids, slots, n, errors)
             if not fit.all():
