@@ -445,13 +445,15 @@ BAD = [
     ({"input": "x", "stream_format": "sse", "stream": False}, "stream"),
     ({"input": "y" * 3001}, "input"),  # over --max-input-chars
     ({"input": "y" * 2500, "speed": 0.25}, "input"),  # 10000 frames: past max_model_len
+    ({"input": "hi \ud800 there"}, "input"),  # a lone surrogate: valid JSON, no text the tokenizer takes
 ]
 
 
 @pytest.mark.parametrize("body, param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
 def test_bad_requests_get_400_and_leave_the_engine_alone(server, body, param):
     before = idle(server)
-    r = httpx.post(f"{server['url']}/v1/audio/speech", json=body, timeout=30)
+    r = httpx.post(f"{server['url']}/v1/audio/speech", content=json.dumps(body), timeout=30,  # ASCII: "\\ud800"
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]  # OpenAI's error shape, as vLLM writes it (its validation errors are "Bad Request")
     assert err["code"] == 400 and err["type"] in ("BadRequestError", "Bad Request") and err["param"] == param
@@ -459,6 +461,32 @@ def test_bad_requests_get_400_and_leave_the_engine_alone(server, body, param):
     after = stats(server)  # nothing admitted, nothing stepped
     assert (after["served"], after["rejected"], after["worker"]["steps"]) == \
         (before["served"], before["rejected"], before["worker"]["steps"])
+
+
+@pytest.fixture(scope="module")
+def short_inputs(tmp_path_factory):
+    """A server whose inputs are at most 2 characters: its warm-up must fit that."""
+    yield from running_server(tmp_path_factory, "--max-input-chars", "2")
+
+
+def test_a_server_that_takes_short_inputs_only_starts_and_serves(short_inputs):
+    r = httpx.post(f"{short_inputs['url']}/v1/audio/speech", json={"input": "hi", "response_format": "pcm",
+                                                                   "sample_format": "f32"}, timeout=60)
+    assert r.status_code == 200 and np.array_equal(np.frombuffer(r.content, "<f4"), expected(short_inputs, "hi"))
+
+
+def test_every_character_is_a_token_and_pcm16_clips_at_one(tmp_path):
+    """Runs of newlines too (a frame each: the regex "." left them one unknown token); 16-bit
+    PCM is the sample clipped to [-1, 1] times 32767, rounded, NaN 0."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(make_model_dir(tmp_path)))
+    newline = tok.convert_tokens_to_ids("\n")
+    for text in ["a\nb", "a\n\nb", "para one.\n\n\npara two."]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(text) and ids.count(newline) == text.count("\n"), (text, ids)
+    x = np.array([-np.inf, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, np.inf, np.nan])
+    assert np.frombuffer(pcm16(x), "<i2").tolist() == [-32767] * 3 + [-16384, 0, 16384] + [32767] * 3 + [0]
 
 
 def test_unknown_model_is_404_and_non_json_is_400(server):
@@ -497,6 +525,17 @@ def test_stream_interval_follows_the_cadence_unless_given(tmp_path, argv, interv
     args.model = args.model_tag
     assert engine_args_from(args).stream_interval == interval
 
+
+
+@pytest.mark.parametrize("option", ["--max-inflight", "--max-input-chars", "--audio-memory-mib"])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_limits_below_one_are_refused(tmp_path, option, value, capsys):
+    """0 in-flight requests would answer every request 503 (or silently mean --max-num-seqs)."""
+    from vllm_omni_kernels.vllm_integration.server import make_parser
+
+    with pytest.raises(SystemExit):
+        make_parser().parse_args([str(tmp_path), option, value])
+    assert "not at least 1" in capsys.readouterr().err
 
 def test_what_additional_config_says_of_the_talker_wins_over_the_servers_options(tmp_path):
     from vllm_omni_kernels.vllm_integration.server import engine_args_from, make_parser

@@ -20,6 +20,7 @@ reports its first-audio phases.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import multiprocessing
@@ -71,15 +72,23 @@ def make_parser() -> FlexibleArgumentParser:
     g.add_argument("--output-path", default="worker", choices=("worker", "upstream"),
                    help="worker: this package's accumulation in the engine core; upstream: per-request host "
                         "copies and per-step concatenation (for comparison)")
-    g.add_argument("--max-inflight", type=int, default=None,
+    g.add_argument("--max-inflight", type=_positive, default=None,
                    help="speech requests in flight at most; more are answered 503 (default: --max-num-seqs)")
-    g.add_argument("--audio-memory-mib", type=int, default=1024,
+    g.add_argument("--audio-memory-mib", type=_positive, default=1024,
                    help="the worker's audio ring arena on the talker's device (MiB, preallocated); a whole-file "
                         "request holds all its audio there until it finishes (about 8 MiB for 80 s), and one "
                         "that does not fit is answered 503")
-    g.add_argument("--max-input-chars", type=int, default=4096, help="longest input text, in characters")
+    g.add_argument("--max-input-chars", type=_positive, default=4096, help="longest input text, in characters")
     g.add_argument("--retry-after", type=int, default=1, help="seconds a 503 answer asks the client to wait")
     return parser
+
+
+def _positive(text: str) -> int:
+    """An option's value that must be a whole number of at least 1 (0 or less would serve nothing)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def engine_args_from(args) -> AsyncEngineArgs:
@@ -129,7 +138,7 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
             await engine.collective_rpc("reset_output_path_stats")
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, engine.model_config)
-        limit = args.max_inflight or config.scheduler_config.max_num_seqs
+        limit = args.max_inflight if args.max_inflight is not None else config.scheduler_config.max_num_seqs
         speech.install(app, speech.SpeechLimits(max_inflight=limit, max_input_chars=args.max_input_chars,
                                                 retry_after_s=args.retry_after),
                        shared_counts=getattr(args, "omni_speech_counts", None), api_server=(index, count))

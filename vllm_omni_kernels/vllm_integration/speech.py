@@ -328,6 +328,10 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
         return _error(f"voice {request.voice!r} is not one of this model's voices {sorted(voices)}", "voice")
     if not request.input.strip():
         return _error("input must not be empty", "input")
+    try:
+        request.input.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" is valid JSON): no text to speak
+        return _error(f"input is not valid text: {exc.reason} at character {exc.start}", "input")
     if len(request.input) > limits.max_input_chars:
         return _error(f"input has {len(request.input)} characters; at most {limits.max_input_chars}", "input")
     return None
@@ -489,11 +493,14 @@ async def warm_up_route(app) -> None:
     streamed and one whole file, one after the other, so that the first clients do not pay for what
     runs once per process on first use (the route, its validation, the streamed response); the
     engine was warmed already (``llm.warm_up``). They are not counted (``Admission.counting``),
-    nor in ``FirstAudio``. Several API server processes warm at once under one bound: one that finds the
-    bound taken (503) skips the rest of its warm-up."""
+    nor in ``FirstAudio``. They speak one character in the model's first voice, the least any
+    configuration serves; one that the server's limits refuse (400: a model without voices, say)
+    is logged and ends the warm-up, as it shows the route running. Several API server processes
+    warm at once under one bound: one that finds the bound taken (503) skips the rest of its warm-up."""
     import httpx
 
-    body = {"input": "warm up", "response_format": "pcm", "stream": True}
+    voice = next(iter(_voices(app.state.engine_client)), "")
+    body = {"input": "a", "voice": voice, "response_format": "pcm", "stream": True}
     admission: Admission = app.state.omni_speech_admission
     admission.counting = False
     app.state.omni_speech_first_audio = FirstAudio(observe=False)
@@ -504,6 +511,9 @@ async def warm_up_route(app) -> None:
                 r = await client.post("/v1/audio/speech", json=payload)
                 if r.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
                     logger.info("speech route warm-up skipped: the bound is taken by other API server processes")
+                    break
+                if r.status_code == HTTPStatus.BAD_REQUEST:
+                    logger.warning("speech route warm-up refused by this server's limits: %s", r.text[:500])
                     break
                 if r.status_code != HTTPStatus.OK:
                     raise RuntimeError(f"the speech route's warm-up request failed ({r.status_code}): {r.text[:500]}")

@@ -80,7 +80,7 @@ def make_model_dir(path: str | Path, seed: int = 0) -> Path:
         vocab[c] = len(vocab)
     assert len(vocab) <= tk.TEXT_VOCAB
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>",
                             pad_token="[PAD]").save_pretrained(str(path))
