@@ -2,8 +2,8 @@
 //
 // Plain CUDA, no host or standard headers: the same text compiles with nvcc (the torch extension,
 // vok_torch.cu) and at run time with NVRTC (the CuPy backend). Entry points are extern "C" and named
-// by element size: copies move bits, so one kernel serves every dtype of that size (2: bf16/fp16,
-// 4: fp32/int32, 8: int64).
+// by element size: copies move bits, so one kernel serves every dtype of that size (1: uint8/int8/
+// bool/fp8, 2: bf16/fp16, 4: fp32/int32, 8: int64).
 //
 // The metadata row, the head word, the gather record and the block shapes are defined once, in
 // vllm_omni_kernels/ops/layout.py, and arrive here as -DVOK_... (layout.cuda_defines()).

@@ -170,10 +170,11 @@ def test_chunk_that_requires_grad_does_not_cost_later_keys(acc):
     PaddedBatch(torch.ones(2, 1, 4, dtype=torch.int64), [1]),  # two rows for one request
     PaddedBatch(torch.ones(0, 1, 4, dtype=torch.int64), []),  # no row
     PaddedBatch(torch.ones(1, 1, 4, dtype=torch.int64), [1, 1]),  # two lengths
+    PaddedBatch(torch.ones(1, 1, 4, dtype=torch.int64), [1.0]),  # a length that is no integer
 ])
 def test_structural_errors_are_raised_before_anything_is_appended(acc, codes):
     acc.add_request("a")
-    with pytest.raises(ValueError):
+    with pytest.raises((ValueError, TypeError)):
         acc.append_step(["a"], {"audio": [torch.ones(2)], "codes": codes})
     assert "audio" not in acc.collect(["a"])["a"].tensors
 

@@ -154,6 +154,19 @@ def test_unread_data_past_what_one_launch_copies_is_its_requests_error(backend):
     assert not keep[0] and "one launch copies" in str(errors[0]) and errors[0].request_id == "a"
     assert pool.unread_frames("a") == 2000 and pool.stats().growths == 0
 
+
+def test_a_step_that_repeats_the_last_stops_at_what_one_launch_copies(backend):
+    """The repeated step launches from kept rows while the slots have room; a slot grown past
+    ``max_unread_frames`` (capacities are powers of two) has room only up to it, so the step is
+    planned and the request gets its error there (the limit is lowered to 100 frames here)."""
+    pool = make_pool(initial_frames=64, budget_bytes=4 << 10)
+    pool.max_unread_frames = 100
+    pool.alloc("a")
+    errors = []
+    for _ in range(12):
+        errors += pool.append(["a"], PaddedBatch(torch.ones(1, 10), [10])).errors
+    assert pool.unread_frames("a") == 100 and len(errors) == 2 and pool.stats().repeated_launches
+
 def test_free_double_free_and_freed_slot(backend):
     pool = make_pool()
     pool.alloc("a")

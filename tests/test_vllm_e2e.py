@@ -186,18 +186,31 @@ def test_a_finish_waits_for_the_workers_rest_and_fails_visibly_when_it_never_com
     assert final_b.finish_reason == FinishReason.ERROR and "rest did not come" in final_b.multimodal_error.message
 
 
-def test_a_request_aborted_while_its_first_step_runs_leaves_nothing_held(tmp_path):
-    """vLLM's engine core takes aborts between a step and ``update_from_output``: a request the
-    worker opened in that step and that was aborted meanwhile is not held open afterwards (it
-    would stay so for ever, and the channel's work would run every step)."""
+@pytest.mark.parametrize("in_flight", [1, 2], ids=["one step", "two steps (async scheduling)"])
+def test_a_request_aborted_while_its_first_step_runs_leaves_nothing_held(tmp_path, in_flight):
+    """vLLM's engine core takes aborts between a step and its ``update_from_output``, with one
+    step in flight, or two under async scheduling (the abort lands before the update of the step
+    ahead of the request's first): a request the worker opened in a step and that was aborted
+    meanwhile is not held open afterwards (it would stay so for ever, and the channel's work would
+    run every step)."""
     from vllm.v1.request import RequestStatus
 
-    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
-    sched.add_request(sched_request("a", [5, 6, 7], sampling(max_tokens=8)))
-    so = sched.schedule()
-    ids = list(so.num_scheduled_tokens)
-    out = OmniModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=[[40] for _ in ids], multimodal_opened=["a"])
-    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    sched.update_from_output(so, out)
-    assert "a" not in sched.requests and sched._worker_open == set()
+    from vllm_omni_kernels.vllm_integration.scheduler import OmniAsyncScheduler
+
+    def output(so, opened):
+        ids = list(so.num_scheduled_tokens)
+        return OmniModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                     sampled_token_ids=[[40] for _ in ids], multimodal_opened=opened)
+
+    sched = scheduler(OmniScheduler if in_flight == 1 else OmniAsyncScheduler, tmp_path, max_num_seqs=4)
+    steps = []
+    if in_flight == 2:
+        sched.add_request(sched_request("a", [5, 6, 7], sampling(max_tokens=8)))
+        steps.append((sched.schedule(), ["a"]))
+    sched.add_request(sched_request("x", [5, 6, 7], sampling(max_tokens=8)))
+    steps.append((sched.schedule(), ["x"]))
+    assert "x" in steps[-1][0].num_scheduled_tokens
+    sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
+    for so, opened in steps:
+        sched.update_from_output(so, output(so, opened))
+    assert "x" not in sched.requests and "x" not in sched._worker_open

@@ -607,6 +607,48 @@ def test_a_failed_sample_of_n_leaves_its_siblings_outputs_as_they_are():
     assert (out.finished, completion.finish_reason, completion.stop_reason) == (False, None, None)
     assert torch.equal(completion.multimodal_output.tensors["audio"], torch.ones(4))
 
+
+def _samples_of(processor, kind, n=2):
+    """A request of ``n`` samples as ``LLMEngine.add_request`` makes them (copies of the request,
+    each a child of one ``ParentRequest``); returns the children's ids."""
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    parent = ParentRequest(core_request("par", [3, 4], sampling(kind, n=n, max_tokens=6, detokenize=False)))
+    kids = []
+    for index in range(n):
+        child_id, params = parent.get_child_info(index)
+        kids.append(child_id)
+        child = core_request(child_id, [3, 4], params)
+        child.external_req_id = "par"
+        processor.add_request(child, None, parent, index, None)
+    return kids
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_a_sample_of_n_failing_in_the_frontend_last_or_first_ends_its_request_visibly(kind):
+    """A sample whose key comes both ways fails in the frontend at its last output: after its
+    sibling finished (the request's last output must say finished), or before (FINAL_ONLY: the one
+    aggregated output must say that sample failed, not carry it as a plain finished one)."""
+    audio = torch.arange(4.0)
+    for last in (True, False):
+        processor = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+        kids = _samples_of(processor, kind)
+        failing, other = kids
+        seen = processor.process_outputs([token_output(c, 5, cls=OmniEngineCoreOutput,
+                                                       multimodal_output={"audio": audio}) for c in kids]).request_outputs
+        bad = token_output(failing, 6, finish=FinishReason.LENGTH, cls=OmniEngineCoreOutput,
+                           multimodal_output={"audio": audio}, multimodal_delivered={"audio": (-1, audio)})
+        done = token_output(other, 6, finish=FinishReason.LENGTH, cls=OmniEngineCoreOutput,
+                            multimodal_output={"audio": audio})
+        steps = [[done], [bad]] if last else [[bad], [done]]
+        for step in steps:
+            seen += processor.process_outputs(step).request_outputs
+        assert not processor.request_states and not processor.has_unfinished_requests()
+        (final,) = [out for out in seen if out.finished]
+        assert final is seen[-1]
+        reasons = {c.index: c.finish_reason for out in seen for c in out.outputs if c.finish_reason}
+        assert reasons == {0: "error", 1: "length"}, (last, reasons)
+
 def test_an_output_with_data_only_adds_no_inter_token_latency():
     """While a stopped request's final output waits for the worker's rest, the scheduler sends the
     data that arrives on an output without tokens: vLLM's statistics see the request's tokens as

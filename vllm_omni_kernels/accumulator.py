@@ -342,18 +342,17 @@ class MultimodalAccumulator:
 
 
 def _check_batch(key: str, batch: PaddedBatch, requests: int) -> None:
-    """ValueError (TypeError for device lengths) unless ``batch`` has one row and one length per
-    request; a batch whose data is no tensor is left to the per-request errors."""
+    """ValueError unless ``batch`` has one row and one length per request (TypeError for lengths on
+    a device or not integers); a batch whose data is no tensor is left to the per-request errors."""
     data, lengths = batch.data, batch.lengths
     if isinstance(data, torch.Tensor) and (data.dim() < 1 or data.shape[0] != requests):
         rows = data.shape[0] if data.dim() else 0
         raise ValueError(f"outputs[{key!r}] is a PaddedBatch of {rows} rows for {requests} requests")
-    if isinstance(lengths, torch.Tensor):
-        if lengths.device.type != "cpu":
-            raise TypeError(f"outputs[{key!r}]: PaddedBatch.lengths must be host values; a device tensor would "
-                            "sync every step")
-        count = lengths.numel()
-    else:
-        count = np.size(lengths)
-    if count != requests:
-        raise ValueError(f"outputs[{key!r}] is a PaddedBatch of {count} lengths for {requests} requests")
+    if isinstance(lengths, torch.Tensor) and lengths.device.type != "cpu":
+        raise TypeError(f"outputs[{key!r}]: PaddedBatch.lengths must be host values; a device tensor would "
+                        "sync every step")
+    n = np.asarray(lengths.numpy() if isinstance(lengths, torch.Tensor) else lengths)
+    if n.size != requests:
+        raise ValueError(f"outputs[{key!r}] is a PaddedBatch of {n.size} lengths for {requests} requests")
+    if n.size and n.dtype.kind not in "iu":
+        raise TypeError(f"outputs[{key!r}]: PaddedBatch.lengths must be integers, got {n.dtype}")

@@ -38,7 +38,6 @@ class RowGather:
         # a table per step, read in place: the least depth the staging ring allows (7 words a record)
         self._staging = PinnedStaging(1, self.capacity.words, self.device, depth=MIN_DEPTH)
         self._static_aligned: bool | None = None  # the alignment promise baked into a captured kernel
-        self._static_grid: int | None = None  # the rows a captured kernel covers
         self._static_records = 0  # records of the last prepared table
         self._resident = self.table
         self.launches = 0
@@ -81,17 +80,17 @@ class RowGather:
         self.launches += 1
         return 1
 
-    def prepare_static(self) -> None:
-        """Encode the recorded jobs into the resident device table (before a replay).
+    def prepare_static(self) -> int:
+        """Encode the recorded jobs into the resident device table (before a replay); returns its
+        records, the least ``grid_rows`` of a captured kernel that carries all of them out (a
+        caller that captured one per batch size replays one of at least that many).
 
-        Raises ``ValueError`` if a kernel was captured for 16-byte aligned rows and these are not,
-        or for fewer rows than these jobs' records (a replay would leave the rest out).
+        Raises ``ValueError`` if a kernel was captured for 16-byte aligned rows and these are not.
         """
         if self._static_aligned and not self.jobs.aligned:
             raise ValueError("the captured gather assumes 16-byte aligned rows; these jobs are not aligned")
         _, self._static_records = self._encode(resident=True)
-        if self._static_grid is not None and self._static_records > self._static_grid:
-            raise ValueError(f"{self._static_records} records, and the captured gather covers {self._static_grid}")
+        return self._static_records
 
     def run_static(self, grid_rows: int) -> None:
         """The one kernel of a captured step: reads the resident table; ``grid_rows`` >= the records
@@ -100,6 +99,5 @@ class RowGather:
             raise ValueError(f"a grid of {grid_rows} rows for {self._static_records} records")
         if self._static_aligned is None:
             self._static_aligned = self.jobs.aligned
-        self._static_grid = grid_rows if self._static_grid is None else min(self._static_grid, grid_rows)
         ops.row_gather(self.jobs, self._resident, self.anchor, grid_rows=grid_rows, aligned=self._static_aligned)
         self.launches += 1

@@ -51,6 +51,7 @@ from .planner import plan_read, plan_write
 from .staging import PinnedStaging
 
 _INT32_MAX = 2**31 - 1
+_MAX_ROWS = 65535  # rows of one launch: the grid's second axis
 UPLOAD_ELEMS = 4096  # rows longer than this: several programs per row, metadata copied to the device first
 
 
@@ -144,6 +145,9 @@ class RingPool:
         self.growth = growth
         self.max_slots = max_slots
         self.frame_bytes = self.frame_elems * dtype.itemsize
+        self.max_unread_frames = _INT32_MAX // self.frame_elems  # what one launch copies of a slot
+        if max_slots > _MAX_ROWS:
+            raise ValueError(f"pool {key!r}: {max_slots} slots; a launch takes at most {_MAX_ROWS} rows")
         if budget_bytes < self.frame_bytes:
             raise ValueError(f"pool {key!r}: a budget of {budget_bytes} bytes holds no frame of {self.frame_bytes}")
         # a new slot's frames: initial_frames rounded up to a power of two, as many as the budget holds
@@ -262,9 +266,11 @@ class RingPool:
         return slots
 
     def room(self, slots: np.ndarray) -> int:
-        """Frames every one of these slots can still take without growing."""
+        """Frames every one of these slots can still take without growing (nor passing what one launch
+        copies of a slot, ``max_unread_frames``)."""
         self._settle()
-        return int((self.table[slots, CAP] - self.table[slots, UNREAD]).min(initial=_INT32_MAX))
+        cap = np.minimum(self.table[slots, CAP], self.max_unread_frames)
+        return int((cap - self.table[slots, UNREAD]).min(initial=_INT32_MAX))
 
     def unread(self) -> np.ndarray:
         """Unread frames of every slot (a read-only view of the host mirror, indexed by slot)."""
@@ -347,8 +353,7 @@ class RingPool:
         rows = self.table[slots]
         total = rows[:, UNREAD] + n
         over = total > rows[:, CAP]
-        too_big = total * self.frame_elems > _INT32_MAX if len(n) and total.max() * self.frame_elems > _INT32_MAX \
-            else ()
+        too_big = total > self.max_unread_frames if len(n) and total.max() > self.max_unread_frames else ()
         if not (over.any() or len(too_big)):
             return keep
         over, too_big = np.flatnonzero(over), np.flatnonzero(too_big)
@@ -356,7 +361,7 @@ class RingPool:
         for i in too_big:
             keep[i] = False
             failed.append(TensorAccumulationError(
-                f"{int(total[i])} unread frames would pass the {_INT32_MAX // self.frame_elems} one launch copies "
+                f"{int(total[i])} unread frames would pass the {self.max_unread_frames} one launch copies "
                 "(2**31 - 1 elements): read the request's data more often", request_id=request_ids[i], key=self.key))
         grown: list[tuple[int, int, int]] = []  # (slot, new region's offset, its frames)
         for i in over:
@@ -607,7 +612,7 @@ class RingPool:
         rows = len(slots)
         frames = plan_write(self.table, slots, n, lin_off, lin_stride, host)
         unread = host[:rows, UNREAD] + n
-        if int(unread.max()) * self.frame_elems > _INT32_MAX or (unread > host[:rows, CAP]).any():
+        if int(unread.max()) > self.max_unread_frames or (unread > host[:rows, CAP]).any():
             # Grow the slots (rare): their rows move, and a growth's copy takes a staging buffer.
             fit = self.make_room(request_ids, slots, n, errors)
             if not fit.all():

@@ -279,7 +279,13 @@ class OmniRequestState(RequestState):
         base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
         if self.accumulator is None and self.arrived is None:
             return base
-        return MultimodalCompletionOutput.from_completion(base, self._payload_or_failure(finish_reason is not None))
+        failed = len(self.failures) if self.failures is not None else 0
+        out = MultimodalCompletionOutput.from_completion(base, self._payload_or_failure(finish_reason is not None))
+        if self.failures is not None and len(self.failures) > failed:  # it failed: the completion says so, so
+            exc = self.failures[-1][1]  # that vLLM's ParentRequest counts a sample of n as finished
+            out.finish_reason = str(FinishReason.ERROR)
+            out.stop_reason = str(_raised_by_generate(exc, self.external_req_id))
+        return out
 
     def _new_pooling_output(self, pooling_output: torch.Tensor):
         """A request with pooling params that also produced multimodal output ends with its pooling
@@ -494,7 +500,7 @@ class MultimodalOutputProcessor(OutputProcessor):
             for out in result.request_outputs:  # LLMEngine: the output says so
                 if not (isinstance(out, RequestOutput) and out.request_id == state.external_req_id):
                     continue
-                for completion in out.outputs:  # of n > 1 samples, the failed one's only (its siblings go on)
+                for completion in out.outputs:  # of a sample of n, its own completion (vLLM's parent does the rest)
                     if state.parent_req is None or completion.index == state.request_index:
                         completion.finish_reason = str(FinishReason.ERROR)
                         completion.stop_reason = str(raised)

@@ -58,7 +58,6 @@ class MultimodalChannel:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._worker_open: set[str] = set()  # requests whose output the worker holds
-        self._finished: set[str] = set()  # requests finish_requests finished since the last step's update
         self._awaiting: dict[str, list] = {}  # finished request -> [client, its final output, steps waited]
         self.held = HeldTokens()
 
@@ -71,11 +70,15 @@ class MultimodalChannel:
         finished = super().finish_requests(request_ids, finished_status)
         for request in finished:
             self._worker_open.discard(request.request_id)
-            self._finished.add(request.request_id)
             self.held.drop(request.request_id)
         return finished
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        # The requests the worker opened in this step that are still known: not one aborted since the
+        # step ran (vLLM's engine core takes aborts between a step and its update, with any number of
+        # steps in flight), which would be held open for ever; taken before vLLM's update finishes
+        # those that end in this step.
+        opened = [rid for rid in getattr(model_runner_output, "multimodal_opened", None) or () if rid in self.requests]
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         out = model_runner_output
         if not isinstance(out, OmniModelRunnerOutput):
@@ -83,10 +86,7 @@ class MultimodalChannel:
                 return outputs
             out = OmniModelRunnerOutput(req_ids=[], req_id_to_index={})  # a step with nothing on the channel
         packed = out.packed
-        # not a request finished since the step ran (vLLM's engine core takes aborts between the
-        # step and this): it would be held open for ever
-        self._worker_open.update(rid for rid in out.multimodal_opened or () if rid not in self._finished)
-        self._finished.clear()
+        self._worker_open.update(opened)
         if packed is not None:
             self._worker_open.difference_update(packed.final)
         plain = out.multimodal_outputs or {}
