@@ -66,8 +66,10 @@ class _Stream:
 
     def __init__(self, rid: str, row: int, kind: RequestOutputKind, frames: int):
         self.rid, self.row, self.kind, self.frames, self.produced = rid, row, kind, frames, 0
+        self.first = 0  # the frame it starts at (streams of the first batch start mid-way)
         self.audio: list[torch.Tensor] = []
         self.codes: list[torch.Tensor] = []
+        self.sent: list[torch.Tensor] = []  # the codes its steps produced
 
 
 def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cadence: int,
@@ -101,7 +103,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
 
     for k in range(B):  # staggered: request k has produced k * frames / B frames when timing starts
         start()
-        live[-1].produced = live[-1].frames - 1 - (k * frames) // B
+        live[-1].produced = live[-1].first = live[-1].frames - 1 - (k * frames) // B
     gen = torch.Generator(device=device).manual_seed(0)
     times = {"worker": [], "wire": [], "frontend": [], "frontend_multimodal": []}
     wire_bytes = []
@@ -164,14 +166,14 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
             times["frontend"].append(t3 - t2)
             times["frontend_multimodal"].append(mm1 - mm0)
             wire_bytes.append(sum(memoryview(f).nbytes for f in frames_out))
-        for s in live:
+        for s, sent in zip(live, codes.cpu()):
+            s.sent.append(sent)
             s.produced += 1
         for s in [s for s in live if s.produced == s.frames]:
             live.remove(s)
             free_rows.append(s.row)
-            if s.audio:
-                _check(s)
-                checked[0] += 1
+            _check(s)
+            checked[0] += 1
             start()
     us = {k: float(np.median(v)) * 1e6 for k, v in times.items()}
     return {"path": path, "streams": B, "frames": frames, "device": str(device), "checked_exact": checked[0],
@@ -245,12 +247,13 @@ def launch_floor_us(B: int, cadence_frames: int, steps: int = 2000) -> float:
 
 
 def _check(s: _Stream) -> None:
-    """The stream's audio against what its codes decode to (streams that started mid-way too: their
-    frames count from ``frames - produced`` at the start)."""
-    codes = torch.cat(s.codes).cpu()
-    audio = torch.cat(s.audio).cpu()
-    first = s.frames - codes.shape[0]
-    want = tk.decode_frames(codes, torch.arange(first, s.frames)).reshape(-1)
+    """The stream's codes against those its steps produced, and its audio against what they decode
+    to (streams that started mid-way too: their frames count from ``first``)."""
+    codes = torch.cat(s.codes).cpu() if s.codes else torch.zeros(0, tk.CODEBOOKS, dtype=torch.int64)
+    audio = torch.cat(s.audio).cpu() if s.audio else torch.zeros(0)
+    if not torch.equal(codes, torch.stack(s.sent).cpu()):
+        raise AssertionError(f"{s.rid} ({s.kind.name}): {codes.shape[0]} frames arrived, not the {len(s.sent)} sent")
+    want = tk.decode_frames(codes, torch.arange(s.first, s.frames)).reshape(-1)
     if not torch.equal(audio, want):
         raise AssertionError(f"{s.rid} ({s.kind.name}): audio differs from what its codes decode to")
 

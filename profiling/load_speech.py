@@ -16,7 +16,7 @@ in count and in time (``--time-limit`` per path). Reported per path (JSON + PNG)
 - gaps: for each stream, each wait between two chunks against the audio the previous chunk covered
   (worst ratio), and underruns: chunks that arrived after a player started at the first byte would
   have run out of audio (the target is none);
-- samples lost or altered (every stream compared with ``talker.expected_audio`` of its rollout);
+- samples lost, altered or extra (every stream compared with ``talker.expected_audio`` of its rollout);
 - 503 answers, and an overload probe: ``max_inflight + 8`` simultaneous requests (the extra ones must
   get 503 with Retry-After);
 - where the server says the time to first audio went (``speech.FirstAudio``: admission, the
@@ -92,7 +92,7 @@ class Stream:
         self.t_send = self.t_first = None
         self.arrivals: list[tuple[float, int]] = []  # (time, bytes) per chunk
         self.data = bytearray()
-        self.nbytes = self.lost = self.altered = 0  # after check()
+        self.nbytes = self.lost = self.altered = self.extra = 0  # after check()
 
 
 def _session(url: str, connections: int, timeout: float) -> aiohttp.ClientSession:
@@ -132,8 +132,9 @@ def gaps(s: Stream) -> tuple[float, int]:
 
 
 def check(streams: list[Stream], model: Path) -> None:
-    """Every finished stream against the talker's rollout: its samples lost and altered are noted on
-    it (``lost``, ``altered``) and its data dropped (only its length is kept)."""
+    """Every finished stream against the talker's rollout: its samples lost, altered and extra (past
+    the rollout's end) are noted on it (``lost``, ``altered``, ``extra``) and its data dropped (only
+    its length is kept)."""
     from transformers import AutoTokenizer
 
     from vllm_omni_kernels.vllm_integration.speech import FRAMES_PER_CHAR
@@ -151,13 +152,15 @@ def check(streams: list[Stream], model: Path) -> None:
         n = min(want.size, got.size)
         s.altered = int((got[:n].view(np.uint32) != want[:n].view(np.uint32)).sum())
         s.lost = max(0, want.size - got.size)
+        s.extra = max(0, got.size - want.size)
         s.nbytes, s.data = len(s.data), bytearray()
 
 
 def checked(streams: list[Stream]) -> dict:
     ok = [s for s in streams if s.status == 200]
     return {"samples_lost": sum(s.lost for s in ok), "samples_altered": sum(s.altered for s in ok),
-            "streams_exact": sum(s.lost == 0 and s.altered == 0 for s in ok)}
+            "samples_extra": sum(s.extra for s in ok),
+            "streams_exact": sum(s.lost == 0 and s.altered == 0 and s.extra == 0 for s in ok)}
 
 
 async def overload_probe(url: str, limit: int) -> dict:
@@ -292,7 +295,8 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
           f"({res['audio_s_per_wall_s']:.1f}x real time); TTFB p50 {res['ttfb_ms_p50']:.1f} ms, p99 "
           f"{res['ttfb_ms_p99']:.1f} ms (by round {[round(v, 1) for v in res['ttfb_ms_p99_by_round']]}; target {res['ttfb_p99_target_ms']:.1f}: 2 steps of {step_ms:.2f} ms + 50); "
           f"worst gap {res['worst_gap_ratio']:.2f}x the previous chunk, {res['underruns']} underruns; "
-          f"{verdict['samples_lost']} samples lost, {verdict['samples_altered']} altered; 503s {res['status_503']}; "
+          f"{verdict['samples_lost']} samples lost, {verdict['samples_altered']} altered, {verdict['samples_extra']} "
+          f"extra; 503s {res['status_503']}; "
           f"probe {probe}; pool bytes {before['pool_bytes_used']} -> {after['pool_bytes_used']}, slots "
           f"{after['pool_slots_used']}, RSS {before['rss_bytes']} -> {[m['rss_bytes'] for m in rounds]} after each round",
           flush=True)

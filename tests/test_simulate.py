@@ -80,26 +80,65 @@ def test_info_reports_backends(capsys):
     assert info["backends"]["cpu"]["ring_write"]["backend"] in ("torch", "triton")
 
 
-@pytest.mark.vllm
-def test_the_check_finds_one_altered_sample():
-    pytest.importorskip("vllm")
-    import torch
-
+def _result(kind: str = "delta", frames: int = 3, prompt=(5, 6, 7), **change):
+    """A request's result as the client keeps it, exactly what its prompt makes the talker say;
+    ``change``: what to spoil (``audio``: a function of the samples, ``codes``, ``tokens``,
+    ``finish_reason``, ``payloads``, ``aborted``, ``inconsistent``)."""
     from vllm_omni_kernels.serving import talker as tk
-    from vllm_omni_kernels.vllm_integration.simulate import _check, _Plan, _Result, _settle
+    from vllm_omni_kernels.vllm_integration.simulate import _Plan, _Result, _settle
 
-    def result(rid: str, alter: bool) -> _Result:
-        codes = torch.randint(0, tk.CODEBOOK_SIZE, (3, tk.CODEBOOKS), generator=torch.Generator().manual_seed(1))
-        audio = tk.expected_audio(codes).clone()
-        if alter:
-            audio[2 * tk.FRAME_SAMPLES + 5] += 1e-3
-        r = _Result(_Plan(rid, [5], 3, "delta", False, False, 0.0))
-        r.audio, r.codes = list(audio.split(tk.FRAME_SAMPLES)), list(codes.split(1))
-        r.tokens = (codes[:, 0] + tk.TEXT_VOCAB).tolist()
-        r.finish_reason = "length"
-        _settle(r)
-        return r
+    codes = change.pop("codes", tk.rollout(tk.ToyTalker(0), list(prompt), frames))
+    audio = change.pop("audio", lambda a: a)(tk.expected_audio(codes).clone())
+    r = _Result(_Plan(f"req-{kind}", list(prompt), frames, kind, False, False, 0.0))
+    r.audio, r.codes = list(audio.split(tk.FRAME_SAMPLES)), list(codes.split(1))
+    r.tokens = (codes[:, 0] + tk.TEXT_VOCAB).tolist()
+    r.finish_reason, r.payloads = "length", 1 if kind == "final_only" else frames
+    for name, value in change.items():
+        setattr(r, name, value)
+    _settle(r)
+    return r
 
-    assert _check([result("req-good", alter=False)], None, bad_fails=True)["finished_exact"] == 1
-    with pytest.raises(AssertionError, match=r"req-bad .*1 of 5760 samples differ, from sample 3845 .*frame 2"):
-        _check([result("req-ok", alter=False), result("req-bad", alter=True)], None, bad_fails=True)
+
+def _spoiled():
+    from vllm_omni_kernels.serving import talker as tk
+
+    def one_sample(a):
+        a[2 * tk.FRAME_SAMPLES + 5] += 1e-3
+        return a
+
+    other = tk.rollout(tk.ToyTalker(0), [9, 9, 9], 3)
+    return {
+        "one sample": ({"audio": one_sample}, r"1 of 5760 samples differ, from sample 3845 .*frame 2"),
+        "another prompt's codes and audio": ({"codes": other}, "not what its prompt says"),
+        "a frame short": ({"codes": tk.rollout(tk.ToyTalker(0), [5, 6, 7], 3)[:2]}, "2 frames and 2 tokens, expected 3"),
+        "a token short": ({"tokens": None}, "codes do not match"),
+        "finished otherwise": ({"finish_reason": "abort"}, "finished by 'abort'"),
+        "two whole files": ({"kind": "final_only", "payloads": 2}, "FINAL_ONLY got 2 payloads"),
+        "a cumulative output that is no prefix": ({"kind": "cumulative", "inconsistent": "output 2 does not start"},
+                                                 "does not start"),
+        "an aborted request's wrong prefix": ({"codes": other[:1], "aborted": True}, "not what its prompt says"),
+    }
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", [
+    "one sample", "another prompt's codes and audio", "a frame short", "a token short", "finished otherwise",
+    "two whole files", "a cumulative output that is no prefix", "an aborted request's wrong prefix"])
+def test_the_check_finds_what_is_lost_altered_or_anothers(case):
+    """Each way a request's audio can go wrong fails the check, naming the request; an exact
+    request passes, whole or aborted after its first frame."""
+    pytest.importorskip("vllm")
+    from vllm_omni_kernels.serving import talker as tk
+    from vllm_omni_kernels.vllm_integration.simulate import _check
+
+    talker = tk.ToyTalker(0)
+    good = [_result(), _result("cumulative"), _result("final_only")]
+    aborted = _result(codes=tk.rollout(talker, [5, 6, 7], 3)[:1], aborted=True)
+    assert _check(good + [aborted], None, bad_fails=True, talker=talker) == \
+        {"finished_exact": 3, "aborted_checked": 1, "failed_as_expected": 0}
+    change, message = _spoiled()[case]
+    kind = change.pop("kind", "delta")
+    if change.get("tokens", 0) is None:
+        change["tokens"] = (tk.rollout(talker, [5, 6, 7], 3)[:, 0] + tk.TEXT_VOCAB).tolist()[:2]
+    with pytest.raises(AssertionError, match=message):
+        _check(good + [_result(kind, **change)], None, bad_fails=True, talker=talker)

@@ -12,12 +12,16 @@ its ``max_tokens`` or its stop token; this package's path writes each finished r
 under ``out_dir`` and reads it back. Both paths get the same requests.
 
 Reported per path (``summary.json``, one PNG): audio seconds per wall second, time to first audio
-(p50/p99) and the delay of a request's first chunk from its production in the worker to the client
-(both over the streaming requests, DELTA and CUMULATIVE), the time to a FINAL_ONLY request's file,
-how late the client's event loop runs (p50/p99/max: outputs wait that long when the client is busy)
-and its longest garbage collection,
-engine step time, the worker's output-path host time per step, the frontend's multimodal time per
-step, device-to-host copies per step, bytes on the wire per step, the requests that ended on a stop
+(p50/p99, from when the client sends the request: a request waits for one of ``concurrency``
+senders first) and the delay of a request's first chunk from its production in the worker to the
+client (both over the streaming requests, DELTA and CUMULATIVE), the time to a FINAL_ONLY request's
+file, how late the client's event loop runs (p50/p99/max: outputs wait that long when the client is
+busy) and its longest garbage collection, engine step time, the worker's output-path host time per
+step (this package's: the appends and the collect, which starts the step's copy, whose landing is
+waited for later, off the step; the upstream style's: its blocking ``.cpu()`` copies, which also
+wait for the step's forward on a GPU: the two are not alike, and no ratio of them is reported;
+``profiling/bench_output_path.py`` times both to the data in hand), the frontend's multimodal time
+per step, device-to-host copies per step, bytes on the wire per step, the requests that ended on a stop
 token (``requests_stopped``) and how often vLLM resumed a request it had preempted
 (``resumptions``: a KV cache too small for the load, say
 ``engine_args={"num_gpu_blocks_override": 16}``, makes vLLM preempt running requests and recompute
@@ -56,6 +60,7 @@ PATHS = ("worker", "upstream")
 # that delivers every stream's output) costs what the requests in flight cost, not what the run
 # has served so far. The heap is unfrozen after the run.
 _FREEZE_EVERY = 256
+_FINAL_ONLY_ABORT_S = 0.05  # a FINAL_ONLY request planned to be aborted is aborted this long after it starts
 
 
 @dataclasses.dataclass
@@ -93,6 +98,7 @@ class _Plan:
     arrival: float  # seconds after the start
     stop: int | None = None  # its stop token: it then ends after ``ends`` frames, not ``frames``
     ends: int = 0  # (0: ``frames``)
+    codes: torch.Tensor | None = None  # what its prompt makes the talker say (``_check``), made once
 
     def __post_init__(self):
         self.ends = self.ends or self.frames
@@ -112,6 +118,8 @@ class _Result:
     first_audio_wall: float | None = None  # time.time, to meet the worker's clock
     finished: bool = False
     error: str | None = None
+    aborted: bool = False  # the client aborted it before it finished
+    inconsistent: str | None = None  # a CUMULATIVE output that did not start with the one before it
 
 
 def _plans(cfg: SimConfig) -> list[_Plan]:
@@ -121,7 +129,10 @@ def _plans(cfg: SimConfig) -> list[_Plan]:
         n = int(rng.integers(4, 40))
         prompt = [int(x) for x in rng.integers(4, 100, size=n)]
         bad = bool(cfg.bad_every) and i % cfg.bad_every == cfg.bad_every - 1
-        abort = bool(cfg.abort_every) and i % cfg.abort_every == cfg.abort_every // 2 and not bad
+        # one request in abort_every, at a place that moves along by one each time, so that every
+        # output kind is aborted in turn
+        abort = bool(cfg.abort_every) and \
+            i % cfg.abort_every == (cfg.abort_every // 2 + i // cfg.abort_every) % cfg.abort_every and not bad
         frames = int(rng.integers(min(cfg.min_frames, cfg.max_frames), cfg.max_frames + 1))
         plan = _Plan(f"req-{i:04d}", prompt, frames, cfg.kinds[i % len(cfg.kinds)], abort, bad, t)
         if cfg.stop_every and i % cfg.stop_every == cfg.stop_every - 1 and not (bad or abort):
@@ -148,7 +159,7 @@ def run(cfg: SimConfig) -> dict:
     if set(PATHS) <= set(summary["paths"]):
         ours, theirs = summary["paths"]["worker"], summary["paths"]["upstream"]
         summary["ratios"] = {k: theirs[k] / ours[k] if ours[k] else None for k in
-                             ("worker_output_path_us_median", "frontend_multimodal_us_per_step",
+                             ("frontend_multimodal_us_per_step",
                               "frontend_multimodal_us_per_audio_second", "d2h_copies_per_step",
                               "wire_bytes_per_step")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -175,7 +186,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         results, engine_stats, client, wall = asyncio.run(_serve_async(cfg, path, model, plans))
         gc.collect()  # the shut-down engine, if a cycle holds it, goes while the interpreter is whole
     checked = _check(results, out / "wav" if (path == "worker" and cfg.write_wavs) else None,
-                     bad_fails=path == "worker")
+                     bad_fails=path == "worker", talker=tk.ToyTalker(cfg.seed))
     samples = sum(sum(a.numel() for a in r.audio) for r in results)
     # A streaming request's first audio is its first chunk; a FINAL_ONLY one's is its whole file, at
     # its end: that is its own figure, never mixed into the time to first audio.
@@ -240,16 +251,25 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         async def one(plan: _Plan) -> _Result:
             res = _Result(plan, start=time.perf_counter())
             prompt, params = _request(plan)
+            timer = None
+            if plan.abort and plan.kind == "final_only":  # no audio before its end: aborted a while after it starts
+                timer = asyncio.get_running_loop().call_later(
+                    _FINAL_ONLY_ABORT_S, lambda: asyncio.ensure_future(engine.abort(plan.rid)))
             try:
                 # closed when left early: its frame (and the engine it holds) goes now, not at exit
                 async with contextlib.aclosing(engine.generate(prompt, params, request_id=plan.rid)) as stream:
                     async for out in stream:
                         _take(res, out)
-                        if plan.abort and res.first_audio is not None:
+                        if plan.abort and res.first_audio is not None and not out.finished:
                             await engine.abort(plan.rid)
+                            res.aborted = True
                             break
             except TensorAccumulationError as exc:
                 res.error = str(exc)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            res.aborted = res.aborted or res.finish_reason == "abort"
             _settle(res)
             held[0] += 1
             if held[0] == _FREEZE_EVERY:
@@ -344,15 +364,23 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
             if not live:
                 time.sleep(min(0.01, max(0.0, pending[0].arrival - (time.perf_counter() - t0))))
                 continue
-            for out in engine.step():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for res in [r for r in live.values() if r.plan.abort and r.plan.kind == "final_only"
+                        and now - r.start > _FINAL_ONLY_ABORT_S]:  # its outputs of this step are left out
+                engine.abort_request([res.plan.rid])  # (LLMEngine makes no output for it)
+                res.aborted = True
+                results.append(live.pop(res.plan.rid))
+                bar.update(1)
+            for out in outputs:
                 res = live.get(out.request_id)
                 if res is None:
                     continue  # an aborted request's last output
                 _take(res, out)
-                aborting = res.plan.abort and res.first_audio is not None
-                if aborting:
+                res.aborted = res.plan.abort and res.first_audio is not None and not out.finished
+                if res.aborted:
                     engine.abort_request([res.plan.rid])
-                if out.finished or aborting or res.error is not None:
+                if out.finished or res.aborted or res.error is not None:
                     _settle(res)
                     results.append(live.pop(out.request_id))
                     bar.update(1)
@@ -402,8 +430,13 @@ def _take(res: _Result, out) -> None:
             res.audio.append(payload.tensors["audio"])
             res.codes.append(payload.tensors["codes"])
         else:
-            res.audio, res.codes = [payload.tensors["audio"]], [payload.tensors["codes"]]
-    res.finished = out.finished and not res.plan.abort
+            audio, codes = payload.tensors["audio"], payload.tensors["codes"]
+            if res.audio and res.inconsistent is None and not (
+                    torch.equal(audio[:res.audio[0].numel()], res.audio[0])
+                    and torch.equal(codes[:res.codes[0].shape[0]], res.codes[0])):
+                res.inconsistent = f"output {res.payloads} does not start with the output before it"
+            res.audio, res.codes = [audio], [codes]
+    res.finished = out.finished and comp.finish_reason != "abort"
 
 
 def _settle(res: _Result) -> None:
@@ -423,10 +456,13 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
             f"(frame {int(bad[0]) // tk.FRAME_SAMPLES} to {int(bad[-1]) // tk.FRAME_SAMPLES})")
 
 
-def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool) -> dict:
-    """Every sample of every request against what its codes decode to; raises on any difference.
-    ``bad_fails``: the requests planned with a malformed chunk must have failed with its error (the
-    comparison path has no such check and serves them as any other)."""
+def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool, talker: tk.ToyTalker) -> dict:
+    """Every request's codes against what its prompt makes ``talker`` say (its rollout: audio made
+    from another request's text, or from none, differs), and every sample against what those codes
+    decode to; a request the client aborted up to where it got, any other to its end (its length,
+    finish reason, and for FINAL_ONLY one payload). Raises on any difference. ``bad_fails``: the
+    requests planned with a malformed chunk must have failed with its error (the comparison path
+    has no such check and serves them as any other)."""
     exact = aborted = failed = 0
     if wav_dir is not None:
         wav_dir.mkdir(parents=True, exist_ok=True)
@@ -439,15 +475,21 @@ def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool) -> dic
             continue
         if r.error is not None:
             raise AssertionError(f"{p.rid}: failed: {r.error}")
+        if r.inconsistent is not None:
+            raise AssertionError(f"{p.rid} ({p.kind}): {r.inconsistent}")
         codes = torch.cat(r.codes) if r.codes else torch.zeros(0, tk.CODEBOOKS, dtype=torch.int64)
         audio = torch.cat(r.audio) if r.audio else torch.zeros(0)
+        if p.codes is None:  # (both paths check the same plans)
+            p.codes = tk.rollout(talker, p.prompt, p.ends)
+        if codes.shape[0] > p.ends or not torch.equal(codes, p.codes[:codes.shape[0]]):
+            raise AssertionError(f"{p.rid} ({p.kind}): its {codes.shape[0]} frames are not what its prompt says")
         expected = tk.expected_audio(codes)
         if not torch.equal(audio, expected):
             raise AssertionError(f"{p.rid} ({p.kind}): audio differs from what its {codes.shape[0]} frames decode "
                                  f"to: {_difference(audio, expected)}; {r.payloads} payloads")
         if r.tokens[:codes.shape[0]] != (codes[:, 0] + tk.TEXT_VOCAB).tolist():
             raise AssertionError(f"{p.rid}: codes do not match the request's sampled tokens")
-        if p.abort:
+        if r.aborted:
             aborted += 1
             continue
         if codes.shape[0] != p.ends or len(r.tokens) != p.ends:
