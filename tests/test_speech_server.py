@@ -339,9 +339,10 @@ def test_a_request_that_fails_after_its_first_audio_is_cut_and_counted_as_failed
 
 
 def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audio(small_audio_memory):
-    """Twelve whole files at once: the three the worker cannot hold are answered 503 with
-    Retry-After (a retry succeeds once others finish), the nine others are exact, and the server
-    serves on (the engine core used to die of it, and every request with it)."""
+    """Twelve whole files at once: those the worker cannot hold (three, unless one has finished
+    before the last arrives, as on a loaded host) are answered 503 with Retry-After (a retry
+    succeeds once others finish), the others are exact, and the server serves on (the engine core
+    used to die of it, and every request with it)."""
     server = small_audio_memory
     text = "c" * 69
     body = {"input": text, "response_format": "pcm", "sample_format": "f32"}
@@ -353,7 +354,8 @@ def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audi
     before = idle(server)
     responses = asyncio.run(together())
     want = expected(server, text).astype("<f4").tobytes()
-    assert sorted(r.status_code for r in responses) == [200] * 9 + [503] * 3
+    ok = sum(r.status_code == 200 for r in responses)
+    assert 9 <= ok < 12 and sorted(r.status_code for r in responses) == [200] * ok + [503] * (12 - ok)
     for r in responses:
         if r.status_code == 200:
             assert r.content == want
@@ -362,7 +364,7 @@ def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audi
             assert r.headers["retry-after"] == "1" and error["type"] == "ServiceUnavailableError"
             assert "speech-" in error["message"] and "budget" in error["message"], error
     after = idle(server)  # turned away, not served
-    assert (after["served"] - before["served"], after["rejected"] - before["rejected"]) == (9, 3)
+    assert (after["served"] - before["served"], after["rejected"] - before["rejected"]) == (ok, 12 - ok)
     again = httpx.post(f"{server['url']}/v1/audio/speech", json=body, timeout=120)
     assert again.status_code == 200 and again.content == want
     # vLLM's own routes answer the same with 503 (the error is vLLM's RetryableRequestError)
@@ -373,7 +375,9 @@ def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audi
             return await asyncio.gather(*(client.post("/v1/completions", json=completion) for _ in range(12)))
 
     responses = asyncio.run(completions())
-    assert sorted(r.status_code for r in responses) == [200] * 9 + [503] * 3, [r.text for r in responses]
+    ok = sum(r.status_code == 200 for r in responses)
+    assert 9 <= ok < 12 and sorted(r.status_code for r in responses) == [200] * ok + [503] * (12 - ok), \
+        [r.text for r in responses]
     assert all(r.json()["error"]["type"] == "ServiceUnavailableError" for r in responses if r.status_code == 503)
 
 
