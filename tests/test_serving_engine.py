@@ -144,8 +144,19 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
         assert one.multimodal.tensors["audio"].equal(out.multimodal.tensors["audio"])
         with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
             engine.generate([TokensPrompt(prompt_token_ids=[5, 6, 7 + i]) for i in range(3)], [final, final])
+        # n samples: the whole of each, CUMULATIVE as FINAL_ONLY (vLLM sends a streaming kind's outputs
+        # one sample at a time)
+        want = (tk.rollout(tk.ToyTalker(0), [5, 6, 7], 5)[:, 0] + tk.TEXT_VOCAB).tolist()
+        for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE):
+            (two,) = engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                                     SamplingParams(n=2, max_tokens=5, output_kind=kind, detokenize=False))
+            assert [list(c.token_ids) for c in two.request_output.outputs] == [want, want], kind
         # what the talker's sampling cannot honour is refused at admission (TalkerSampling), not ignored
-        for refused in ({"logprobs": 2}, {"prompt_logprobs": 1}, {"min_tokens": 3, "stop_token_ids": [1100]}):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        for refused in ({"logprobs": 2}, {"prompt_logprobs": 1}, {"min_tokens": 3, "stop_token_ids": [1100]},
+                        {"allowed_token_ids": [1500]}, {"bad_words": ["x"]},
+                        {"structured_outputs": StructuredOutputsParams(choice=["yes", "no"])}):
             with pytest.raises(VLLMValidationError, match="the talker") as caught:
                 engine.add_request("refused", TokensPrompt(prompt_token_ids=[5, 6, 7]),
                                    SamplingParams(max_tokens=7, detokenize=False, **refused))

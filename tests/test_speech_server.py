@@ -542,6 +542,16 @@ def test_limits_below_one_are_refused(tmp_path, option, value, capsys):
         make_parser().parse_args([str(tmp_path), option, value])
     assert "not at least 1" in capsys.readouterr().err
 
+
+def test_what_additional_config_says_of_the_talker_wins_over_talker_engine_args_keywords(tmp_path):
+    """As in the server: the keywords' defaults (device, output path) do not overwrite what the
+    caller wrote, and vLLM's stream_interval follows the cadence the worker will use."""
+    from vllm_omni_kernels.vllm_integration.llm import talker_engine_args
+
+    omni = {"device": "cpu", "output_path": "upstream", "cadence": tk.FRAME_SAMPLES}
+    args = talker_engine_args(tmp_path, additional_config={"omni": omni})
+    assert args.additional_config["omni"] == omni and args.stream_interval == 1
+
 def test_what_additional_config_says_of_the_talker_wins_over_the_servers_options(tmp_path):
     from vllm_omni_kernels.vllm_integration.server import engine_args_from, make_parser
 

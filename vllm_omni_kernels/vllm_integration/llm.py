@@ -94,13 +94,14 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
     ``TalkerExecutor`` on ``device``. ``cadence``: audio samples a streaming request gets at a time;
     ``output_path``: "worker" (this package) or "upstream" (the comparison path). Other keywords
     go to vLLM's ``AsyncEngineArgs`` (an ``EngineArgs``: ``OmniAsyncLLM`` and ``OmniLLM`` take it);
-    vLLM's ``stream_interval`` defaults to the cadence in frames (``talker_stream_interval``)."""
+    what ``additional_config["omni"]`` says of the talker wins over these keywords, as in the
+    server; vLLM's ``stream_interval`` defaults to the cadence in frames (``talker_stream_interval``)."""
     omni: dict[str, Any] = {"device": device, "output_path": output_path}
     if cadence is not None:
         omni["cadence"] = int(cadence)
-    kwargs.setdefault("stream_interval", talker_stream_interval(cadence))
     extra = dict(kwargs.pop("additional_config", None) or {})
-    extra["omni"] = {**extra.get("omni", {}), **omni}
+    extra["omni"] = {**omni, **extra.get("omni", {})}
+    kwargs.setdefault("stream_interval", talker_stream_interval(extra["omni"].get("cadence")))
     kwargs.setdefault("max_model_len", 8192)
     kwargs.setdefault("max_num_batched_tokens", max(8192, kwargs["max_model_len"]))
     return args_cls(model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
@@ -267,11 +268,15 @@ class OmniLLM(LLMEngine):
             if added < len(ids):  # a prompt was refused: the ones before it go too
                 self.abort_request(ids[:added])
         final: dict[str, OmniRequestOutput] = {}
+        samples: dict[str, dict[int, Any]] = {}  # n > 1: each sample's latest completion (its own outputs)
         modality = self.output_processor.output_modality
         try:
             while self.has_unfinished_requests():
                 for out in self.step():
+                    latest = samples.setdefault(out.request_id, {})
+                    latest.update((c.index, c) for c in out.outputs)
                     if out.finished:
+                        out.outputs = [latest[i] for i in sorted(latest)]
                         final[out.request_id] = wrap_output(out, None, modality)
         finally:
             if len(final) < len(ids):  # step() raised: nothing of this call stays in flight

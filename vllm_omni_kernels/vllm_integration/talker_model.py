@@ -52,11 +52,16 @@ class OmniTalkerForTTS(nn.Module):
         """What the talker's sampling cannot honour, refused when a request arrives
         (``llm.OmniInputProcessor``: vLLM's validation error, a 400 in the API server). The talker
         picks each frame's codes itself, greedily (``serving.talker``): ``n``, ``seed`` and the
-        temperature and penalty parameters change nothing; logprobs it has none of, and it does not
-        hold back a stop token until ``min_tokens``."""
+        temperature and penalty parameters change nothing; logprobs it has none of, it keeps to no
+        constraint on its tokens (allowed tokens, bad words, a grammar), and it does not hold back a
+        stop token until ``min_tokens``."""
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name, None) is not None:
                 raise VLLMValidationError("the talker returns no logprobs", parameter=name)
+        for name in ("allowed_token_ids", "bad_words", "structured_outputs"):
+            if getattr(params, name, None):
+                raise VLLMValidationError("the talker picks its codes itself and keeps to no constraint on them",
+                                          parameter=name)
         if params.min_tokens and any(tk.TEXT_VOCAB <= t < tk.VOCAB for t in params.stop_token_ids or ()):
             raise VLLMValidationError("the talker does not hold back a stop token until min_tokens",
                                       parameter="min_tokens", value=params.min_tokens)
