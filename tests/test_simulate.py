@@ -142,3 +142,74 @@ def test_the_check_finds_what_is_lost_altered_or_anothers(case):
         change["tokens"] = (tk.rollout(talker, [5, 6, 7], 3)[:, 0] + tk.TEXT_VOCAB).tolist()[:2]
     with pytest.raises(AssertionError, match=message):
         _check(good + [_result(kind, **change)], None, bad_fails=True, talker=talker)
+
+
+@pytest.mark.vllm
+def test_bad_every_on_the_upstream_path_is_served_and_checked(tmp_path):
+    """--bad-every: the upstream path serves a malformed request as any other, so its codes are
+    those of its prompt as sent (the prompt and the worker's cue, token 1): that is what they are
+    checked against."""
+    pytest.importorskip("vllm")
+    from vllm_omni_kernels.vllm_integration.simulate import SimConfig, run
+
+    cfg = SimConfig(requests=4, concurrency=4, min_frames=2, max_frames=3, abort_every=0, bad_every=2,
+                    device="cpu", paths=("upstream",), out_dir=str(tmp_path), progress=False, write_wavs=False)
+    s = run(cfg)["paths"]["upstream"]
+    assert s["finished_exact"] == 4
+
+
+@pytest.mark.vllm
+def test_in_process_final_only_finished_in_the_timer_step_is_not_checked_as_aborted(tmp_path, monkeypatch):
+    """In-process: a FINAL_ONLY request planned to be aborted whose final output arrives in the step
+    at which its timer runs out finished (vLLM made its whole file); it must be checked whole, not
+    counted as aborted with its output dropped (a request is checked as aborted only when it
+    was). Timer at 0 s and one-frame requests make every such request finish in that step."""
+    pytest.importorskip("vllm")
+    from vllm_omni_kernels.vllm_integration import simulate
+
+    monkeypatch.setattr(simulate, "_FINAL_ONLY_ABORT_S", 0.0)
+    cfg = simulate.SimConfig(requests=3, concurrency=3, min_frames=1, max_frames=1, abort_every=1,
+                             kinds=("final_only",), arrival_ms=0, device="cpu", in_process=True,
+                             paths=("worker",), out_dir=str(tmp_path), progress=False, write_wavs=False)
+    s = simulate.run(cfg)["paths"]["worker"]
+    assert s["aborted_checked"] == 0 and s["finished_exact"] == 3, s
+
+
+@pytest.mark.vllm
+def test_a_cumulative_output_wrong_when_delivered_fails_even_when_its_storage_is_shared():
+    """This package's CUMULATIVE outputs are views of one GrowingTensor (output_processor._so_far):
+    output k's audio and output k+1's prefix are the same memory. An output delivered with a wrong
+    frame (here frame 1, set right in place before the next output) fails the check: each output
+    is compared with a copy of the one before, taken as it came."""
+    pytest.importorskip("vllm")
+    import types
+
+    from vllm_omni_kernels.payload import GrowingTensor, MultimodalPayload
+    from vllm_omni_kernels.serving import talker as tk
+    from vllm_omni_kernels.vllm_integration.simulate import _check, _Plan, _Result, _settle, _take
+
+    talker = tk.ToyTalker(0)
+    codes = tk.rollout(talker, [5, 6, 7], 3)
+    audio = tk.expected_audio(codes)
+    F = tk.FRAME_SAMPLES
+    res = _Result(_Plan("req-c", [5, 6, 7], 3, "cumulative", False, False, 0.0))
+    ga, gc = GrowingTensor(audio[:F], 0, 3 * F), GrowingTensor(codes[:1], 0, 3)
+
+    def out(finished):
+        payload = MultimodalPayload({"audio": ga.view(), "codes": gc.view()})
+        n = gc.view().shape[0]
+        comp = types.SimpleNamespace(finish_reason="length" if finished else None, stop_reason=None,
+                                     token_ids=(codes[:n, 0] + tk.TEXT_VOCAB).tolist(), multimodal_output=payload)
+        return types.SimpleNamespace(outputs=[comp], finished=finished)
+
+    _take(res, out(False))
+    wrong = audio[F:2 * F].clone()
+    wrong[7] += 1.0
+    ga.append(wrong), gc.append(codes[1:2])
+    _take(res, out(False))  # the client gets frame 1 wrong here
+    ga.view()[F + 7] = audio[F + 7]  # set right in place before the next output
+    ga.append(audio[2 * F:]), gc.append(codes[2:])
+    _take(res, out(True))
+    _settle(res)
+    with pytest.raises(AssertionError):
+        _check([res], None, bad_fails=True, talker=talker)

@@ -4,8 +4,9 @@ upstream-style one, in one run.
 For each path a vLLM engine core starts in its own process (ZMQ + msgpack; ``in_process`` keeps it
 in this process) serving the talker (``talker_model``) on the device, and ``requests`` requests
 arrive staggered, at most ``concurrency`` at a time, in DELTA, CUMULATIVE and FINAL_ONLY output
-kinds, every ``abort_every``-th one aborted after its first audio and every ``stop_every``-th one
-ending on a token (``stop_token_ids``: a codec token its talker emits half-way, as a TTS model ends
+kinds, one in ``abort_every`` aborted (a streaming one after its first audio, a FINAL_ONLY one a
+while after it starts; one that finishes first is checked whole; the output kinds take their turn)
+and every ``stop_every``-th one ending on a token (``stop_token_ids``: a codec token its talker emits half-way, as a TTS model ends
 on its codec's end token). Every finished request's audio is checked sample for sample against the
 audio its codes decode to, its codes against its tokens, and its length and finish reason against
 its ``max_tokens`` or its stop token; this package's path writes each finished request's WAV
@@ -69,7 +70,7 @@ class SimConfig:
     concurrency: int = 32
     min_frames: int = 8  # request length in 80 ms codec frames
     max_frames: int = 40
-    abort_every: int = 12  # every n-th request is aborted after its first audio (0: none)
+    abort_every: int = 12  # one request in n is aborted (module docstring; 0: none)
     bad_every: int = 0  # every n-th request makes the talker emit a malformed chunk (0: none)
     stop_every: int = 0  # every n-th request ends on a token it produces half-way (0: none)
     arrival_ms: float = 10.0  # mean gap between arrivals (exponential; 0: all at once)
@@ -366,12 +367,6 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
                 continue
             outputs = engine.step()
             now = time.perf_counter()
-            for res in [r for r in live.values() if r.plan.abort and r.plan.kind == "final_only"
-                        and now - r.start > _FINAL_ONLY_ABORT_S]:  # its outputs of this step are left out
-                engine.abort_request([res.plan.rid])  # (LLMEngine makes no output for it)
-                res.aborted = True
-                results.append(live.pop(res.plan.rid))
-                bar.update(1)
             for out in outputs:
                 res = live.get(out.request_id)
                 if res is None:
@@ -384,6 +379,12 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
                     _settle(res)
                     results.append(live.pop(out.request_id))
                     bar.update(1)
+            for res in [r for r in live.values() if r.plan.abort and r.plan.kind == "final_only"
+                        and now - r.start > _FINAL_ONLY_ABORT_S]:  # (not one that finished in this step)
+                engine.abort_request([res.plan.rid])  # (LLMEngine makes no output for it)
+                res.aborted = True
+                results.append(live.pop(res.plan.rid))
+                bar.update(1)
         wall = time.perf_counter() - t0
         bar.close()
         stats = engine.collective_rpc("output_path_stats")[0]
@@ -429,12 +430,15 @@ def _take(res: _Result, out) -> None:
         if res.plan.kind == "delta":
             res.audio.append(payload.tensors["audio"])
             res.codes.append(payload.tensors["codes"])
-        else:
+        else:  # CUMULATIVE: each output starts with a copy of the one before, taken as it came (the
+            # worker path's share one growing storage), so each was right when it came if the last is
             audio, codes = payload.tensors["audio"], payload.tensors["codes"]
             if res.audio and res.inconsistent is None and not (
                     torch.equal(audio[:res.audio[0].numel()], res.audio[0])
                     and torch.equal(codes[:res.codes[0].shape[0]], res.codes[0])):
                 res.inconsistent = f"output {res.payloads} does not start with the output before it"
+            if res.plan.kind == "cumulative" and not out.finished:
+                audio, codes = audio.clone(), codes.clone()
             res.audio, res.codes = [audio], [codes]
     res.finished = out.finished and comp.finish_reason != "abort"
 
@@ -479,8 +483,8 @@ def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool, talker
             raise AssertionError(f"{p.rid} ({p.kind}): {r.inconsistent}")
         codes = torch.cat(r.codes) if r.codes else torch.zeros(0, tk.CODEBOOKS, dtype=torch.int64)
         audio = torch.cat(r.audio) if r.audio else torch.zeros(0)
-        if p.codes is None:  # (both paths check the same plans)
-            p.codes = tk.rollout(talker, p.prompt, p.ends)
+        if p.codes is None:  # (both paths check the same plans) what the engine got (_request)
+            p.codes = tk.rollout(talker, p.prompt + ([1] if p.bad else []), p.ends)
         if codes.shape[0] > p.ends or not torch.equal(codes, p.codes[:codes.shape[0]]):
             raise AssertionError(f"{p.rid} ({p.kind}): its {codes.shape[0]} frames are not what its prompt says")
         expected = tk.expected_audio(codes)
