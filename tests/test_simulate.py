@@ -110,7 +110,8 @@ def _spoiled():
     return {
         "one sample": ({"audio": one_sample}, r"1 of 5760 samples differ, from sample 3845 .*frame 2"),
         "another prompt's codes and audio": ({"codes": other}, "not what its prompt says"),
-        "a frame short": ({"codes": tk.rollout(tk.ToyTalker(0), [5, 6, 7], 3)[:2]}, "2 frames and 2 tokens, expected 3"),
+        "a frame short": ({"codes": tk.rollout(tk.ToyTalker(0), [5, 6, 7], 3)[:2]},
+                          "2 frames and 2 tokens, expected 3"),
         "a token short": ({"tokens": None}, "codes do not match"),
         "finished otherwise": ({"finish_reason": "abort"}, "finished by 'abort'"),
         "two whole files": ({"kind": "final_only", "payloads": 2}, "FINAL_ONLY got 2 payloads"),

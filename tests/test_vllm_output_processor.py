@@ -634,8 +634,8 @@ def test_a_sample_of_n_failing_in_the_frontend_last_or_first_ends_its_request_vi
         processor = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
         kids = _samples_of(processor, kind)
         failing, other = kids
-        seen = processor.process_outputs([token_output(c, 5, cls=OmniEngineCoreOutput,
-                                                       multimodal_output={"audio": audio}) for c in kids]).request_outputs
+        first = [token_output(c, 5, cls=OmniEngineCoreOutput, multimodal_output={"audio": audio}) for c in kids]
+        seen = processor.process_outputs(first).request_outputs
         bad = token_output(failing, 6, finish=FinishReason.LENGTH, cls=OmniEngineCoreOutput,
                            multimodal_output={"audio": audio}, multimodal_delivered={"audio": (-1, audio)})
         done = token_output(other, 6, finish=FinishReason.LENGTH, cls=OmniEngineCoreOutput,

@@ -6,11 +6,12 @@ in this process) serving the talker (``talker_model``) on the device, and ``requ
 arrive staggered, at most ``concurrency`` at a time, in DELTA, CUMULATIVE and FINAL_ONLY output
 kinds, one in ``abort_every`` aborted (a streaming one after its first audio, a FINAL_ONLY one a
 while after it starts; one that finishes first is checked whole; the output kinds take their turn)
-and every ``stop_every``-th one ending on a token (``stop_token_ids``: a codec token its talker emits half-way, as a TTS model ends
-on its codec's end token). Every finished request's audio is checked sample for sample against the
-audio its codes decode to, its codes against its tokens, and its length and finish reason against
-its ``max_tokens`` or its stop token; this package's path writes each finished request's WAV
-under ``out_dir`` and reads it back. Both paths get the same requests.
+and every ``stop_every``-th one ending on a token (``stop_token_ids``: a codec token its talker
+emits half-way, as a TTS model ends on its codec's end token). Every request's codes are checked
+against what its prompt makes the talker say, its audio sample for sample against what its codes
+decode to, its codes against its tokens, and, finished, its length and finish reason against its
+``max_tokens`` or its stop token; this package's path writes each finished request's WAV under
+``out_dir`` and reads it back. Both paths get the same requests.
 
 Reported per path (``summary.json``, one PNG): audio seconds per wall second, time to first audio
 (p50/p99, from when the client sends the request: a request waits for one of ``concurrency``
