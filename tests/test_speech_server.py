@@ -543,6 +543,44 @@ def test_limits_below_one_are_refused(tmp_path, option, value, capsys):
     assert "not at least 1" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("argv", [["--headless"], ["--api-server-count", "0"]])
+def test_an_engine_without_api_servers_is_refused(tmp_path, argv):
+    """vLLM's ``serve`` runs the engine alone for these; this server runs its engine with its API
+    servers, and says so rather than start one anyway."""
+    from vllm_omni_kernels.vllm_integration.server import main
+
+    with pytest.raises(SystemExit, match="not supported"):
+        main([str(tmp_path), *argv])
+
+
+def test_parser_plugins_are_imported_as_vllms_server_imports_them(tmp_path, monkeypatch):
+    """``--tool-parser-plugin`` (and ``--reasoning-parser-plugin``): the file is imported before the
+    engine is built. The run stops at the engine's arguments (this module's names, replaced here)."""
+    import signal
+
+    from vllm_omni_kernels.vllm_integration import server
+
+    marker, plugin = tmp_path / "imported", tmp_path / "my_tool_parser.py"
+    plugin.write_text(f"open({str(marker)!r}, 'w').write('yes')\n")
+    args = server.make_parser().parse_args([str(tmp_path), "--tool-parser-plugin", str(plugin)])
+
+    class Stop(Exception):
+        pass
+
+    def stop(_args):
+        raise Stop
+
+    monkeypatch.setattr(server, "setup_server", lambda *a, **k: ("http://x", None))
+    monkeypatch.setattr(server, "engine_args_from", stop)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(Stop):
+            asyncio.run(server.run(args))
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert marker.exists()
+
 def test_what_additional_config_says_of_the_talker_wins_over_talker_engine_args_keywords(tmp_path):
     """As in the server: the keywords' defaults (device, output path) do not overwrite what the
     caller wrote, and vLLM's stream_interval follows the cadence the worker will use."""

@@ -30,7 +30,7 @@ import time
 import uvloop
 import vllm.envs as envs
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.entrypoints.common.cli_args import init_parser_plugin, make_arg_parser, validate_parsed_serve_args
 from vllm.entrypoints.common.startup import cli_env_setup
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
@@ -119,6 +119,7 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
 
         signal.signal(signal.SIGTERM, interrupt)
         listen_address, sock = setup_server(args, reuse_port=False)
+    init_parser_plugin(args)  # as vLLM's server worker: --tool-parser-plugin, --reasoning-parser-plugin
     client = dict(client_config or {})
     count, index = client.pop("client_count", 1), client.pop("client_index", 0)
     loads = client.pop("api_server_loads", None)
@@ -223,6 +224,9 @@ def main(argv: list[str]) -> None:
         args.model = args.model_tag
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
+    if getattr(args, "headless", False) or (args.api_server_count is not None and args.api_server_count < 1):
+        raise SystemExit("the speech server runs its engine with its API servers: --headless and an "
+                         "--api-server-count below 1 (an engine alone) are not supported")
     count = args.api_server_count or 1
     if count > 1:
         serve_multi(args, count)
