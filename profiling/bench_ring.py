@@ -13,8 +13,10 @@ Paths:
                memory; with the compiled backend the host planning and the launch are one call);
                ``consolidate`` at finish
   ours_graph   ``StaticAppend`` captured in a CUDA graph of one step, replayed per step
-  ours_ingraph the same kernel captured ``steps`` times in one graph: the per-step device cost when the
-               append is part of the model's captured step
+  ours_ingraph the same kernel captured ``steps`` times in one graph, as a whole episode (the slots
+               taken anew, ``prepare``, the replay, ``consolidate``) divided by its steps;
+               ``ours_kernel_ingraph`` is the replay alone: the per-step device cost when the
+               append is part of the model's captured step, what ``copy_ingraph`` compares with
   ours_append[b], ours_kernel_ingraph[b]
                per kernel backend b (triton, cuda = the compiled extension, cupy = NVRTC; and
                cuda_no_pdl, triton_no_pdl: launched without programmatic dependent launch):

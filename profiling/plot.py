@@ -14,7 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-RING = ["upstream", "gpu_list", "cat_step", "ours_eager", "ours_graph", "ours_ingraph", "copy_ingraph"]
+RING = ["upstream", "gpu_list", "cat_step", "ours_eager", "ours_graph", "ours_ingraph", "ours_kernel_ingraph",
+        "copy_ingraph"]
 GATHER = ["row_loop", "index_copy", "ours_eager", "ours_graph", "copy_graph"]
 
 
