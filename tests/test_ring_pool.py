@@ -500,3 +500,24 @@ def test_a_step_that_repeats_the_last_but_on_another_device_fails_its_requests_b
     errors = pool.append(ids, PaddedBatch(torch.empty(2, 16, device="meta"), [16, 16])).errors
     assert [(e.request_id, "on meta" in str(e)) for e in errors] == [("a", True), ("b", True)]
     assert pool.repeated_launches == 1
+
+
+def test_staging_uploads_into_another_tensor_at_the_same_address_by_its_own_layout():
+    """The staging ring keeps the views of an upload; a later destination at the same address with
+    another row stride or dtype gets views of its own (a cached view wrote the rows at the old
+    stride and width). The upload path runs here on host tensors standing in for device ones."""
+    from vllm_omni_kernels.ring.staging import PinnedStaging
+
+    staging = PinnedStaging(2, 8, torch.device("cpu"))
+    staging.pinned = True  # (the device path: upload copies through its cached views)
+    staging._host = [torch.arange(16, dtype=torch.int64).view(2, 8) + 1]
+    buf = torch.zeros(64, dtype=torch.int64)
+    staging.upload(0, 2, buf.view(8, 8))
+    buf.zero_()
+    wide = buf.view(4, 16)
+    staging.upload(0, 2, wide)
+    assert torch.equal(wide[:2, :8], staging._host[0])
+    buf.zero_()
+    narrow = buf.view(torch.int32).view(4, 32)
+    staging.upload(0, 2, narrow)
+    assert narrow[:2, :8].flatten().tolist() == list(range(1, 17))

@@ -594,7 +594,7 @@ class RingPool:
         """The next staging buffer with room for ``rows`` rows (grows, rarely, for a larger step)."""
         if rows > self._staging.rows:
             if self._staging.pinned:  # kernels may still be reading the old pinned rows in place
-                torch.cuda.current_stream().synchronize()  # rare: only when a step outgrows the rows
+                torch.cuda.current_stream(self.device).synchronize()  # rare: only when a step outgrows the rows
             self._staging = PinnedStaging(1 << (rows - 1).bit_length(), META_COLS, self.device, device_copy=True)
             self._resident = torch.empty(self._staging.rows, META_COLS, dtype=torch.int64, device=self.device)
         return self._staging.host()

@@ -81,7 +81,7 @@ class PinnedStaging:
         first records an event (after the work of every earlier hand-out, not this one's)."""
         if self.pinned and self._count and self._count % _EVENT_EVERY == 0:
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))  # the ring's device, whichever is current
             self._events.append((self._count, ev))
         self._count += 1
 
@@ -112,7 +112,8 @@ class PinnedStaging:
             return self._host[i]
         key = (i, rows, self.cols if cols is None else cols)
         views = self._views.get(key)
-        if views is None or views[0].data_ptr() != dst.data_ptr():
+        if views is None or views[0].data_ptr() != dst.data_ptr() or views[0].dtype != dst.dtype \
+                or views[0].stride() != dst.stride():  # another tensor at the same address
             if len(self._views) > 4096:
                 self._views.clear()
             views = self._views[key] = (dst[:rows, :key[2]], self._host[i][:rows, :key[2]])
