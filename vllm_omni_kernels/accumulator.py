@@ -29,14 +29,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import backend
 from .errors import TensorAccumulationError, TensorConsolidationError
 from .modality import OutputModality, TensorAccumulationStrategy as Strategy, resolve_strategy
 from .payload import MultimodalPayload
-from .ring import PaddedBatch, PoolStats, RingPool
+from .ring import PaddedBatch, PoolStats, RingPool, host_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +222,7 @@ class MultimodalAccumulator:
         idx = [i for i, k in enumerate(keep) if k]
         if not idx:
             return
-        lengths = np.asarray(batch.lengths.numpy() if isinstance(batch.lengths, torch.Tensor) else batch.lengths)
-        sub = PaddedBatch(data[idx], lengths.reshape(-1)[idx])  # rare path (some request rejected): gathers rows
+        sub = PaddedBatch(data[idx], host_lengths(batch.lengths)[idx])  # rare (a request rejected): gathers rows
         errors.extend(pool.append([request_ids[i] for i in idx], sub).errors)
 
     def _append_values(self, key: str, request_ids: Sequence[str], values: Sequence[Any], errors: list) -> None:
@@ -348,11 +346,9 @@ def _check_batch(key: str, batch: PaddedBatch, requests: int) -> None:
     if isinstance(data, torch.Tensor) and (data.dim() < 1 or data.shape[0] != requests):
         rows = data.shape[0] if data.dim() else 0
         raise ValueError(f"outputs[{key!r}] is a PaddedBatch of {rows} rows for {requests} requests")
-    if isinstance(lengths, torch.Tensor) and lengths.device.type != "cpu":
-        raise TypeError(f"outputs[{key!r}]: PaddedBatch.lengths must be host values; a device tensor would "
-                        "sync every step")
-    n = np.asarray(lengths.numpy() if isinstance(lengths, torch.Tensor) else lengths)
+    try:
+        n = host_lengths(lengths)
+    except TypeError as exc:
+        raise TypeError(f"outputs[{key!r}]: {exc}") from None
     if n.size != requests:
         raise ValueError(f"outputs[{key!r}] is a PaddedBatch of {n.size} lengths for {requests} requests")
-    if n.size and n.dtype.kind not in "iu":
-        raise TypeError(f"outputs[{key!r}]: PaddedBatch.lengths must be integers, got {n.dtype}")

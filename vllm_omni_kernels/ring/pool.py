@@ -148,12 +148,12 @@ class RingPool:
         self.max_unread_frames = _INT32_MAX // self.frame_elems  # what one launch copies of a slot
         if max_slots > _MAX_ROWS:
             raise ValueError(f"pool {key!r}: {max_slots} slots; a launch takes at most {_MAX_ROWS} rows")
-        if budget_bytes < self.frame_bytes:
+        if budget_bytes < self.frame_bytes:  # (no frame: budget_frames would be 0)
             raise ValueError(f"pool {key!r}: a budget of {budget_bytes} bytes holds no frame of {self.frame_bytes}")
         # a new slot's frames: initial_frames rounded up to a power of two, as many as the budget holds
-        min_frames = min(1 << max(0, int(initial_frames) - 1).bit_length(),
-                         1 << ((budget_bytes // self.frame_bytes).bit_length() - 1))
-        self.allocator = BuddyAllocator(budget_bytes // self.frame_bytes, min_frames)
+        budget_frames = budget_bytes // self.frame_bytes
+        min_frames = min(1 << max(0, int(initial_frames) - 1).bit_length(), 1 << (budget_frames.bit_length() - 1))
+        self.allocator = BuddyAllocator(budget_frames, min_frames)
         self.arena = torch.empty(self.allocator.total_frames * self.frame_elems, dtype=dtype, device=self.device)
         self.state = torch.zeros(max_slots, dtype=torch.int64, device=self.device)  # layout.py: head words
         self.table = np.zeros((max_slots, META_COLS), np.int64)  # planner.py: one row per slot
@@ -456,9 +456,7 @@ class RingPool:
         if plan is None or plan.version != self.version or ids != plan.ids or data.shape != plan.shape \
                 or data.dtype != self.dtype or not self._on_device(data) or data.stride() != plan.stride:
             return False
-        if isinstance(lengths, torch.Tensor) and lengths.device.type != "cpu":
-            return False  # the planning path raises the typed error
-        if _host_lengths(lengths).tobytes() != plan.n_bytes:
+        if host_lengths(lengths).tobytes() != plan.n_bytes:
             return False
         if plan.meta is None:
             plan.wanted = True
@@ -513,9 +511,7 @@ class RingPool:
 
     def _rows_from_batch(self, request_ids, data: torch.Tensor, lengths, errors: list, slots=None):
         B = len(request_ids)
-        if isinstance(lengths, torch.Tensor) and lengths.device.type != "cpu":
-            raise TypeError("PaddedBatch.lengths must be host values; a device tensor would sync every step")
-        n = _host_lengths(lengths)
+        n = host_lengths(lengths)
         if data.dim() < 1 or data.shape[0] != B or n.shape[0] != B:
             raise ValueError(f"PaddedBatch for key {self.key!r}: data batch {tuple(data.shape[:1])}, "
                              f"{n.shape[0]} lengths, {B} request ids")
@@ -778,10 +774,13 @@ class RingPool:
         return rows[:5]
 
 
-def _host_lengths(lengths) -> np.ndarray:
-    """A ``PaddedBatch``'s host lengths as a flat int64 array (TypeError for lengths that are not
-    integers: 2.7 frames is no length, and would be cut to 2)."""
+def host_lengths(lengths) -> np.ndarray:
+    """A ``PaddedBatch``'s host lengths as a flat int64 array. TypeError for lengths on a device
+    (reading them would sync the host every step) or that are not integers (2.7 frames is no
+    length, and would be cut to 2)."""
     if isinstance(lengths, torch.Tensor):
+        if lengths.device.type != "cpu":
+            raise TypeError("PaddedBatch.lengths must be host values; a device tensor would sync every step")
         lengths = lengths.numpy()
     n = np.asarray(lengths)
     if n.dtype.kind not in "iu" and n.size:
