@@ -262,7 +262,7 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
                 async with contextlib.aclosing(engine.generate(prompt, params, request_id=plan.rid)) as stream:
                     async for out in stream:
                         _take(res, out)
-                        if plan.abort and res.first_audio is not None and not out.finished:
+                        if _abort_now(res, out):
                             await engine.abort(plan.rid)
                             res.aborted = True
                             break
@@ -373,7 +373,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
                 if res is None:
                     continue  # an aborted request's last output
                 _take(res, out)
-                res.aborted = res.plan.abort and res.first_audio is not None and not out.finished
+                res.aborted = _abort_now(res, out)
                 if res.aborted:
                     engine.abort_request([res.plan.rid])
                 if out.finished or res.aborted or res.error is not None:
@@ -409,6 +409,12 @@ def _request(plan: _Plan):
 
 def _kind(name: str) -> RequestOutputKind:
     return RequestOutputKind[name.upper()]
+
+
+def _abort_now(res: _Result, out) -> bool:
+    """Whether a request planned to be aborted is aborted after ``out`` (taken): at its first audio,
+    unless that came with its end (a FINAL_ONLY one's first audio is its end: a timer aborts it)."""
+    return res.plan.abort and res.first_audio is not None and not out.finished
 
 
 def _take(res: _Result, out) -> None:
