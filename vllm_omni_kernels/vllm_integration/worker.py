@@ -1,60 +1,38 @@
 """The talker's model runner in the engine core: ``TalkerWorker``, and its executor ``TalkerExecutor``.
 
-``TalkerExecutor`` is vLLM's ``UniProcExecutor`` with this worker in place of vLLM's GPU worker
-(which needs vLLM's compiled kernels); vLLM drives it through its worker RPCs (KV-cache spec and
-memory, ``execute_model``, ``sample_tokens``, ...). The model and every buffer live on the
-configured device, CUDA or CPU, whatever vLLM's own platform is.
+``TalkerExecutor`` is vLLM's ``UniProcExecutor`` running this worker instead of vLLM's GPU worker;
+the model and every buffer live on the configured device (CUDA or CPU). A step (``execute_model``,
+then ``sample_tokens``) is numpy over per-row arrays, nothing per request:
 
-A step (``execute_model`` then ``sample_tokens``, as vLLM's GPU runner does):
-
-1. bookkeeping from the scheduler output: new requests get a row, of the persistent device state
-   (prompt context, last token, frame index: all of a step's new prompts in one upload and one
-   batched forward), of the host arrays that count their tokens and frames, and of the worker
-   accumulator, with their output kind from their sampling parameters; finished and aborted
-   requests give their row back; a preempted request that vLLM resumes (among the cached requests,
-   or with its Model Runner V2 as a new one) recomputes its tokens and goes on where it stopped.
-   When vLLM preempts a request with a step in flight (a reset of running requests, as its pause
-   and sleep do) it drops that step's tokens, whose frames the worker has produced: when vLLM
-   samples those frames again the worker hands it the tokens it sampled then (the latest
-   ``_KEPT_TOKENS`` of every row are kept), so its audio goes on exactly; a stop token among them
-   ends the request there, as it would have. The step itself is numpy over these arrays, nothing
-   per request;
-2. the requests whose tokens are all computed after this step sample: one talker forward over them
-   (codes ``[B, CODEBOOKS]``), the sampled token ids written straight into the head of the step's
-   output buffer, the frames' audio decoded (``[B, FRAME_SAMPLES]``);
-3. the output path: ``WorkerAccumulator.append`` (one launch per key) and ``collect`` (what is due,
-   packed, and one asynchronous copy to the host carrying the token ids too). A request whose last
-   frame this was (its ``max_tokens``, or the model's length) is closed in the same step, so its
-   last data travels with its last token;
+1. new requests get a row (device state, host counters, a slot of the ``WorkerAccumulator``);
+   finished ones give it back. A preempted request that vLLM resumes recomputes its tokens and goes
+   on where it stopped; when vLLM dropped a step in flight (a reset of running requests, as its pause
+   and sleep do), it samples those frames again and gets the tokens sampled then (the latest
+   ``_KEPT_TOKENS`` of a row are kept), so its audio goes on exactly;
+2. the requests that sample this step: one talker forward (codes ``[B, CODEBOOKS]``), the token ids
+   written into the head of the step's output buffer, the frames' audio decoded;
+3. ``WorkerAccumulator.append`` and ``collect``: what is due, with the token ids, in one
+   asynchronous copy to the host. A request's last frame closes its output in the same step;
 4. ``sample_tokens`` returns an ``AsyncModelRunnerOutput`` whose ``get_output`` waits for that copy
-   (vLLM calls it a step later under async scheduling: the copy overlaps the next step).
+   (under async scheduling, a step later: the copy overlaps the next step).
 
-Stop tokens. A token that ends its request (vLLM's ``check_stop``: the request's eos token or one of
-its ``stop_token_ids``, among the tokens the talker can sample) is known on the host only in
-``get_output``, when the scheduler learns it too. The worker then stops sampling the request and, at
-its next step, delivers the rest of its output up to the stopping frame and closes it
-(``collect(ends=...)``); the scheduler's final output for it waits for that
-(``scheduler.MultimodalChannel``). Under async scheduling the worker has run the next step before
-it sees a step's tokens: that step's frame of a request that has ended is taken out of the step's
-data before vLLM gets it (``PackedStep.drop_newest``), and never read if it was not due. Every
-frame goes as soon as it is due. Each request has a row for the accumulator's slots; there are
-twice as many rows as vLLM has seats, since vLLM gives a finished request's seat to the next one
-before its output has closed here.
+Stop tokens (the request's eos or ``stop_token_ids``, vLLM's ``check_stop``) are seen on the host only
+in ``get_output``. The worker then stops sampling the request and closes its output at the next step,
+up to the stopping frame (``collect(ends=...)``); the scheduler's final output waits for that
+(``scheduler.MultimodalChannel``). A step already run past the stop leaves the extra frame out of its
+data (``PackedStep.drop_newest``). There are twice as many rows as vLLM has seats, since vLLM gives a
+finished request's seat away before its output has closed here.
 
-``additional_config["omni"]`` configures it: ``device`` ("auto", "cuda", "cpu"), ``cadence``
-(audio samples a streaming request gets at a time; 0: every step), ``output_path`` ("worker", or
-"upstream": the comparison path, where each key's batched output is copied to the host every step
-and sliced per request, as upstream vllm-omni does), ``bad_prompt_token`` (a prompt token that
-makes the talker emit a malformed chunk, for tests of the failure path), ``sync_debug`` (run
-``execute_model`` under CUDA's sync-debug mode "error": any host synchronisation in the step raises),
-``pool_budget_bytes`` (the audio's ring arena, preallocated on the device, 1 GiB by default; a
-FINAL_ONLY request holds all its audio there until it finishes: 7.5 KiB a frame, about 8 MiB for 80
-seconds; a request it cannot hold, when it arrives or when its region must grow, fails with an
-``OutputMemoryError`` naming it, which the speech route answers with 503 before its first audio, and
-every other request goes on; it must hold the first slots of ``max_num_seqs`` streams) and
-``cpu_threads`` (torch's threads for a talker on the CPU; None: half the cores, leaving the rest to
-the API server processes beside the engine, unless ``OMP_NUM_THREADS`` says otherwise; idle OpenMP
-threads spin, and a talker on every core slows the API servers that feed it).
+``additional_config["omni"]`` (``WorkerOptions``): ``device`` ("auto", "cuda", "cpu"); ``cadence``
+(audio samples a streaming request gets at a time; 0: every step); ``output_path`` ("worker", or
+"upstream": the comparison path, every key copied to the host each step and sliced per request);
+``bad_prompt_token`` (a prompt token that makes the talker emit a malformed chunk, for tests);
+``sync_debug`` (CUDA's sync-debug mode "error" around ``execute_model``: any host sync raises);
+``pool_budget_bytes`` (the audio's ring arena on the device, 1 GiB by default: a FINAL_ONLY request
+holds all its audio, 7.5 KiB a frame; a request it cannot hold fails alone with ``OutputMemoryError``,
+a 503 before its first audio; it must hold the first slots of ``max_num_seqs`` streams);
+``cpu_threads`` (torch's threads for a CPU talker; None: half the cores unless ``OMP_NUM_THREADS`` is
+set, since idle OpenMP threads spin and would slow the API servers beside the engine).
 """
 
 from __future__ import annotations
@@ -122,26 +100,26 @@ class WorkerOptions:
 
 class _StepOutput(AsyncModelRunnerOutput):
     """A step's output, resolved when its copy to the host has landed (``get_output``), which is
-    also when the worker learns the step's tokens (``on_tokens``). ``frames``: (rows, frames
-    produced) of the step's sampling requests; ``stoppable``: (request ids, rows, frames produced)
-    of them, when a sampled token can end one; ``replayed``: (positions in ``req_ids``, rows, frame
-    indices) of the requests whose token vLLM samples again, from ``history`` (``_replay``)."""
+    also when the worker learns the step's tokens (``TalkerWorker._resolve``). ``sampled``: (request
+    ids, rows, frames produced) of the step's sampling requests; ``stoppable``: a sampled token can
+    end one of them; ``replayed``: (positions in ``req_ids``, rows, frame indices) of the requests
+    whose token vLLM samples again (``_replay``)."""
 
-    def __init__(self, on_tokens, req_ids, sampling: np.ndarray, packed: PackedStep | None, tokens_cpu, opened,
-                 failed, plain, frames=None, stoppable: tuple[list[str], np.ndarray, np.ndarray] | None = None,
-                 replayed=None, history: np.ndarray | None = None):
-        self.req_ids, self.sampling, self.packed, self.tokens_cpu = req_ids, sampling, packed, tokens_cpu
-        self.opened, self.failed, self.plain, self.on_tokens = opened, failed, plain, on_tokens
-        self.frames, self.stoppable, self.replayed, self.history = frames, stoppable, replayed, history
+    def __init__(self, worker: TalkerWorker, req_ids: list[str], sampling: np.ndarray, opened: list[str], replayed,
+                 *, packed: PackedStep | None = None, tokens_cpu: torch.Tensor | None = None, failed=None, plain=None,
+                 sampled: tuple[list[str], np.ndarray, np.ndarray] | None = None, stoppable: bool = False):
+        self.worker, self.req_ids, self.sampling, self.opened = worker, req_ids, sampling, opened
+        self.packed, self.tokens_cpu, self.failed, self.plain = packed, tokens_cpu, failed or {}, plain
+        self.sampled, self.stoppable, self.replayed = sampled, stoppable, replayed
         self.ended: set[str] = set()  # requests whose end an earlier step's token was
 
     def drop_past(self, request_id: str, end: int) -> None:
         """Leave out of this step's data the request's frames past its ``end`` (frames produced),
         found after the step ran."""
         self.ended.add(request_id)
-        if self.packed is None or self.stoppable is None or request_id not in self.stoppable[0]:
+        if self.packed is None or not self.stoppable or request_id not in self.sampled[0]:
             return
-        ids, _, produced = self.stoppable
+        ids, _, produced = self.sampled
         extra = int(produced[ids.index(request_id)]) - end
         if extra > 0:
             self.packed.drop_newest(request_id, {key: extra * n for key, n in _STEP_FRAMES.items()})
@@ -152,13 +130,13 @@ class _StepOutput(AsyncModelRunnerOutput):
             tokens = host[:self.packed.head_bytes].view(torch.int64).tolist()
         else:
             tokens = self.tokens_cpu.tolist() if self.tokens_cpu is not None else []
-        self.on_tokens(self, tokens)
+        self.worker._resolve(self, tokens)
         sampled: list[list[int]] = [[] for _ in self.req_ids]
         for b, i in enumerate(self.sampling.tolist()):
             sampled[i] = [tokens[b]]
         if self.replayed is not None:  # every earlier step is resolved: their tokens are in the history
             at, rows, frames = self.replayed
-            for i, token in zip(at.tolist(), self.history[rows, frames % _KEPT_TOKENS].tolist()):
+            for i, token in zip(at.tolist(), self.worker._tokens[rows, frames % _KEPT_TOKENS].tolist()):
                 sampled[i] = [token]
         return OmniModelRunnerOutput(
             req_ids=self.req_ids, req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
@@ -207,7 +185,6 @@ class TalkerWorker:
         self._eos = np.full(R, -1, np.int64)  # the sampled token that ends the request (-1: none can)
         self._stop_ids: dict[str, frozenset[int]] = {}  # requests that stop_token_ids of their own can end
         self._stoppable = np.zeros(R, bool)  # a sampled token can end the request (module docstring)
-        self._has_stop_ids = np.zeros(R, bool)  # the request is in _stop_ids
         self._stopped: dict[str, int] = {}  # request -> its frames when a token ended it (seen a step late)
         self._in_flight: deque[_StepOutput] = deque()  # step outputs handed to vLLM, not yet resolved
         self._discarded: dict[str, TensorAccumulationError] = {}  # failures for the next step output (_discard)
@@ -324,10 +301,13 @@ class TalkerWorker:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             req_ids = list(so.num_scheduled_tokens)
             sampling, rows, replayed = self._sampling_rows(so, req_ids)
-            self._pending = self._run(req_ids, sampling, rows, opened, flush, replayed)
+            step = self._run(req_ids, sampling, rows, opened, flush, replayed)
+        if self._discarded:  # requests failed since the last step output go with this one
+            step.failed, self._discarded = {**self._discarded, **step.failed}, {}
+        self._in_flight.append(step)  # until it is resolved
         if so.total_num_scheduled_tokens == 0:  # vLLM samples nothing after such a step: the output is this
-            pending, self._pending = self._pending, None
-            return pending
+            return step
+        self._pending = step
         return None
 
     def sample_tokens(self, grammar_output) -> _StepOutput:
@@ -417,12 +397,12 @@ class TalkerWorker:
                 if params is not None else frozenset()
             if stop:
                 self._stop_ids[new.req_id] = stop
-            self._has_stop_ids[row] = bool(stop)
             self._stoppable[row] = self._eos[row] >= 0 or bool(stop)
             if self.options.output_path == "worker":
                 kind = params.output_kind if params is not None else RequestOutputKind.FINAL_ONLY
                 frames = int(min(self._max_tokens[row], self.max_model_len - len(prompt)))  # what it will hold
-                held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if kind == RequestOutputKind.FINAL_ONLY else None
+                final = kind == RequestOutputKind.FINAL_ONLY
+                held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if final else None
                 try:
                     self.acc.add_request(new.req_id, EmitPolicy[kind.name], row=row, frames=held)
                     opened.append(new.req_id)
@@ -478,7 +458,7 @@ class TalkerWorker:
         self._step_starts.append(now)
         if B == 0:
             packed = self._collect([], flush, 0) if flush else None
-            return self._output(req_ids, sampling, packed, None, opened, {}, {}, replayed=replayed)
+            return _StepOutput(self, req_ids, sampling, opened, replayed, packed=packed)
         ids = [req_ids[i] for i in sampling.tolist()]
         produced = self._produced[state_rows]
         for b in np.flatnonzero(produced == 0).tolist():
@@ -493,11 +473,12 @@ class TalkerWorker:
         bad = np.flatnonzero(self._bad[state_rows] & (produced == 1)).tolist()
         produced += 1
         self._produced[state_rows] = produced
-        ending = (produced >= self._max_tokens[state_rows]) | (self._prompt_len[state_rows] + produced >= self.max_model_len)
+        ending = (produced >= self._max_tokens[state_rows]) | \
+            (self._prompt_len[state_rows] + produced >= self.max_model_len)
         self._done[state_rows[ending]] = True
         self.stats["samples"] += B * tk.FRAME_SAMPLES
         if self.options.output_path == "upstream":
-            return self._run_upstream(req_ids, sampling, ids, opened, rows, codes, (state_rows, produced), replayed)
+            return self._run_upstream(req_ids, sampling, opened, replayed, rows, codes, (ids, state_rows, produced))
         finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
         tokens = self.acc.head(B, torch.int64)
         torch.add(codes[:, 0], tk.TEXT_VOCAB, out=tokens)
@@ -513,20 +494,8 @@ class TalkerWorker:
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
             self._done[self._row[rid]] = True
         self._note_output_path(t0, packed.host.numel() if packed is not None else 0)
-        stoppable = (ids, state_rows, produced) if self._stoppable[state_rows].any() else None
-        return self._output(req_ids, sampling, packed, None, opened, failed, {}, (state_rows, produced), stoppable,
-                            replayed)
-
-    def _output(self, req_ids, sampling, packed, tokens_cpu, opened, failed, plain, frames=None, stoppable=None,
-                replayed=None) -> _StepOutput:
-        """A step's output for vLLM (``_StepOutput``'s arguments after ``on_tokens``), with the
-        requests that failed since the last one: in flight until it is resolved."""
-        if self._discarded:
-            failed, self._discarded = {**self._discarded, **failed}, {}
-        step = _StepOutput(self._resolve, req_ids, sampling, packed, tokens_cpu, opened, failed, plain, frames,
-                           stoppable, replayed, self._tokens)
-        self._in_flight.append(step)
-        return step
+        return _StepOutput(self, req_ids, sampling, opened, replayed, packed=packed, failed=failed,
+                           sampled=(ids, state_rows, produced), stoppable=bool(self._stoppable[state_rows].any()))
 
     def _collect(self, finishing: list[str], flush: dict[str, int], head_bytes: int) -> PackedStep | None:
         """The accumulator's collect; ``flush`` closes each of its requests at the frames it ends at
@@ -552,16 +521,16 @@ class TalkerWorker:
         if step in self._in_flight:
             while self._in_flight.popleft() is not step:
                 pass  # (a step vLLM never resolved)
-        if step.frames is not None:  # kept for vLLM to sample again (_replay)
-            rows, produced = step.frames
-            self._tokens[rows, (produced - 1) % _KEPT_TOKENS] = tokens[:len(rows)]
-        if step.stoppable is None:
+        if step.sampled is None:
             return
-        ids, rows, produced = step.stoppable
+        ids, rows, produced = step.sampled
+        self._tokens[rows, (produced - 1) % _KEPT_TOKENS] = tokens[:len(rows)]  # for vLLM to sample again (_replay)
+        if not step.stoppable:
+            return
         hit = np.asarray(tokens[:len(rows)], np.int64) == self._eos[rows]
         if self._stop_ids:
-            for b in np.flatnonzero(self._has_stop_ids[rows]).tolist():
-                if tokens[b] in self._stop_ids.get(ids[b], ()):
+            for b, rid in enumerate(ids):
+                if tokens[b] in self._stop_ids.get(rid, ()):
                     hit[b] = True
         for b in np.flatnonzero(hit).tolist():
             rid, end = ids[b], int(produced[b])
@@ -574,7 +543,7 @@ class TalkerWorker:
                 self._stopped[rid] = end
                 self._done[self._row[rid]] = True
 
-    def _run_upstream(self, req_ids, sampling, ids, opened, rows, codes, frames, replayed) -> _StepOutput:
+    def _run_upstream(self, req_ids, sampling, opened, replayed, rows, codes, sampled) -> _StepOutput:
         """The comparison path: every key's batched output copied to the host each step (one blocking
         copy per key, as ``tensor.cpu()`` does) and sliced per request into plain per-step chunks."""
         tokens = codes[:, 0] + tk.TEXT_VOCAB
@@ -582,11 +551,12 @@ class TalkerWorker:
         t0 = time.perf_counter()
         with nvtx_range("worker.output_path"):
             tokens_cpu = tokens.cpu()
-            plain = upstream_worker_outputs(ids, {"audio": audio, "codes": codes.unsqueeze(1)})
+            plain = upstream_worker_outputs(sampled[0], {"audio": audio, "codes": codes.unsqueeze(1)})
         if self.device.type == "cuda":
             self._upstream_copies += 3
         self._note_output_path(t0, audio.numel() * 4 + codes.numel() * 8 + tokens_cpu.numel() * 8)
-        return self._output(req_ids, sampling, None, tokens_cpu, opened, {}, plain, frames, replayed=replayed)
+        return _StepOutput(self, req_ids, sampling, opened, replayed, tokens_cpu=tokens_cpu, plain=plain,
+                           sampled=sampled)
 
     def _advance(self, rows: torch.Tensor, codes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The frame's audio, and the requests' state moved past it (last token, frame index)."""
