@@ -92,10 +92,6 @@ class Region:
     request_ids: list[str]
     frames: np.ndarray  # int64, one per request
 
-    def pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Every request's data as a view into the uint8 ``buffer`` (one split)."""
-        return split_region(buffer, self.dtype, self.frame, self.axis, self.offset, self.frames.tolist())
-
 
 def split_region(buffer: torch.Tensor, dtype: torch.dtype, frame: Sequence[int], axis: int, offset: int,
                  frames: list[int]) -> list[torch.Tensor]:
@@ -122,7 +118,6 @@ class PackedStep:
     regions: list[Region] = field(default_factory=list)
     final: set[str] = field(default_factory=set)
     event: torch.cuda.Event | None = None
-    _requests: set[str] | None = field(default=None, repr=False)
 
     def wait(self) -> torch.Tensor:
         """Block until the copy has landed (at once on CPU); returns ``host``."""
@@ -131,10 +126,8 @@ class PackedStep:
         return self.host
 
     def requests(self) -> set[str]:
-        """The requests with data in this step (made once, after the step's regions are in)."""
-        if self._requests is None:
-            self._requests = {rid for region in self.regions for rid in region.request_ids}
-        return self._requests
+        """The requests with data in this step."""
+        return {rid for region in self.regions for rid in region.request_ids}
 
     def drop_newest(self, request_id: str, frames: Mapping[str, int]) -> None:
         """Leave out the request's newest ``frames[key]`` frames of each key (data found, after the
@@ -164,14 +157,14 @@ class PackedStep:
                 regions.append(replace(region, offset=start + int(counts[i]) * per, request_ids=ids[i + 1:],
                                        frames=counts[i + 1:]))
         self.regions = regions
-        self._requests = None
 
     def tensors(self, request_id: str) -> dict[str, torch.Tensor]:
         """The request's data as views into ``host`` (after ``wait``)."""
         out = {}
-        for region in self.regions:
-            if request_id in region.request_ids:
-                out[region.key] = region.pieces(self.host)[region.request_ids.index(request_id)]
+        for r in self.regions:
+            if request_id in r.request_ids:
+                pieces = split_region(self.host, r.dtype, r.frame, r.axis, r.offset, r.frames.tolist())
+                out[r.key] = pieces[r.request_ids.index(request_id)]
         return out
 
 
@@ -252,17 +245,16 @@ class WorkerAccumulator:
         device: where the chunks are (and the rings).
         budget_bytes: each key's ring arena (preallocated, never exceeded), or per key name.
         max_requests: requests that can hold slots at once (rows ``0 .. max_requests - 1``).
-        growth: grow a slot that would overflow (else that request fails).
     """
 
     def __init__(self, keys: Sequence[OutputKey], device: torch.device | str, *,
-                 budget_bytes: int | Mapping[str, int] = 256 << 20, max_requests: int = 1024, growth: bool = True):
+                 budget_bytes: int | Mapping[str, int] = 256 << 20, max_requests: int = 1024):
         self.device = backend.resolve_device(device)
         self.keys = list(keys)
         budgets = budget_bytes if isinstance(budget_bytes, Mapping) else \
             dict.fromkeys((k.name for k in keys), budget_bytes)
         self.pools = [RingPool(k.name, k.dtype, k.frame_shape, self.device, k.strategy, budget_bytes=budgets[k.name],
-                               initial_frames=k.initial_frames, max_slots=max_requests, growth=growth)
+                               initial_frames=k.initial_frames, max_slots=max_requests)
                       for k in self.keys]
         # (index, cadence) of the keys that set the pace
         self._paced = [(i, k.cadence) for i, k in enumerate(self.keys) if k.cadence is not None]
@@ -464,10 +456,11 @@ class WorkerAccumulator:
                 self._pack[:self._head_bytes].copy_(old[:self._head_bytes])
 
     def stats(self) -> dict:
-        """Requests held, copies made, failures, and every pool's statistics."""
+        """Requests held, copies made, failures, and every pool's statistics, as plain values (they
+        cross vLLM's RPC as msgpack)."""
         return {"requests": len(self._row), "copies": self.copies, "failed": self.failed,
                 "pinned_allocations": self._host.allocations,
-                "pools": {p.key: p.stats() for p in self.pools}}
+                "pools": {p.key: vars(p.stats()) for p in self.pools}}
 
 
 def _aligned(nbytes: int) -> int:

@@ -243,9 +243,6 @@ class TalkerWorker:
     def take_draft_token_ids(self):
         return None
 
-    def check_health(self) -> None:
-        pass
-
     def synchronize_device(self) -> None:
         """Wait for the talker's device work (vLLM's pause, before it reports the engine paused)."""
         if self.device.type == "cuda":
@@ -272,7 +269,7 @@ class TalkerWorker:
                 "async_scheduling": self.async_scheduling,
                 "output_path_us_median": float(np.median(us)), "output_path_us_p99": float(np.percentile(us, 99)),
                 "output_path_us_mean": float(us.mean()), "step_us_median": float(np.median(steps)),
-                "first_chunk_at": dict(self.first_chunk_at), "accumulator": _plain(self.acc.stats()),
+                "first_chunk_at": dict(self.first_chunk_at), "accumulator": self.acc.stats(),
                 "requests_held": len(self._row)}
 
     def reset_output_path_stats(self) -> None:
@@ -597,11 +594,6 @@ def key_budgets(keys: list[OutputKey], audio_bytes: int) -> dict[str, int]:
     step = {k.name: _STEP_FRAMES[k.name] * math.prod(k.frame_shape) * k.dtype.itemsize for k in keys}
     return {name: audio_bytes if name == "audio" else max(2 * audio_bytes * nbytes // step["audio"], 1 << 20)
             for name, nbytes in step.items()}
-
-
-def _plain(stats: dict) -> dict:
-    """Pool statistics as plain values (they cross the RPC as msgpack)."""
-    return {**stats, "pools": {k: vars(v) for k, v in stats["pools"].items()}}
 
 
 class TalkerExecutor(UniProcExecutor):
