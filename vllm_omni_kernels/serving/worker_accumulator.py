@@ -1,37 +1,21 @@
 """Accumulation in the worker: ``WorkerAccumulator``.
 
-The model runner calls it once per step with the step's multimodal chunks of every request it
-produced output for. Every key's chunks go into that key's ``RingPool`` in one launch; what is due
-is then read out of the rings into one persistent device buffer (one launch per key) and copied to
-the host in **one asynchronous copy per step** on a side stream; nothing crosses to the host on a
-step where nothing is due. ``PackedStep`` is what a step hands on: the host buffer, the event that
-says it is filled, and per key a ``Region``: the requests whose data it holds back to back and
-their frame counts.
+Once per step the model runner appends every request's chunks (one launch per key, into that key's
+``RingPool``) and collects what is due: read out of the rings into one persistent device buffer (one
+launch per key) and copied to the host in one asynchronous copy on a side stream; nothing crosses to
+the host on a step where nothing is due. The step's ``PackedStep`` carries the host buffer, the event
+that says it is filled, and per key a ``Region`` (the requests whose data it holds, back to back).
 
-What is due, per request, by its output kind (taken from its sampling parameters when it arrives):
+What is due, by the request's output kind (from its sampling parameters): DELTA and CUMULATIVE get
+the unread data of every key as soon as the first chunk is there, then whenever some key has at least
+its ``cadence`` frames unread (0: every step), and the rest when the request finishes (the frontend
+concatenates for CUMULATIVE); FINAL_ONLY gets nothing until it finishes, then everything at once.
 
-* DELTA and CUMULATIVE: the unread data of every key, as soon as the first chunk is there, then
-  whenever some key has at least its ``cadence`` frames unread (0: every step), and the rest when
-  the request finishes; the frontend concatenates for CUMULATIVE;
-* FINAL_ONLY: nothing until the request finishes, then everything at once.
-
-A caller that learns of a request's end only after more steps ran (a stop token, seen when its
-step's copy lands) closes it with the frames it ends at (``collect(ends=...)``: nothing appended
-after the end is read), and leaves out of steps already packed what lies past it
-(``PackedStep.drop_newest``).
-
-A request's slots are taken when it arrives (at the row the model runner gives it, the same slot
-in every key's pool, sized for everything a FINAL_ONLY request will hold when the caller says how
-much that is) and freed when it finishes (its last spans are read first) or is aborted. A chunk
-that does not fit its key (dtype, frame shape, device, an overflow that cannot grow) fails that
-request: ``append`` returns its ``TensorAccumulationError``, its slots are freed, and every other
-request goes on exactly.
+A chunk that does not fit its key (dtype, frame shape, device, an overflow that cannot grow) fails
+its request alone: ``append`` returns its ``TensorAccumulationError`` and frees its slots.
 
 Nothing on the step's path reads the device: lengths, offsets and due-ness come from host mirrors.
-The host buffer is pinned memory reused once nothing refers to it any more (``_HostBuffers``), so
-it stays valid for as long as any view of it is alive (the engine's zero-copy send, a payload in a
-user's hands) and costs no ``cudaHostAlloc`` per step. On a CPU device the pack is the host buffer
-(taken from the same reuse) and there is no copy.
+On a CPU device the pack is the host buffer itself (``_HostBuffers``) and there is no copy.
 """
 
 from __future__ import annotations
@@ -95,9 +79,8 @@ class Region:
 
 def split_region(buffer: torch.Tensor, dtype: torch.dtype, frame: Sequence[int], axis: int, offset: int,
                  frames: list[int]) -> list[torch.Tensor]:
-    """The pieces of a region (``Region``) as views into the uint8 ``buffer``, cut with one split:
-    piece i has ``frames[i]`` frames, ``[n, *frame]`` (``axis`` 0) or ``[*frame, n]`` (``axis`` -1).
-    The caller has checked that the region fits the buffer."""
+    """A ``Region``'s pieces (its fields given one by one) as views into the uint8 ``buffer``, cut with
+    one split. The caller has checked that the region fits the buffer."""
     per_frame = math.prod(frame)
     data = buffer[offset:offset + sum(frames) * per_frame * dtype.itemsize].view(dtype)
     if axis == 0:
@@ -171,20 +154,14 @@ class PackedStep:
 class _HostBuffers:
     """Pinned host buffers for the steps' copies, each reused once every tensor made of it is gone.
 
-    A step's host tensor is made with ``torch.frombuffer`` over a numpy view of a free buffer made
-    for this hand-out. The tensor's storage holds that view until the storage is freed, which is
-    when the last tensor, numpy array or memoryview sharing it goes (vLLM's encoder hands zmq a
-    memoryview of a ``view(uint8)`` of it, which zmq holds until it has sent the frame); a
-    ``weakref.finalize`` on the numpy view then hands the buffer back. The tensor object itself is
-    no witness: a view of another dtype, a numpy array or an encoder frame made of it does not keep
-    it alive. The hand-back can happen on any thread (zmq's, the engine's output thread), so a
-    buffer comes back through a thread-safe queue and only ``take`` (the step's thread) looks at the
-    free list.
-    Allocating pinned memory (``cudaHostAlloc``) costs about a millisecond: that happens only while
-    the buffers in flight outgrow what was allocated before (a few at the start). A buffer leaves the
-    free list (back to torch's host allocator) only once its last copy has run: the copy went
-    through a tensor made with ``torch.frombuffer``, which that allocator knows nothing of, so it
-    would hand the memory out again while the copy still writes it.
+    A step's host tensor is ``torch.frombuffer`` over a numpy view of a free buffer. Its storage holds
+    that view until the last tensor, numpy array or memoryview sharing it goes (zmq holds a memoryview
+    until it has sent the frame; the tensor object itself is no witness), and a ``weakref.finalize`` on
+    the view then hands the buffer back, on whatever thread that was: through a thread-safe queue, so
+    only ``take`` (the step's thread) touches the free list. ``cudaHostAlloc`` costs about a
+    millisecond: it runs only while the buffers in flight outgrow those made before. A buffer leaves
+    the free list only once its last copy has run, since torch's host allocator, which knows nothing
+    of the ``frombuffer`` tensor, would hand the memory out again while the copy still writes it.
     """
 
     def __init__(self, keep: int = 16, pinned: bool = True):
@@ -387,9 +364,7 @@ class WorkerAccumulator:
             if ends is not None:
                 unreads = [np.minimum(unread, np.maximum(end - pool.drained(), 0))
                            for unread, end, pool in zip(unreads, ends, self.pools)]
-            pending = unreads[0] > 0
-            for unread in unreads[1:]:
-                pending |= unread > 0
+            pending = np.any([unread > 0 for unread in unreads], axis=0)
             paced = ~self._delivered  # a request's first data goes at once, then at its cadence
             for i, cadence in self._paced:
                 paced |= unreads[i] >= cadence
