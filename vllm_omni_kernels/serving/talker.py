@@ -35,12 +35,8 @@ _FOLD = 17  # activations folded into [-8, 8]; weights in [-4, 4]: |a dot produc
 
 
 class ToyTalker(nn.Module):
-    """The talker's weights and one step's forward; see the module docstring.
-
-    ``forward(last_token [B] int64, frame [B] int64, context [B, H]) -> codes [B, CODEBOOKS] int64``
-    and ``prompt_context(prompt_ids [B, L] int64, lengths [B]) -> [B, H]``: each prompt's summed
-    embedding, folded.
-    """
+    """The talker's weights and one step's forward (module docstring): ``forward(last_token [B] int64,
+    frame [B] int64, context [B, H]) -> codes [B, CODEBOOKS] int64``."""
 
     def __init__(self, seed: int = 0):
         super().__init__()
@@ -70,8 +66,8 @@ class ToyTalker(nn.Module):
         return _HIDDEN
 
     def prompt_context(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Contexts of a batch of prompts: ``prompt_ids`` ``[B, L]`` int64 (row b's first
-        ``lengths[b]`` are its prompt, the rest padding) -> ``[B, H]``."""
+        """Contexts of a batch of prompts, each its summed embedding, folded: ``prompt_ids`` ``[B, L]``
+        int64 (row b's first ``lengths[b]`` are its prompt, the rest padding) -> ``[B, H]``."""
         valid = torch.arange(prompt_ids.shape[1], device=prompt_ids.device) < lengths[:, None]
         return _fold((self.embed[prompt_ids.clamp(0, VOCAB - 1)] * valid[..., None]).sum(1))
 

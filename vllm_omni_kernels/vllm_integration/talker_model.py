@@ -1,16 +1,12 @@
 """The TTS talker as a vLLM model: ``OmniTalkerForTTS`` and ``make_model_dir``.
 
 ``make_model_dir(path)`` writes what vLLM loads a model from, made in code (no hub): a
-``config.json`` (architecture ``OmniTalkerForTTS``, the talker's vocabulary, its weight seed and
-its voices)
-and a character-level tokenizer (every printable ASCII character is a token, ids below the
-talker's ``TEXT_VOCAB``). The architecture is registered with vLLM by the project's
-``vllm.general_plugins`` entry point (``plugin.py``), so every process vLLM starts knows it.
+``config.json`` (architecture, vocabulary, weight seed, voices) and a character-level tokenizer
+(every printable ASCII character a token, ids below the talker's ``TEXT_VOCAB``). The project's
+``vllm.general_plugins`` entry point (``plugin.py``) registers the architecture in every process.
 
-``OmniTalkerForTTS`` has vLLM's model interface (``__init__(*, vllm_config, prefix)``,
-``embed_input_ids``, ``forward(input_ids, positions)``, ``compute_logits``), so vLLM's model
-inspection classifies it as a generation model; ``talker`` is the ``serving.talker.ToyTalker`` that
-``worker.TalkerWorker`` runs a step at a time.
+``OmniTalkerForTTS`` has vLLM's model interface, so vLLM's model inspection classifies it as a
+generation model; its ``talker`` (``serving.talker.ToyTalker``) is what ``worker.TalkerWorker`` runs.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""The comparison path: ``upstream_worker_outputs`` (the worker half) and
-``UpstreamStyleOutputProcessor`` (the frontend half).
-
-Upstream vllm-omni's output processor keeps each request's per-step chunks in Python lists and
-concatenates them when an output needs them: a DELTA output gets the chunks since the last one, a
-CUMULATIVE one everything so far, a FINAL_ONLY one everything at finish. Its CUMULATIVE requests get
-an output every step, whatever vLLM's ``stream_interval`` (vLLM's own behaviour, which upstream
-keeps; this package thins them at the interval). Paired with the worker's
-``output_path="upstream"`` (every key copied to the host each step and sliced per request) it is
-what the main job and the load tests measure this package against, in the same run.
+"""The comparison path, as upstream vllm-omni serves: ``upstream_worker_outputs`` (the worker copies
+every key's batched output to the host each step and slices it per request) and
+``UpstreamStyleOutputProcessor`` (the frontend keeps each request's chunks in Python lists and
+concatenates them when an output needs them: the chunks since the last output for DELTA, everything
+so far for CUMULATIVE, everything at finish for FINAL_ONLY; CUMULATIVE gets an output every step,
+whatever vLLM's ``stream_interval``, as vLLM itself does, where this package thins them at the
+interval). The main job and the load tests measure this package against it, in the same run.
 """
 
 from __future__ import annotations
@@ -42,7 +39,8 @@ class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
                            for key, value in eco.multimodal_output.items()})
 
 
-def upstream_worker_outputs(request_ids: list[str], batch: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+def upstream_worker_outputs(request_ids: list[str],
+                            batch: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """The worker half: every key's step output ``[B, *chunk]`` (row b: ``request_ids[b]``'s chunk)
     copied to the host, one blocking copy per key as ``tensor.cpu()`` does, and sliced per request."""
     host = {key: value.cpu() for key, value in batch.items()}
