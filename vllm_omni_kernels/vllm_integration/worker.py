@@ -490,7 +490,7 @@ class TalkerWorker:
             packed = self._collect(finishing, flush, 8 * B)
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
             self._done[self._row[rid]] = True
-        self._note_output_path(t0, packed.host.numel() if packed is not None else 0)
+        self._note_output_path(t0, packed.host.numel())  # (never None: the head is there)
         return _StepOutput(self, req_ids, sampling, opened, replayed, packed=packed, failed=failed,
                            sampled=(ids, state_rows, produced), stoppable=bool(self._stoppable[state_rows].any()))
 
