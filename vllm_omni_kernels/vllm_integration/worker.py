@@ -66,8 +66,7 @@ from .upstream_style import upstream_worker_outputs
 
 _HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
 _KEPT_TOKENS = 8  # a row's latest sampled tokens, for vLLM to sample again (_replay): it drops a step or two
-_STEP_FRAMES = {"audio": tk.FRAME_SAMPLES, "codes": 1}  # ring frames a step appends per request, per key
-#                                                         (talker_output_keys, in its order)
+_STEP_FRAMES = {"audio": tk.FRAME_SAMPLES, "codes": 1}  # ring frames a step appends per request, by key
 
 
 @dataclass
@@ -252,10 +251,8 @@ class TalkerWorker:
         self.synchronize_device()
 
     def sleep(self, level: int = 1) -> None:
-        """vLLM's sleep levels 1 and 2 free the weights and the KV cache; the talker's memory is its
-        weights and the rings of the requests' output, which stay resident: only level 0 (vLLM pauses
-        scheduling and calls no worker) is served. vLLM has paused the scheduler by the time this is
-        called (and, in its default mode, aborted every request): ``wake_up()`` resumes it."""
+        """Refused: levels 1 and 2 free the weights and the KV cache, while the talker keeps its
+        weights and output rings resident. Level 0 (vLLM pauses scheduling, calls no worker) is served."""
         raise NotImplementedError(f"sleep level {level}: the talker keeps its weights and output rings resident; "
                                   "use level 0 (pause scheduling only); wake_up() resumes the paused scheduler")
 
@@ -373,7 +370,7 @@ class TalkerWorker:
         opened, rows, prompts = [], [], []
         for new in new_reqs:
             prompt = new.prompt_token_ids or [0]
-            params = new.sampling_params
+            params = new.sampling_params  # (None for a pooling request: the getattr defaults below)
             if not self._free_rows:  # (rows are twice vLLM's seats: module docstring)
                 self._discard(new.req_id, TensorAccumulationError(f"all {self.max_requests} request rows are in use",
                                                                   request_id=new.req_id))
@@ -381,22 +378,21 @@ class TalkerWorker:
             row = self._free_rows.pop()
             self._row[new.req_id] = row
             self._prompt_len[row] = len(prompt)
-            self._max_tokens[row] = params.max_tokens if params is not None and params.max_tokens is not None else \
-                self.max_model_len
+            max_tokens = getattr(params, "max_tokens", None)
+            self._max_tokens[row] = self.max_model_len if max_tokens is None else max_tokens
             self._computed[row] = new.num_computed_tokens  # a prefix-cache hit arrives with computed tokens
             self._produced[row] = 0
             self._replay[row] = -1
             self._done[row] = False
             self._bad[row] = self.options.bad_prompt_token in prompt
-            eos = params.eos_token_id if params is not None else None
+            eos = getattr(params, "eos_token_id", None)
             self._eos[row] = eos if eos is not None and tk.TEXT_VOCAB <= eos < tk.VOCAB else -1
-            stop = frozenset(t for t in (params.stop_token_ids or ()) if tk.TEXT_VOCAB <= t < tk.VOCAB) \
-                if params is not None else frozenset()
+            stop = frozenset(t for t in getattr(params, "stop_token_ids", None) or () if tk.TEXT_VOCAB <= t < tk.VOCAB)
             if stop:
                 self._stop_ids[new.req_id] = stop
             self._stoppable[row] = self._eos[row] >= 0 or bool(stop)
             if self.options.output_path == "worker":
-                kind = params.output_kind if params is not None else RequestOutputKind.FINAL_ONLY
+                kind = getattr(params, "output_kind", RequestOutputKind.FINAL_ONLY)
                 frames = int(min(self._max_tokens[row], self.max_model_len - len(prompt)))  # what it will hold
                 final = kind == RequestOutputKind.FINAL_ONLY
                 held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if final else None
