@@ -8,7 +8,8 @@ then ``sample_tokens``) is numpy over per-row arrays, nothing per request:
    finished ones give it back. A preempted request that vLLM resumes recomputes its tokens and goes
    on where it stopped; when vLLM dropped a step in flight (a reset of running requests, as its pause
    and sleep do), it samples those frames again and gets the tokens sampled then (the latest
-   ``_KEPT_TOKENS`` of a row are kept), so its audio goes on exactly;
+   ``_KEPT_TOKENS`` of a row are kept), so its audio goes on exactly and a stop token among them
+   ends it there;
 2. the requests that sample this step: one talker forward (codes ``[B, CODEBOOKS]``), the token ids
    written into the head of the step's output buffer, the frames' audio decoded;
 3. ``WorkerAccumulator.append`` and ``collect``: what is due, with the token ids, in one
@@ -161,9 +162,7 @@ class TalkerWorker:
         # own process runs vLLM's config checks again once it is built, which on vLLM's CPU platform
         # reset the flag; read later, it would no longer say how the engine runs.
         self.async_scheduling = bool(sched.async_scheduling)
-        # rows: one per vLLM seat, and as many again for requests whose output closes a step or two
-        # after vLLM gave their seat to a new request (a stop token: module docstring)
-        self.max_requests = 2 * int(sched.max_num_seqs)
+        self.max_requests = 2 * int(sched.max_num_seqs)  # rows: twice vLLM's seats (module docstring)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.model = OmniTalkerForTTS(vllm_config=vllm_config).to(self.device)
         talker = self.model.talker
