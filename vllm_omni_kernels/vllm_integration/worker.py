@@ -444,6 +444,7 @@ class TalkerWorker:
 
     def _run(self, req_ids: list[str], sampling: np.ndarray, state_rows: np.ndarray, opened: list[str],
              flush: dict[str, int], replayed=None) -> _StepOutput:
+        """The step: a frame of each request at ``state_rows`` (``req_ids[sampling]``), and its output."""
         B = len(state_rows)
         self.stats["steps"] += 1
         now = time.time()
@@ -469,13 +470,24 @@ class TalkerWorker:
             (self._prompt_len[state_rows] + produced >= self.max_model_len)
         self._done[state_rows[ending]] = True
         self.stats["samples"] += B * tk.FRAME_SAMPLES
-        if self.options.output_path == "upstream":
-            return self._run_upstream(req_ids, sampling, opened, replayed, rows, codes, (ids, state_rows, produced))
-        finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
-        tokens = self.acc.head(B, torch.int64)
+        upstream = self.options.output_path == "upstream"
+        tokens = torch.empty(B, dtype=torch.int64, device=self.device) if upstream else self.acc.head(B, torch.int64)
         torch.add(codes[:, 0], tk.TEXT_VOCAB, out=tokens)
-        audio = self._advance(rows, codes, tokens)
+        self.last_token[rows] = tokens
+        audio = tk.decode_frames(codes, self.frame[rows])
+        self.frame[rows] += 1
+        sampled = (ids, state_rows, produced)
         t0 = time.perf_counter()
+        if upstream:  # the comparison path (upstream_style): every key's batch copied to the host, sliced
+            with nvtx_range("worker.output_path"):
+                tokens_cpu = tokens.cpu()
+                plain = upstream_worker_outputs(ids, {"audio": audio, "codes": codes.unsqueeze(1)})
+            if self.device.type == "cuda":
+                self._upstream_copies += 3
+            self._note_output_path(t0, audio.numel() * 4 + codes.numel() * 8 + tokens_cpu.numel() * 8)
+            return _StepOutput(self, req_ids, sampling, opened, replayed, tokens_cpu=tokens_cpu, plain=plain,
+                               sampled=sampled)
+        finishing = [ids[b] for b in np.flatnonzero(ending).tolist()]
         with nvtx_range("worker.output_path"):
             chunks = {"audio": PaddedBatch(audio, np.full(B, _STEP_FRAMES["audio"], np.int64)),
                       "codes": PaddedBatch(codes.unsqueeze(1), np.full(B, _STEP_FRAMES["codes"], np.int64))}
@@ -486,8 +498,8 @@ class TalkerWorker:
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
             self._done[self._row[rid]] = True
         self._note_output_path(t0, packed.host.numel())  # (never None: the head is there)
-        return _StepOutput(self, req_ids, sampling, opened, replayed, packed=packed, failed=failed,
-                           sampled=(ids, state_rows, produced), stoppable=bool(self._stoppable[state_rows].any()))
+        return _StepOutput(self, req_ids, sampling, opened, replayed, packed=packed, failed=failed, sampled=sampled,
+                           stoppable=bool(self._stoppable[state_rows].any()))
 
     def _collect(self, finishing: list[str], flush: dict[str, int], head_bytes: int) -> PackedStep | None:
         """The accumulator's collect; ``flush`` closes each of its requests at the frames it ends at
@@ -534,28 +546,6 @@ class TalkerWorker:
             if rid in self.acc:  # (else closed by its length in this step)
                 self._stopped[rid] = end
                 self._done[self._row[rid]] = True
-
-    def _run_upstream(self, req_ids, sampling, opened, replayed, rows, codes, sampled) -> _StepOutput:
-        """The comparison path: every key's batched output copied to the host each step (one blocking
-        copy per key, as ``tensor.cpu()`` does) and sliced per request into plain per-step chunks."""
-        tokens = codes[:, 0] + tk.TEXT_VOCAB
-        audio = self._advance(rows, codes, tokens)
-        t0 = time.perf_counter()
-        with nvtx_range("worker.output_path"):
-            tokens_cpu = tokens.cpu()
-            plain = upstream_worker_outputs(sampled[0], {"audio": audio, "codes": codes.unsqueeze(1)})
-        if self.device.type == "cuda":
-            self._upstream_copies += 3
-        self._note_output_path(t0, audio.numel() * 4 + codes.numel() * 8 + tokens_cpu.numel() * 8)
-        return _StepOutput(self, req_ids, sampling, opened, replayed, tokens_cpu=tokens_cpu, plain=plain,
-                           sampled=sampled)
-
-    def _advance(self, rows: torch.Tensor, codes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The frame's audio, and the requests' state moved past it (last token, frame index)."""
-        self.last_token[rows] = tokens
-        audio = tk.decode_frames(codes, self.frame[rows])
-        self.frame[rows] += 1
-        return audio
 
     def _note_output_path(self, t0: float, nbytes: int) -> None:
         self._output_path_us.append((time.perf_counter() - t0) * 1e6)
