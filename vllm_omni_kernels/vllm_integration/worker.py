@@ -182,6 +182,7 @@ class TalkerWorker:
         self._bad = np.zeros(R, bool)
         self._eos = np.full(R, -1, np.int64)  # the sampled token that ends the request (-1: none can)
         self._stop_ids: dict[str, frozenset[int]] = {}  # requests that stop_token_ids of their own can end
+        self._has_stop_ids = np.zeros(R, bool)  # the row's request is in _stop_ids
         self._stoppable = np.zeros(R, bool)  # a sampled token can end the request (module docstring)
         self._stopped: dict[str, int] = {}  # request -> its frames when a token ended it (seen a step late)
         self._in_flight: deque[_StepOutput] = deque()  # step outputs handed to vLLM, not yet resolved
@@ -389,6 +390,7 @@ class TalkerWorker:
             stop = frozenset(t for t in getattr(params, "stop_token_ids", None) or () if tk.TEXT_VOCAB <= t < tk.VOCAB)
             if stop:
                 self._stop_ids[new.req_id] = stop
+            self._has_stop_ids[row] = bool(stop)
             self._stoppable[row] = self._eos[row] >= 0 or bool(stop)
             if self.options.output_path == "worker":
                 kind = getattr(params, "output_kind", RequestOutputKind.FINAL_ONLY)
@@ -532,9 +534,9 @@ class TalkerWorker:
         if not step.stoppable:
             return
         hit = np.asarray(tokens[:len(rows)], np.int64) == self._eos[rows]
-        if self._stop_ids:
-            for b, rid in enumerate(ids):
-                if tokens[b] in self._stop_ids.get(rid, ()):
+        if self._stop_ids:  # (no loop over every row of the step)
+            for b in np.flatnonzero(self._has_stop_ids[rows]).tolist():
+                if tokens[b] in self._stop_ids.get(ids[b], ()):
                     hit[b] = True
         for b in np.flatnonzero(hit).tolist():
             rid, end = ids[b], int(produced[b])
