@@ -137,7 +137,7 @@ def check(streams: list[Stream], model: Path) -> None:
     its length is kept)."""
     from transformers import AutoTokenizer
 
-    from vllm_omni_kernels.vllm_integration.speech import FRAMES_PER_CHAR
+    from vllm_omni_kernels.vllm_integration.speech import plan_request
     from vllm_omni_kernels.vllm_integration.talker_model import VOICES
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -145,9 +145,7 @@ def check(streams: list[Stream], model: Path) -> None:
     for s in streams:
         if s.status != 200:
             continue
-        ids = [VOICES[s.voice], *tokenizer(s.text, add_special_tokens=False)["input_ids"]]
-        frames = max(1, int(np.ceil((len(ids) - 1) * FRAMES_PER_CHAR)))
-        want = tk.expected_audio(tk.rollout(talker, ids, frames)).numpy()
+        want = tk.expected_audio(tk.rollout(talker, *plan_request(tokenizer, VOICES[s.voice], s.text))).numpy()
         got = np.frombuffer(bytes(s.data), "<f4")
         n = min(want.size, got.size)
         s.altered = int((got[:n].view(np.uint32) != want[:n].view(np.uint32)).sum())

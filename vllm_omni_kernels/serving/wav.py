@@ -11,18 +11,17 @@ import numpy as np
 STREAMING_SIZE = 0xFFFFFFFF  # the data size of a header written before the length is known
 
 
-def wav_header(sample_rate: int, *, float32: bool, data_bytes: int = STREAMING_SIZE, channels: int = 1) -> bytes:
-    """A RIFF/WAVE header for mono (or ``channels``) audio; ``data_bytes`` left at its default for a
-    stream whose length is not known yet (players read to the end). Float samples (format 3, not
-    PCM) get what the format asks of a non-PCM file: a ``fmt `` chunk of 18 bytes (no extension) and
-    a ``fact`` chunk with the number of sample frames (``STREAMING_SIZE`` while unknown)."""
+def wav_header(sample_rate: int, *, float32: bool, data_bytes: int = STREAMING_SIZE) -> bytes:
+    """A RIFF/WAVE header for mono audio; ``data_bytes`` left at its default for a stream whose
+    length is not known yet (players read to the end). Float samples (format 3, not PCM) get what
+    the format asks of a non-PCM file: a ``fmt `` chunk of 18 bytes (no extension) and a ``fact``
+    chunk with the number of samples (``STREAMING_SIZE`` while unknown)."""
     width = 4 if float32 else 2
-    fmt = struct.pack("<HHIIHH", 3 if float32 else 1, channels, sample_rate, sample_rate * channels * width,
-                      channels * width, 8 * width)
+    fmt = struct.pack("<HHIIHH", 3 if float32 else 1, 1, sample_rate, sample_rate * width, width, 8 * width)
     fact = b""
     if float32:
         fmt += struct.pack("<H", 0)
-        frames = STREAMING_SIZE if data_bytes == STREAMING_SIZE else data_bytes // (channels * width)
+        frames = STREAMING_SIZE if data_bytes == STREAMING_SIZE else data_bytes // width
         fact = b"fact" + struct.pack("<II", 4, frames)
     riff = STREAMING_SIZE if data_bytes == STREAMING_SIZE else 4 + 8 + len(fmt) + len(fact) + 8 + data_bytes
     return (b"RIFF" + struct.pack("<I", riff) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + fact

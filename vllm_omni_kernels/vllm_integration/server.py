@@ -1,27 +1,19 @@
 """``python -m vllm_omni_kernels serve MODEL_DIR``: vLLM 0.33's OpenAI-compatible API server with
-``OmniAsyncLLM`` as its engine and the speech routes (``speech.py``) added.
+``OmniAsyncLLM`` as its engine (vLLM's launcher hard-codes ``AsyncLLM``) and the speech routes
+(``speech.py``) added; everything else is vLLM's: the argument parser (every ``vllm serve``
+option), the FastAPI app (``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``), its
+handlers and middleware, ``serve_http``. The defaults serve the talker (``TalkerExecutor``,
+float32, eager, ``--stream-interval`` at the audio's cadence: ``llm.talker_stream_interval``); this
+server's own options are in the "omni-speech" group.
 
-It is vLLM's ``build_and_serve`` with two differences: it builds ``OmniAsyncLLM`` (vLLM's launcher
-hard-codes ``AsyncLLM``) and includes the speech router. Everything else is vLLM's: its argument
-parser (every engine and frontend option of ``vllm serve``), its FastAPI app with
-``/v1/completions``, ``/v1/models``, ``/health`` and ``/metrics``, its exception handlers and
-middleware, ``serve_http`` with its signal handling and engine watchdog. The defaults serve the
-talker (``TalkerExecutor``, float32, eager, ``--stream-interval`` at the audio's cadence in frames:
-``llm.talker_stream_interval``); this server's own options are in the "Omni speech" group.
-
-``--api-server-count N`` (vLLM's option) runs N API server processes on one shared socket in front
-of one engine core, as ``vllm serve`` does (``serve_multi``: vLLM's engine launcher and its
-``APIServerProcessManager`` with this module's ``api_server_process`` as each process's entry):
-every process decodes the requests it admits, tokenizes them and writes their audio, so a burst of
-clients is spread over N event loops. The speech requests in flight are counted across the
-processes (one shared counter); ``GET /v1/audio/speech/stats`` names the process that answered and
-reports its first-audio phases.
+``--api-server-count N`` runs N API server processes on one shared socket in front of one engine
+core, as ``vllm serve`` does (``serve_multi``), so a burst of clients is spread over N event loops;
+the speech requests in flight are counted across them (one shared counter).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing
 import signal
@@ -94,11 +86,7 @@ def _positive(text: str) -> int:
 def engine_args_from(args) -> AsyncEngineArgs:
     """vLLM's engine arguments from the parsed options, this server's merged into
     ``additional_config["omni"]`` (what ``TalkerWorker`` reads; a key given there wins)."""
-    extra = args.additional_config or {}
-    if isinstance(extra, str):
-        extra = json.loads(extra)
-    extra = dict(extra)
-    # what --additional-config says of the talker wins over these options' values
+    extra = dict(args.additional_config or {})  # vLLM's parser made it a dict
     extra["omni"] = {"device": args.talker_device, "cadence": args.cadence, "output_path": args.output_path,
                      "cpu_threads": args.talker_threads, "pool_budget_bytes": args.audio_memory_mib << 20,
                      **extra.get("omni", {})}

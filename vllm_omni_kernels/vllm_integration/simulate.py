@@ -1,33 +1,28 @@
 """The main job: stream TTS through a real vLLM engine, this package's output path against the
-upstream-style one, in one run.
+upstream-style one, with the same requests.
 
-For each path a vLLM engine core starts in its own process (ZMQ + msgpack; ``in_process`` keeps it
-in this process) serving the talker (``talker_model``) on the device, and ``requests`` requests
-arrive staggered, at most ``concurrency`` at a time, in DELTA, CUMULATIVE and FINAL_ONLY output
-kinds, one in ``abort_every`` aborted (a streaming one after its first audio, a FINAL_ONLY one a
-while after it starts; one that finishes first is checked whole; the output kinds take their turn)
-and every ``stop_every``-th one ending on a token (``stop_token_ids``: a codec token its talker
-emits half-way, as a TTS model ends on its codec's end token). Every request's codes are checked
-against what its prompt makes the talker say, its audio sample for sample against what its codes
-decode to, its codes against its tokens, and, finished, its length and finish reason against its
-``max_tokens`` or its stop token; this package's path writes each finished request's WAV under
-``out_dir`` and reads it back. Both paths get the same requests.
+Per path an engine core runs in its own process (ZMQ + msgpack; ``in_process``: in this one) and
+serves the talker (``talker_model``); ``requests`` requests arrive staggered, at most
+``concurrency`` at a time, in DELTA, CUMULATIVE and FINAL_ONLY output kinds in turn. One in
+``abort_every`` is aborted (a streaming one after its first audio, a FINAL_ONLY one a while after it
+starts; one that finishes first is checked whole; the output kinds take their turn), and every
+``stop_every``-th one ends on a codec token its talker emits half-way (``stop_token_ids``). Every
+request's codes are checked against its prompt's rollout, its audio sample for sample against what
+its codes decode to, its codes against its tokens and, finished, its length and finish reason; the
+worker path writes each finished request's WAV under ``out_dir`` and reads it back.
 
-Reported per path (``summary.json``, one PNG): audio seconds per wall second, time to first audio
-(p50/p99, from when the client sends the request: a request waits for one of ``concurrency``
-senders first) and the delay of a request's first chunk from its production in the worker to the
-client (both over the streaming requests, DELTA and CUMULATIVE), the time to a FINAL_ONLY request's
-file, how late the client's event loop runs (p50/p99/max: outputs wait that long when the client is
-busy) and its longest garbage collection, engine step time, the worker's output-path host time per
-step (this package's: the appends and the collect, which starts the step's copy, whose landing is
-waited for later, off the step; the upstream style's: its blocking ``.cpu()`` copies, which also
-wait for the step's forward on a GPU: the two are not alike, and no ratio of them is reported;
-``profiling/bench_output_path.py`` times both to the data in hand), the frontend's multimodal time
-per step, device-to-host copies per step, bytes on the wire per step, the requests that ended on a stop
-token (``requests_stopped``) and how often vLLM resumed a request it had preempted
-(``resumptions``: a KV cache too small for the load, say
-``engine_args={"num_gpu_blocks_override": 16}``, makes vLLM preempt running requests and recompute
-them; their audio goes on where it stopped).
+Reported per path (``summary.json``, one PNG): audio seconds per wall second; time to first audio
+(p50/p99, from when the client sends the request, which first waits for one of ``concurrency``
+senders) and the first chunk's delay from its production in the worker to the client, both over
+the streaming requests; the time to a FINAL_ONLY request's file; how late the client's event loop
+runs and its longest garbage collection; engine step time; the worker's output-path host time per
+step (this package's appends and collect, whose copy lands off the step, against the upstream
+style's blocking ``.cpu()`` copies, which also wait for the forward on a GPU: unlike spans, so no
+ratio of them is given; ``profiling/bench_output_path.py`` times both to the data in hand); the
+frontend's multimodal time per step; device-to-host copies and bytes on the wire per step; the
+requests that ended on a stop token (``requests_stopped``); and vLLM's resumptions of preempted
+requests (``resumptions``: e.g. with ``engine_args={"num_gpu_blocks_override": 16}``; their audio
+goes on where it stopped).
 """
 
 from __future__ import annotations
@@ -56,11 +51,10 @@ from .llm import OmniAsyncLLM, OmniLLM, talker_engine_args, talker_processor_opt
 
 KINDS = ("delta", "cumulative", "final_only")
 PATHS = ("worker", "upstream")
-# The async client freezes its heap (``gc.freeze``) each time this many more requests have finished.
-# It holds every finished request's data for the check after the run; frozen, that data is never
-# walked by a garbage collection, and a full collection of the client (it stops the event loop
-# that delivers every stream's output) costs what the requests in flight cost, not what the run
-# has served so far. The heap is unfrozen after the run.
+# The async client freezes its heap (``gc.freeze``) each time this many more requests have finished:
+# it holds every finished request's data for the check after the run, and a full collection (which
+# stops the event loop that delivers every stream's output) then costs what the requests in flight
+# cost, not what the run has served so far. The heap is unfrozen after the run.
 _FREEZE_EVERY = 256
 _FINAL_ONLY_ABORT_S = 0.05  # a FINAL_ONLY request planned to be aborted is aborted this long after it starts
 
@@ -112,7 +106,6 @@ class _Result:
     audio: list[torch.Tensor] = dataclasses.field(default_factory=list)
     codes: list[torch.Tensor] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)
-    outputs: int = 0
     payloads: int = 0
     start: float = 0.0
     finish_reason: str | None = None
@@ -301,10 +294,9 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
 
 
 async def _send(plans: list[_Plan], one, concurrency: int) -> list[_Result]:
-    """Every plan's request through ``one``, in arrival order, at most ``concurrency`` at a time: as
-    many senders as that, each taking the next plan once its last request is done and sending it at
-    its arrival (or at once, when it arrived while every sender was busy). Requests that wait are
-    plans in a list, not tasks, coroutines and timers for the client's collections to walk."""
+    """Every plan's request through ``one``, in arrival order, by ``concurrency`` senders, each
+    sending the next plan at its arrival (at once if it is late). Waiting requests are plans in a
+    list, not tasks and timers for the client's collections to walk."""
     t0 = time.perf_counter()
     queue = iter(plans)  # shared: each plan goes to the sender that takes it first
 
@@ -335,8 +327,7 @@ def _gc_pauses(pauses: list[float]):
 
 async def _loop_lag(lags: list[float], period: float = 0.001) -> None:
     """How late the client's event loop runs a callback due every ``period`` seconds (appended to
-    ``lags``): the time an output that arrived waits before the loop gets to it. Large lags mean the
-    client process (adding requests, processing outputs, its streams) is what holds outputs back."""
+    ``lags``): how long an output that arrived waits for the loop."""
     loop = asyncio.get_running_loop()
     while True:
         due = loop.time() + period
@@ -421,7 +412,6 @@ def _take(res: _Result, out) -> None:
     """One request output into the request's result (DELTA pieces add up; CUMULATIVE and FINAL_ONLY
     carry everything so far)."""
     comp = out.outputs[0]
-    res.outputs += 1
     if comp.finish_reason == "error":
         res.error = str(comp.stop_reason)
     res.finish_reason = comp.finish_reason
@@ -468,12 +458,11 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool, talker: tk.ToyTalker) -> dict:
-    """Every request's codes against what its prompt makes ``talker`` say (its rollout: audio made
-    from another request's text, or from none, differs), and every sample against what those codes
-    decode to; a request the client aborted up to where it got, any other to its end (its length,
-    finish reason, and for FINAL_ONLY one payload). Raises on any difference. ``bad_fails``: the
-    requests planned with a malformed chunk must have failed with its error (the comparison path
-    has no such check and serves them as any other)."""
+    """Every request's codes against its prompt's rollout by ``talker`` and every sample against
+    what those codes decode to; an aborted request up to where it got, any other to its end (its
+    length, finish reason, and for FINAL_ONLY one payload). Raises ``AssertionError`` on any
+    difference. ``bad_fails``: the requests planned with a malformed chunk must have failed with its
+    error (the upstream path has no such check and serves them as any other)."""
     exact = aborted = failed = 0
     if wav_dir is not None:
         wav_dir.mkdir(parents=True, exist_ok=True)

@@ -249,11 +249,12 @@ class SpeechStream:
         audio = None if payload is None else payload.tensors.get("audio")
         self.finished = out.finished
         self.output_tokens += len(comp.token_ids)
-        if audio is not None and not self.first_at:
+        if audio is None:
+            return None, out.finished
+        if not self.first_at:
             self.first_at, self.first_metrics = time.time(), out.metrics
-        if audio is not None:
-            self.samples += audio.numel()
-        return (samples_bytes(audio, self.sample_format) if audio is not None and audio.numel() else None), out.finished
+        self.samples += audio.numel()
+        return (samples_bytes(audio, self.sample_format) if audio.numel() else None), out.finished
 
     @property
     def outcome(self) -> str:
@@ -337,11 +338,10 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
     return None
 
 
-def plan_request(engine, request: SpeechRequest) -> tuple[list[int], int]:
-    """The prompt (the voice's token, then the input's) and the number of codec frames to speak."""
-    ids = engine.get_tokenizer()(request.input, add_special_tokens=False)["input_ids"]
-    frames = max(1, math.ceil(len(ids) * FRAMES_PER_CHAR / request.speed))
-    return [_voices(engine)[request.voice], *ids], frames
+def plan_request(tokenizer, voice_token: int, text: str, speed: float = 1.0) -> tuple[list[int], int]:
+    """The prompt (the voice's token, then the text's) and the number of codec frames to speak."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [voice_token, *ids], max(1, math.ceil(len(ids) * FRAMES_PER_CHAR / speed))
 
 
 def _headers(request: SpeechRequest, request_id: str) -> dict[str, str]:
@@ -366,7 +366,7 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
     if (bad := _validate(request, raw_request, limits)) is not None:
         return bad
     engine = state.engine_client
-    prompt, frames = plan_request(engine, request)
+    prompt, frames = plan_request(engine.get_tokenizer(), _voices(engine)[request.voice], request.input, request.speed)
     if len(prompt) + frames > engine.model_config.max_model_len:
         return _error(f"input needs {len(prompt) + frames} positions at speed {request.speed}; this model serves "
                       f"{engine.model_config.max_model_len}", "input")
@@ -489,14 +489,12 @@ async def speech_stats(raw_request: Request) -> JSONResponse:
 
 
 async def warm_up_route(app) -> None:
-    """Speech requests through the app itself before it serves (in process, no socket): one
-    streamed and one whole file, one after the other, so that the first clients do not pay for what
-    runs once per process on first use (the route, its validation, the streamed response); the
-    engine was warmed already (``llm.warm_up``). They are not counted (``Admission.counting``),
-    nor in ``FirstAudio``. They speak one character in the model's first voice, the least any
-    configuration serves; one that the server's limits refuse (400: a model without voices, say)
-    is logged and ends the warm-up, as it shows the route running. Several API server processes
-    warm at once under one bound: one that finds the bound taken (503) skips the rest of its warm-up."""
+    """One streamed and one whole-file speech request through the app itself (in process, no
+    socket) before it serves, so that the first clients do not pay for what runs once per process
+    on first use; the engine was warmed already (``llm.warm_up``). They count neither in
+    ``Admission`` nor in ``FirstAudio``, and speak one character in the model's first voice. A 400
+    (the server's limits: a model without voices, say) is logged and ends the warm-up, as it shows
+    the route running; so does a 503 (other API server processes warming under the same bound)."""
     import httpx
 
     voice = next(iter(_voices(app.state.engine_client)), "")
