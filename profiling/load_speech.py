@@ -2,32 +2,28 @@
 
 For each output path (``worker``: this package; ``upstream``: per-request host copies and per-step
 concatenation) a server starts on 127.0.0.1 with the talker on ``--device``, and ``--clients``
-clients each stream ``--requests`` speech requests back to back (seeded texts of ``--chars``
-characters, float32 PCM so every sample can be checked against the talker's own rollout), spread
-over ``--client-procs`` processes so that no client's event loop sets what it measures. The clients
-are ``aiohttp``'s on uvloop (both vLLM's dependencies; its HTTP parser is compiled): the load
-generator shares the server's cores, and what its own requests cost is not the server's time to
-first byte (on the 2-core CPU machine 16 simultaneous ``GET /health`` took 20 to 70 ms with
-``httpx``'s pure-Python client, 2 to 12 with ``aiohttp``'s and under 10 from raw sockets). Bounded
-in count and in time (``--time-limit`` per path). Reported per path (JSON + PNG):
+clients each stream ``--requests`` speech requests back to back (seeded texts, float32 PCM so every
+sample can be checked against the talker's rollout), spread over ``--client-procs`` processes so
+that no client's event loop sets what it measures. The clients are ``aiohttp``'s on uvloop: the
+load generator shares the server's cores (on the 2-core CPU machine 16 simultaneous ``GET /health``
+took 20 to 70 ms with ``httpx``, 2 to 12 with ``aiohttp`` and under 10 from raw sockets). Bounded in
+count and in time (``--time-limit`` per path). Reported per path (JSON + PNG under ``--out``):
 
 - time to first audio byte (from sending the request), p50 / p99, against the engine step;
 - audio seconds delivered per wall second;
-- gaps: for each stream, each wait between two chunks against the audio the previous chunk covered
-  (worst ratio), and underruns: chunks that arrived after a player started at the first byte would
-  have run out of audio (the target is none);
-- samples lost, altered or extra (every stream compared with ``talker.expected_audio`` of its rollout);
+- gaps: each wait between two chunks against the audio the chunk before covered (worst ratio), and
+  underruns: chunks that came after a player started at the first byte would have run dry;
+- samples lost, altered or extra (against ``talker.expected_audio`` of the stream's rollout);
 - 503 answers, and an overload probe: ``max_inflight + 8`` simultaneous requests (the extra ones must
   get 503 with Retry-After);
-- where the server says the time to first audio went (``speech.FirstAudio``: admission, the
-  engine, delivery to the handler, the response's start), p50 / p99 (with ``--api-servers`` above
-  1: of the API server process that answers);
+- where the server says the time to first audio went (``speech.FirstAudio``), p50 / p99 (with
+  ``--api-servers`` above 1: of the API server process that answers);
 - server memory before and after each of ``--rounds`` repetitions of the load (resident set of the
-  server and its engine process, the worker's pool bytes and slots in use): it must not grow with
-  the number of streams served.
+  server and its engine process, the worker's pool bytes and slots in use): it must not grow.
 
-Usage: python profiling/load_speech.py [--clients 64] [--requests 4] [--rounds 2] [--device auto] [--paths worker,upstream]
-       [--client-procs 4] [--api-servers 1] [--url http://127.0.0.1:8000]   (an already running server: one path)
+Usage: python profiling/load_speech.py [--clients 64] [--requests 4] [--rounds 2] [--device auto]
+       [--paths worker,upstream] [--client-procs 4] [--api-servers 1]
+       [--url http://127.0.0.1:8000]   (an already running server: one path)
 """
 
 from __future__ import annotations
@@ -121,6 +117,11 @@ async def one_stream(client: aiohttp.ClientSession, s: Stream) -> None:
             s.data += chunk
 
 
+def _ttfb_ms(streams: list[Stream]) -> np.ndarray:
+    """Time to first audio byte of every stream that got audio, ms."""
+    return np.array([(s.t_first - s.t_send) * 1e3 for s in streams if s.t_first is not None])
+
+
 def gaps(s: Stream) -> tuple[float, int]:
     """(worst wait / audio of the chunk before it, underruns) of one stream; audio is float32."""
     worst, under, delivered = 0.0, 0, 0.0
@@ -182,14 +183,11 @@ async def overload_probe(url: str, limit: int) -> dict:
 async def drive(url: str, plans: list[list[Stream]], start_at: float, time_limit: float) -> tuple[float, float]:
     """Each plan is one client sending its streams back to back, from ``start_at`` (a
     ``time.perf_counter`` value, the same clock in every process) until ``time_limit`` seconds after
-    it; returns when they started and when the last one ended. A second before the start (the
-    server keeps an idle connection for 5 s) the process's HTTP client opens one connection per
-    client with a ``/health`` request each, as clients with kept-alive connections have them: what
-    the HTTP client does on first use in a fresh process and the connections' set-up are not the
-    server's time to first byte. The streams then take pooled connections. The process's heap so far (its
-    imports, an earlier round's streams) is frozen first, as vLLM's API server freezes its own once
-    it is up: a full collection of it would stall every client of the process at once, which is not
-    the server's time to first byte."""
+    it; returns when they started and when the last one ended. The process's heap so far is frozen
+    first (as vLLM's API server does), and a second before the start (the server keeps an idle
+    connection for 5 s) one kept-alive connection per client is opened with a ``/health`` request:
+    a full collection stalling every client of the process, the HTTP client's first use and the
+    connections' set-up are not the server's time to first byte."""
     gc.collect()
     gc.freeze()
     async with _session(url, len(plans) + 8, time_limit) as client:
@@ -275,8 +273,8 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
-    ok = [s for s in streams if s.status == 200 and s.t_first is not None]
-    ttfb = np.array([s.t_first - s.t_send for s in ok]) * 1e3
+    ok = [s for s in streams if s.t_first is not None]  # (answered 200, and audio came)
+    ttfb = _ttfb_ms(ok)
     worst, under = zip(*(gaps(s) for s in ok)) if ok else ((0.0,), (0,))
     audio_s = sum(s.nbytes for s in ok) / 4 / tk.SAMPLE_RATE
     step_ms = after_load["step_ms"]
@@ -286,44 +284,22 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
            "ttfb_ms_p99": float(np.percentile(ttfb, 99)), "step_ms": step_ms,
            "ttfb_p99_target_ms": 2 * step_ms + 50, "worst_gap_ratio": float(max(worst)),
            "underruns": int(sum(under)), **verdict, "server_first_audio": phases, "memory_before": before,
-           "memory_after_load": after_load, "memory_after": after, "memory_after_rounds": rounds, "overload_probe": probe, "ttfb_ms": ttfb.tolist(),
-           "ttfb_ms_p99_by_round": [float(np.percentile([(s.t_first - s.t_send) * 1e3 for s in got if s.t_first], 99))
-                                    for got in per_round if any(s.t_first for s in got)]}
+           "memory_after_load": after_load, "memory_after": after, "memory_after_rounds": rounds,
+           "overload_probe": probe, "ttfb_ms": ttfb.tolist(),
+           "ttfb_ms_p99_by_round": [float(np.percentile(t, 99)) for t in map(_ttfb_ms, per_round) if t.size]}
     print(f"[{path}] {len(ok)}/{len(streams)} streams, {audio_s:.1f} audio s in {wall:.1f} s "
           f"({res['audio_s_per_wall_s']:.1f}x real time); TTFB p50 {res['ttfb_ms_p50']:.1f} ms, p99 "
-          f"{res['ttfb_ms_p99']:.1f} ms (by round {[round(v, 1) for v in res['ttfb_ms_p99_by_round']]}; target {res['ttfb_p99_target_ms']:.1f}: 2 steps of {step_ms:.2f} ms + 50); "
+          f"{res['ttfb_ms_p99']:.1f} ms (by round {[round(v, 1) for v in res['ttfb_ms_p99_by_round']]}; "
+          f"target {res['ttfb_p99_target_ms']:.1f}: 2 steps of {step_ms:.2f} ms + 50); "
           f"worst gap {res['worst_gap_ratio']:.2f}x the previous chunk, {res['underruns']} underruns; "
           f"{verdict['samples_lost']} samples lost, {verdict['samples_altered']} altered, {verdict['samples_extra']} "
-          f"extra; 503s {res['status_503']}; "
-          f"probe {probe}; pool bytes {before['pool_bytes_used']} -> {after['pool_bytes_used']}, slots "
-          f"{after['pool_slots_used']}, RSS {before['rss_bytes']} -> {[m['rss_bytes'] for m in rounds]} after each round",
-          flush=True)
+          f"extra; 503s {res['status_503']}; probe {probe}; pool bytes {before['pool_bytes_used']} -> "
+          f"{after['pool_bytes_used']}, slots {after['pool_slots_used']}, RSS {before['rss_bytes']} -> "
+          f"{[m['rss_bytes'] for m in rounds]} after each round", flush=True)
     print(f"[{path}] in the server, p50 / p99 ms: " + ", ".join(
         f"{name} {phases.get(f'{name}_ms_p50', 0):.1f} / {phases.get(f'{name}_ms_p99', 0):.1f}"
         for name in ("admit", "engine", "deliver", "respond", "total")), flush=True)
     return res
-
-
-def plot(results: list[dict], dst: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        x = np.sort(r["ttfb_ms"])
-        ax.plot(x, np.linspace(0, 1, len(x)), label=f"{r['path']} (p99 {r['ttfb_ms_p99']:.0f} ms)")
-    ax.set_xlabel("time to first audio byte, ms")
-    ax.set_ylabel("fraction of streams")
-    ax.set_title(f"{results[0]['clients']} concurrent streaming clients")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    names = [r["path"] for r in results]
-    bx.bar(names, [r["audio_s_per_wall_s"] for r in results])
-    bx.set_ylabel("audio seconds per wall second")
-    fig.tight_layout()
-    fig.savefig(dst, dpi=100)
 
 
 def main() -> None:
@@ -358,7 +334,9 @@ def main() -> None:
     meta = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device, "clients": args.clients,
             "requests_per_client": args.requests, "chars": [args.min_chars, args.chars]}
     (out / "load_speech.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    plot(results, out / "load_speech.png")
+    from plot import plot  # profiling/plot.py, beside this script
+
+    plot(out / "load_speech.json")
     print(f"wrote {out / 'load_speech.json'} and load_speech.png")
 
 
