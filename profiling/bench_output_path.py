@@ -1,7 +1,8 @@
 """The output path of a TTS engine step at a fixed load, this package's against the upstream style,
 in one process: B streams, each producing one codec frame (1920 float32 samples and its codes) per
-step, DELTA, CUMULATIVE and FINAL_ONLY in turn (``--kinds``), every request ``--frames`` frames long and started
-in turn so that the batch stays full and ``B / frames`` requests finish and start every step.
+step, DELTA, CUMULATIVE and FINAL_ONLY in turn (``--kinds``), every request ``--frames`` frames long
+and started in turn so that the batch stays full and ``B / frames`` requests finish and start every
+step.
 
 Per step and path it times, on the host:
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
 import math
 import pstats
@@ -286,10 +286,8 @@ def main() -> None:
             prof = cProfile.Profile()
             bench("worker", B, args.frames, min(args.steps, 100), torch.device(args.device), args.cadence, prof,
                   args.profile, kinds)
-            text = io.StringIO()
             for order in ("tottime", "cumulative"):
-                pstats.Stats(prof, stream=text).sort_stats(order).print_stats(30)
-            print(text.getvalue())
+                pstats.Stats(prof).sort_stats(order).print_stats(30)
         w, u = pair["worker"], pair["upstream"]
         if args.device == "cuda":
             w["worker_launch_floor_us"] = launch_floor_us(B, args.cadence // tk.FRAME_SAMPLES)

@@ -81,11 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     from .vllm_integration.simulate import SimConfig, run
 
     cfg = SimConfig(requests=args.requests, concurrency=args.concurrency, max_frames=args.max_frames,
-                    arrival_ms=args.arrival_ms, kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
-                    sync_check=args.sync_check, cadence=SimConfig.cadence if args.cadence is None else args.cadence,
-                    device=args.device, async_scheduling=args.async_scheduling, in_process=args.in_process,
-                    paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()), out_dir=args.out,
-                    seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
+                    arrival_ms=args.arrival_ms, kinds=_names(args.kinds), sync_check=args.sync_check,
+                    cadence=SimConfig.cadence if args.cadence is None else args.cadence, device=args.device,
+                    async_scheduling=args.async_scheduling, in_process=args.in_process, paths=_names(args.paths),
+                    out_dir=args.out, seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
                     bad_every=args.bad_every, stop_every=args.stop_every)
     summary = run(cfg)
     for path, s in summary["paths"].items():
@@ -113,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(s["finished_exact"] + s["aborted_checked"] + s["failed_as_expected"] == s["requests"]
              and s["slots_held_after"] == 0 for s in summary["paths"].values())
     return 0 if ok else 1
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated option's names."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 if __name__ == "__main__":
