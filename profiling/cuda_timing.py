@@ -43,8 +43,8 @@ def us_per_call(fn, calls: int, repeats: int) -> list[float]:
 
 def graph_us_per_step(fn, steps: int, repeats: int, check=None) -> list[float]:
     """Microseconds per call of ``fn`` captured ``steps`` times in one CUDA graph, one figure per
-    timed run of 3 replays (``us_per_call``). ``fn`` runs once first, outside the capture (Triton
-    compiles there); ``check(replay)``, if given, verifies the graph before it is timed."""
+    timed run of 3 replays. ``fn`` runs once first, outside the capture (``ring.graph.capture``);
+    ``check(replay)``, if given, verifies the graph before it is timed."""
     from vllm_omni_kernels.ring.graph import capture
 
     graph = capture(fn, steps)
@@ -56,9 +56,8 @@ def graph_us_per_step(fn, steps: int, repeats: int, check=None) -> list[float]:
 
 
 def host_floor_us(calls: int) -> float:
-    """Host microseconds per call of one small torch op (``tiny.zero_()``: the dispatcher and a
-    launch), synchronized at the end: this host's floor for any eager launch from Python at this
-    moment, to quote next to host timings taken on a shared machine whose speed drifts."""
+    """Host microseconds per call of one small torch op (``tiny.zero_()``): this host's floor for any
+    eager launch from Python at this moment, to quote next to host timings on a drifting machine."""
     tiny = torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -108,9 +107,8 @@ def count_device_ops(fn, steps: int = 5) -> dict | None:
 
 
 def copy_in_graph_ms(src: torch.Tensor, steps: int, repeats: int) -> list[float]:
-    """Milliseconds of each of ``repeats`` replays (``event_ms``) of one CUDA graph holding ``steps``
-    copies of ``src``, each to a fresh destination: the bandwidth reference the ring kernels are
-    compared with (they too write new memory every step)."""
+    """Milliseconds of each of ``repeats`` replays of one CUDA graph holding ``steps`` copies of
+    ``src``, each to a fresh destination (as the ring kernels write new memory every step)."""
     dst = torch.empty(steps, *src.shape, dtype=src.dtype, device=src.device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -125,9 +123,8 @@ NO_PDL = "_no_pdl"  # label suffix: the backend launching without programmatic d
 
 
 def backend_variants(kernel_backends: list[str]) -> list[str]:
-    """The benchmarks' backend labels: every kernel backend available here, and for those that
-    launch with programmatic dependent launch (the compiled one and Triton) also ``<name>_no_pdl``,
-    so the launch setting is compared in the same process."""
+    """Every kernel backend available here, and for those that launch with programmatic dependent
+    launch (the compiled one and Triton) also ``<name>_no_pdl``."""
     return list(kernel_backends) + [name + NO_PDL for name in kernel_backends if name in ("cuda", "triton")]
 
 

@@ -157,12 +157,11 @@ class Admission:
     """At most ``limit`` speech requests in flight, and how those that left ended (``OUTCOMES``):
     served (the whole response handed to the HTTP server), rejected (turned away before it ran:
     over the bound, no output memory before its first audio, or refused by vLLM), failed (an
-    engine error) or cancelled (the client left first). The counts are this process's
-    (single-threaded: the server's event loop), or
+    engine error) or cancelled (the client left first). The counts are this process's, or
     ``shared``: a ``multiprocessing`` int64 array ``[inflight, *OUTCOMES]`` with its lock, which
-    the API server processes of one server share (``server.serve_multi``). They also go to vLLM's
-    ``/metrics`` (``vllm_omni:speech_requests_total{outcome}``, ``vllm_omni:speech_audio_seconds_total``).
-    While ``counting`` is False (the server's own warm-up requests) only the bound is kept."""
+    the API server processes of one server share (``server.serve_multi``); they also go to vLLM's
+    ``/metrics``. While ``counting`` is False (the server's own warm-up requests) only the bound is
+    kept."""
 
     OUTCOMES = ("rejected", "served", "failed", "cancelled")
 
@@ -411,8 +410,8 @@ async def _whole(stream: SpeechStream, request: SpeechRequest, limits: SpeechLim
 
 
 def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) -> Response:
-    """A request that failed before its response started: 503 with ``Retry-After`` when the engine
-    had no output memory for it (``SpeechStream.turned_away``), else 500."""
+    """A request that failed before its response started: 503 with ``Retry-After`` when it was
+    turned away (``SpeechStream.turned_away``), else 500."""
     if stream.turned_away:
         return _error(f"{exc}; retry later", status=HTTPStatus.SERVICE_UNAVAILABLE, err_type="ServiceUnavailableError",
                       headers={"Retry-After": str(limits.retry_after_s)})
