@@ -182,12 +182,13 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         gc.collect()  # the shut-down engine, if a cycle holds it, goes while the interpreter is whole
     checked = _check(results, out / "wav" if (path == "worker" and cfg.write_wavs) else None,
                      bad_fails=path == "worker", talker=tk.ToyTalker(cfg.seed))
-    samples = sum(sum(a.numel() for a in r.audio) for r in results)
+    audio_seconds = sum(sum(a.numel() for a in r.audio) for r in results) / tk.SAMPLE_RATE
     # A streaming request's first audio is its first chunk; a FINAL_ONLY one's is its whole file, at
     # its end: that is its own figure, never mixed into the time to first audio.
     streaming = [r for r in results if r.plan.kind != "final_only" and r.first_audio is not None]
     ttfa = [r.first_audio - r.start for r in streaming]
-    whole = [r.first_audio - r.start for r in results if r.plan.kind == "final_only" and r.first_audio is not None]
+    whole = [r.first_audio - r.start for r in results
+             if r.plan.kind == "final_only" and r.first_audio is not None]
     first_chunk = engine_stats.pop("first_chunk_at", {})
     delays = [r.first_audio_wall - first_chunk[r.plan.rid] for r in streaming if r.plan.rid in first_chunk]
     steps = max(engine_stats["output_steps"], 1)
@@ -195,11 +196,10 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
     return {
         "path": path, "device": engine_stats["device"], "async_scheduling": engine_stats["async_scheduling"],
         "requests": len(results), **checked,
-        "audio_seconds": samples / tk.SAMPLE_RATE, "wall_seconds": wall,
-        "audio_seconds_per_wall_second": samples / tk.SAMPLE_RATE / wall,
-        "ttfa_ms_p50": _pct(ttfa, 50) * 1e3, "ttfa_ms_p99": _pct(ttfa, 99) * 1e3,
-        "first_chunk_delay_ms_p50": _pct(delays, 50) * 1e3, "first_chunk_delay_ms_p99": _pct(delays, 99) * 1e3,
-        "final_only_ms_p50": _pct(whole, 50) * 1e3, "final_only_ms_p99": _pct(whole, 99) * 1e3,
+        "audio_seconds": audio_seconds, "wall_seconds": wall, "audio_seconds_per_wall_second": audio_seconds / wall,
+        "ttfa_ms_p50": _ms(ttfa, 50), "ttfa_ms_p99": _ms(ttfa, 99),
+        "first_chunk_delay_ms_p50": _ms(delays, 50), "first_chunk_delay_ms_p99": _ms(delays, 99),
+        "final_only_ms_p50": _ms(whole, 50), "final_only_ms_p99": _ms(whole, 99),
         "client_loop_lag_ms_p50": client["loop_lag_ms_p50"], "client_loop_lag_ms_p99": client["loop_lag_ms_p99"],
         "client_loop_lag_ms_max": client["loop_lag_ms_max"], "client_gc_ms_max": client["gc_ms_max"],
         "step_ms_median": engine_stats["step_us_median"] / 1e3,
@@ -207,7 +207,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "worker_output_path_us_p99": engine_stats["output_path_us_p99"],
         "frontend_multimodal_us_per_step": client["multimodal_seconds"] / messages * 1e6,
         "frontend_decode_us_per_step": client["decode_seconds"] / messages * 1e6,
-        "frontend_multimodal_us_per_audio_second": client["multimodal_seconds"] / max(samples / tk.SAMPLE_RATE, 1e-9) * 1e6,
+        "frontend_multimodal_us_per_audio_second": client["multimodal_seconds"] / max(audio_seconds, 1e-9) * 1e6,
         "d2h_copies_per_step": engine_stats["copies"] / steps,
         "wire_bytes_per_step": client["bytes"] / messages,
         "streams_per_step": engine_stats["samples"] / tk.FRAME_SAMPLES / max(engine_stats["steps"], 1),
@@ -220,8 +220,9 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
     }
 
 
-def _pct(values, q) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
+def _ms(seconds: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``seconds``, in ms (NaN if there are none)."""
+    return float(np.percentile(seconds, q)) * 1e3 if seconds else float("nan")
 
 
 async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
@@ -282,8 +283,8 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         client = {"messages": decoder.messages - d0[0], "bytes": decoder.bytes - d0[1],
                   "decode_seconds": decoder.seconds - d0[2],
                   "multimodal_seconds": processor.stopwatch.seconds + decoder.multimodal_seconds - d0[3],
-                  "loop_lag_ms_p50": _pct(lags, 50) * 1e3, "loop_lag_ms_p99": _pct(lags, 99) * 1e3,
-                  "loop_lag_ms_max": _pct(lags, 100) * 1e3, "gc_ms_max": max(pauses, default=0.0) * 1e3}
+                  "loop_lag_ms_p50": _ms(lags, 50), "loop_lag_ms_p99": _ms(lags, 99),
+                  "loop_lag_ms_max": _ms(lags, 100), "gc_ms_max": max(pauses, default=0.0) * 1e3}
         return results, stats, client, wall
     finally:
         if note_pause in gc.callbacks:
@@ -441,9 +442,8 @@ def _take(res: _Result, out) -> None:
 
 
 def _settle(res: _Result) -> None:
-    """A finished request's DELTA pieces as one tensor per key: the pieces are views that keep the
-    steps' received buffers alive, and every one is an object each full garbage collection of the
-    client walks while later requests stream (thousands of requests in flight or done)."""
+    """A finished request's DELTA pieces as one tensor per key: each piece is a view that keeps a
+    step's received buffer alive, and an object every full collection of the client walks."""
     if len(res.audio) > 1:
         res.audio, res.codes = [torch.cat(res.audio)], [torch.cat(res.codes)]
 
@@ -519,7 +519,8 @@ def _plot(summary: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [("audio_seconds_per_wall_second", "audio s / wall s"), ("ttfa_ms_p99", "time to first audio p99, streaming (ms)"),
+    metrics = [("audio_seconds_per_wall_second", "audio s / wall s"),
+               ("ttfa_ms_p99", "time to first audio p99, streaming (ms)"),
                ("worker_output_path_us_median", "worker output path (us/step)"),
                ("frontend_multimodal_us_per_step", "frontend multimodal (us/step)"),
                ("d2h_copies_per_step", "device-to-host copies / step"), ("wire_bytes_per_step", "wire bytes / step")]

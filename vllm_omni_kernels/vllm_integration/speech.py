@@ -113,8 +113,8 @@ class FirstAudio:
 
     PHASES = ("admit", "engine", "deliver", "respond", "total")
 
-    def __init__(self, keep: int = 4096, observe: bool = True):
-        self._rows: deque[tuple[float, ...]] = deque(maxlen=keep)
+    def __init__(self, observe: bool = True):
+        self._rows: deque[tuple[float, ...]] = deque(maxlen=4096)
         self._observe = observe  # into vLLM's /metrics too (``vllm_omni:speech_time_to_first_audio_seconds``)
 
     def note(self, received: float, out_at: float, written: float, metrics) -> None:
