@@ -384,29 +384,12 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
                           request.sample_format, received)
     handed_over = False
     try:
-        response = await (_streamed(stream, request, state.omni_speech_first_audio, limits, len(prompt)) if streamed
-                          else _whole(stream, request, limits))
+        response = await _respond(stream, request, streamed, state.omni_speech_first_audio, limits, len(prompt))
         handed_over = isinstance(response, (_ClosingStreamingResponse, _ClosingFileResponse))
         return response
     finally:
         if not handed_over:
             await stream.close()
-
-
-async def _whole(stream: SpeechStream, request: SpeechRequest, limits: SpeechLimits) -> Response:
-    pieces, finished = [], False
-    try:
-        while not finished:
-            audio, finished = await stream.next_audio()
-            if audio:
-                pieces.append(audio)
-    except SpeechFailedError as exc:
-        return _failed(exc, stream, limits)
-    data = b"".join(pieces)
-    if request.response_format == "wav":
-        data = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32", data_bytes=len(data)) + data
-    return _ClosingFileResponse(stream, data, media_type=MEDIA[request.response_format],
-                                headers=_headers(request, stream.request_id))
 
 
 def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) -> Response:
@@ -418,18 +401,29 @@ def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) 
     return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
 
 
-async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: FirstAudio,
-                    limits: SpeechLimits, prompt_tokens: int) -> Response:
-    """Wait for the first audio (an early failure is still a JSON error), then stream the rest: the
-    bytes as they are, or as server-sent events (``stream_format`` "sse")."""
-    first, finished = None, False
+async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool, first_audio: FirstAudio,
+                   limits: SpeechLimits, prompt_tokens: int) -> Response:
+    """Wait for all the audio (one file) or, ``streamed``, its first piece (a failure until then is
+    still a JSON error), then stream the rest: the bytes as they are, or as server-sent events
+    (``stream_format`` "sse")."""
+    pieces, finished = [], False
     try:
-        while first is None and not finished:
-            first, finished = await stream.next_audio()
+        while not finished and not (streamed and pieces):
+            audio, finished = await stream.next_audio()
+            if audio:
+                pieces.append(audio)
     except SpeechFailedError as exc:
         return _failed(exc, stream, limits)
+    f32 = request.sample_format == "f32"
+    if not streamed:
+        data = b"".join(pieces)
+        if request.response_format == "wav":
+            data = wav_header(tk.SAMPLE_RATE, float32=f32, data_bytes=len(data)) + data
+        return _ClosingFileResponse(stream, data, media_type=MEDIA[request.response_format],
+                                    headers=_headers(request, stream.request_id))
+    first = b"".join(pieces)  # (at most one)
     if request.response_format == "wav":
-        first = wav_header(tk.SAMPLE_RATE, float32=request.sample_format == "f32") + (first or b"")
+        first = wav_header(tk.SAMPLE_RATE, float32=f32) + first
 
     async def audio():
         if first:
@@ -440,7 +434,8 @@ async def _streamed(stream: SpeechStream, request: SpeechRequest, first_audio: F
             try:
                 piece, done = await stream.next_audio()
             except SpeechFailedError:
-                logger.exception("speech stream %s failed after its first audio; the response is cut", stream.request_id)
+                logger.exception("speech stream %s failed after its first audio; the response is cut",
+                                 stream.request_id)
                 raise
             if piece:
                 yield piece
