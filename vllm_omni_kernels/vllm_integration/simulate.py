@@ -111,7 +111,6 @@ class _Result:
     finish_reason: str | None = None
     first_audio: float | None = None  # perf_counter
     first_audio_wall: float | None = None  # time.time, to meet the worker's clock
-    finished: bool = False
     error: str | None = None
     aborted: bool = False  # the client aborted it before it finished
     inconsistent: str | None = None  # a CUMULATIVE output that did not start with the one before it
@@ -438,7 +437,6 @@ def _take(res: _Result, out) -> None:
             if res.plan.kind == "cumulative" and not out.finished:
                 audio, codes = audio.clone(), codes.clone()
             res.audio, res.codes = [audio], [codes]
-    res.finished = out.finished and comp.finish_reason != "abort"
 
 
 def _settle(res: _Result) -> None:
