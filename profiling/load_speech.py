@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -50,7 +51,7 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
-from vllm_omni_kernels.serving.server_process import free_port, start_server, wait_ready  # noqa: E402
+from vllm_omni_kernels.serving.server_process import speech_server, wait_ready  # noqa: E402
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.!?"
 
@@ -239,18 +240,15 @@ def load(url: str, args, rng: np.random.Generator, model: Path) -> tuple[list[St
 
 
 def run_path(path: str, args, model: Path, out: Path) -> dict:
-    proc = log = None
-    url = args.url
-    if url is None:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = out / f"server_{path}.log"
-        proc = start_server(model, port, log, "--talker-device", args.device, "--output-path", path,
-                            "--max-num-seqs", str(args.clients), "--disable-uvicorn-access-log",
-                            "--api-server-count", str(args.api_servers))
-    try:
-        t_ready = time.perf_counter()
-        wait_ready(url, proc, log, timeout=180.0)
+    t_ready = time.perf_counter()
+    if args.url:
+        wait_ready(args.url, None, timeout=180.0)
+        server = contextlib.nullcontext((args.url, None))
+    else:
+        server = speech_server(model, out / f"server_{path}.log", "--talker-device", args.device, "--output-path",
+                               path, "--max-num-seqs", str(args.clients), "--disable-uvicorn-access-log",
+                               "--api-server-count", str(args.api_servers), timeout=180.0)
+    with server as (url, proc):
         print(f"[{path}] server ready in {time.perf_counter() - t_ready:.1f} s", flush=True)
         pid = proc.pid if proc is not None else None
         before = memory(url, pid)
@@ -269,10 +267,6 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
         time.sleep(1.0)
         after = memory(url, pid)
         verdict = checked(streams)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
     ok = [s for s in streams if s.t_first is not None]  # (answered 200, and audio came)
     ttfb = _ttfb_ms(ok)
     worst, under = zip(*(gaps(s) for s in ok)) if ok else ((0.0,), (0,))

@@ -7,7 +7,6 @@ vLLM's own routes stay vLLM's."""
 import asyncio
 import base64
 import json
-import os
 import signal
 import struct
 import subprocess
@@ -22,7 +21,7 @@ pytest.importorskip("vllm")
 import httpx  # noqa: E402  (the test extra installs it)
 
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
-from vllm_omni_kernels.serving.server_process import free_port, start_server, wait_ready  # noqa: E402
+from vllm_omni_kernels.serving.server_process import speech_server  # noqa: E402
 from vllm_omni_kernels.serving.wav import pcm16, read_wav  # noqa: E402
 from vllm_omni_kernels.vllm_integration.talker_model import VOICES, make_model_dir  # noqa: E402
 
@@ -33,23 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def running_server(tmp_path_factory, *options: str):
     model = make_model_dir(tmp_path_factory.mktemp("talker"))
-    port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
-    proc = start_server(model, port, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND + 2),
-                        "--max-inflight", str(BOUND), "--max-input-chars", "3000", *options, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, log)
+    with speech_server(model, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND + 2),
+                       "--max-inflight", str(BOUND), "--max-input-chars", "3000", *options, cwd=ROOT) as (url, _):
         from transformers import AutoTokenizer
 
         yield {"url": url, "model": model, "tokenizer": AutoTokenizer.from_pretrained(str(model)), "log": log}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(60) is not None
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
 
 
 @pytest.fixture(scope="module")

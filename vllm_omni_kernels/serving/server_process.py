@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,24 +13,34 @@ import time
 from pathlib import Path
 
 
-def free_port() -> int:
-    """A port nobody listens on now (another process may take it before the server binds it)."""
-    with socket.socket() as s:
+@contextlib.contextmanager
+def speech_server(model: str | Path, log: Path, *options: str, cwd: str | Path | None = None,
+                  timeout: float = 240.0):
+    """``python -m vllm_omni_kernels serve MODEL`` on a free port of 127.0.0.1 with ``options``, its
+    output in ``log``, in a session of its own; yields its URL and process once it is ready
+    (``wait_ready``). vLLM's platform is its CPU one (the talker picks its own device); no
+    Prometheus multiprocess directory is inherited. On exit it gets SIGTERM, and its session
+    SIGKILL if it has not exited 60 s later (``subprocess.TimeoutExpired`` is raised then)."""
+    with socket.socket() as s:  # a port nobody listens on now (another process may take it first)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str | Path, port: int, log: Path, *options: str, cwd: str | Path | None = None) \
-        -> subprocess.Popen:
-    """``python -m vllm_omni_kernels serve MODEL`` on 127.0.0.1:``port`` with ``options``, its output
-    in ``log``, in a session of its own. vLLM's platform is its CPU one (the talker picks its own
-    device); no Prometheus multiprocess directory is inherited."""
+        port = s.getsockname()[1]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     cmd = [sys.executable, "-m", "vllm_omni_kernels", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
            *options]
-    return subprocess.Popen(cmd, stdout=Path(log).open("w"), stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                            start_new_session=True)
+    with Path(log).open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, log, timeout)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None, log: Path | None = None, timeout: float = 240.0) -> None:
