@@ -86,13 +86,12 @@ def _positive(text: str) -> int:
 def engine_args_from(args) -> AsyncEngineArgs:
     """vLLM's engine arguments from the parsed options, this server's merged into
     ``additional_config["omni"]`` (what ``TalkerWorker`` reads; a key given there wins)."""
-    extra = dict(args.additional_config or {})  # vLLM's parser made it a dict
-    extra["omni"] = {"device": args.talker_device, "cadence": args.cadence, "output_path": args.output_path,
-                     "cpu_threads": args.talker_threads, "pool_budget_bytes": args.audio_memory_mib << 20,
-                     **extra.get("omni", {})}
-    omni = extra["omni"]
+    extra = args.additional_config or {}  # (vLLM's parser made it a dict)
+    omni = {"device": args.talker_device, "cadence": args.cadence, "output_path": args.output_path,
+            "cpu_threads": args.talker_threads, "pool_budget_bytes": args.audio_memory_mib << 20,
+            **extra.get("omni", {})}
+    args.additional_config = {**extra, "omni": omni}
     args.talker_device, args.cadence, args.output_path = omni["device"], omni["cadence"], omni["output_path"]
-    args.additional_config = extra
     if args.stream_interval is None:  # not given: outputs at the audio's cadence
         args.stream_interval = talker_stream_interval(args.cadence)
     return AsyncEngineArgs.from_cli_args(args)
