@@ -295,8 +295,9 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
 
 async def _send(plans: list[_Plan], one, concurrency: int) -> list[_Result]:
     """Every plan's request through ``one``, in arrival order, by ``concurrency`` senders, each
-    sending the next plan at its arrival (at once if it is late). Waiting requests are plans in a
-    list, not tasks and timers for the client's collections to walk."""
+    sending the next plan once its last request is done, at the plan's arrival (at once if that has
+    passed). Waiting requests are plans in a list, not tasks and timers for the client's collections
+    to walk."""
     t0 = time.perf_counter()
     queue = iter(plans)  # shared: each plan goes to the sender that takes it first
 

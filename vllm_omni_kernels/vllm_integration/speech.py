@@ -409,9 +409,9 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
     pieces, finished = [], False
     try:
         while not finished and not (streamed and pieces):
-            audio, finished = await stream.next_audio()
-            if audio:
-                pieces.append(audio)
+            piece, finished = await stream.next_audio()
+            if piece:
+                pieces.append(piece)
     except SpeechFailedError as exc:
         return _failed(exc, stream, limits)
     f32 = request.sample_format == "f32"
