@@ -211,8 +211,7 @@ class SpeechStream:
     aborts the engine request if it has not finished and releases the slot, whatever happened to
     the HTTP response (a client gone before the body started included)."""
 
-    def __init__(self, engine, admission: Admission, request_id: str, gen, sample_format: str,
-                 received: float = 0.0):
+    def __init__(self, engine, admission: Admission, request_id: str, gen, sample_format: str, received: float):
         self.engine, self.admission, self.request_id, self.gen = engine, admission, request_id, gen
         self.sample_format = sample_format
         self.received = received  # time.time() when the handler started
@@ -311,6 +310,12 @@ def _error(message: str, param: str | None = None, status: HTTPStatus = HTTPStat
     return JSONResponse(err.model_dump(), status_code=err.error.code, headers=headers)
 
 
+def _unavailable(message: str, limits: SpeechLimits) -> JSONResponse:
+    """503 with ``Retry-After``: the request was turned away, nothing was queued."""
+    return _error(message, status=HTTPStatus.SERVICE_UNAVAILABLE, err_type="ServiceUnavailableError",
+                  headers={"Retry-After": str(limits.retry_after_s)})
+
+
 def _voices(engine) -> dict[str, int]:
     return dict(getattr(engine.model_config.hf_config, "voices", None) or {})
 
@@ -373,9 +378,8 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
     if request.stream_format == "sse" and "stream" in request.model_fields_set and not request.stream:
         return _error("stream_format 'sse' streams the audio; stream false asks for one file", "stream")
     if not admission.try_acquire():
-        return _error(f"{admission.inflight} speech requests in flight, the most this server takes; retry later",
-                      status=HTTPStatus.SERVICE_UNAVAILABLE, err_type="ServiceUnavailableError",
-                      headers={"Retry-After": str(limits.retry_after_s)})
+        return _unavailable(f"{admission.inflight} speech requests in flight, the most this server takes; "
+                            "retry later", limits)
     request_id = f"speech-{random_uuid()}"
     kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
     params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False)
@@ -396,8 +400,7 @@ def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) 
     """A request that failed before its response started: 503 with ``Retry-After`` when it was
     turned away (``SpeechStream.turned_away``), else 500."""
     if stream.turned_away:
-        return _error(f"{exc}; retry later", status=HTTPStatus.SERVICE_UNAVAILABLE, err_type="ServiceUnavailableError",
-                      headers={"Retry-After": str(limits.retry_after_s)})
+        return _unavailable(f"{exc}; retry later", limits)
     return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
 
 
