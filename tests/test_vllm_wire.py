@@ -11,10 +11,9 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 from vllm_omni_kernels.errors import TensorAccumulationError  # noqa: E402
 from vllm_omni_kernels.payload import MultimodalPayload  # noqa: E402
 from vllm_omni_kernels.vllm_integration.wire import (  # noqa: E402
-    MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs, OmniMsgpackDecoder)
+    MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs, OmniMsgpackDecoder, decode_completion,
+    decode_payload, encode_completion, encode_payload)
 from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput  # noqa: E402
-from vllm_omni_kernels.vllm_integration.serialization import (  # noqa: E402
-    decode_completion, decode_payload, encode_completion, encode_payload)
 
 pytestmark = pytest.mark.vllm
 

@@ -1,35 +1,25 @@
-"""The multimodal channel on vLLM's engine-core wire (RFC part I.2) and the decoder that keeps it.
+"""The multimodal channel on vLLM's msgpack wire (RFC part I.2): the engine core's messages and the
+decoder that keeps the channel, and payloads handed between stages.
 
-``OmniEngineCoreOutput`` appends to vLLM's ``EngineCoreOutput`` (an ``array_like`` msgspec struct):
+``OmniEngineCoreOutput`` adds to vLLM's ``EngineCoreOutput`` ``multimodal_output`` (plain per-step
+``{key: tensor or metadata}``, accumulated by the frontend) and ``multimodal_error`` (the worker
+failed the request's output). ``OmniEngineCoreOutputs`` (the message) adds the worker's data due
+this step: ``multimodal_buffer``, one host tensor for the whole step (one zero-copy frame in vLLM's
+encoder), and ``multimodal_regions``, per key the requests whose data lies back to back in it, so
+the client cuts every request's tensor with one ``split`` per key. Absent fields cost nothing, and
+frames without them decode as vLLM's own.
 
-* ``multimodal_output``: ``{key: tensor or metadata}`` a producer sends as plain per-step chunks
-  (the frontend accumulates them);
-* ``multimodal_error``: the worker failed the request's output (``MultimodalError``); the frontend
-  fails the request visibly with a ``TensorAccumulationError`` (an ``OutputMemoryError`` when the
-  worker's output memory was full).
+vLLM's client decodes every frame as ``EngineCoreOutputs``, dropping these fields, and a tensor
+under ``Any`` arrives as a raw ``[dtype, shape, buffer index]`` triple whose buffer is gone once
+``decode`` returns. ``OmniMsgpackDecoder`` restores those tensors while the buffers are at hand
+(zero-copy) and cuts the regions into each output's ``multimodal_delivered`` (``{key: (axis,
+tensor)}``, receiving side only). Bad data never costs another request its output: a triple that
+cannot be a tensor of this message becomes a ``TensorAccumulationError`` in place of the value, and
+a region that does not fit its buffer fails the requests it names (``multimodal_error``).
 
-and ``OmniEngineCoreOutputs`` (the message) the data the worker accumulated and that is due now:
-``multimodal_buffer``, one host tensor for the whole step (a single zero-copy frame in vLLM's
-encoder, however many requests it serves), and ``multimodal_regions``: per key the requests whose
-data lies back to back in it and their frame counts (``MultimodalRegion``), so the engine core
-builds nothing per request and the client cuts every request's tensor with one ``split`` per key.
-
-Absent fields cost nothing (trailing defaults are omitted), and frames without them (plain
-``EngineCoreOutput``) decode as vLLM's own.
-
-vLLM's client decodes every frame as ``EngineCoreOutputs``: decoded that way the fields would be
-dropped, and a tensor under ``Any`` arrives as its raw ``[dtype, shape, buffer index]`` triple whose
-buffer is gone once ``decode`` returns. ``OmniMsgpackDecoder`` decodes into ``OmniEngineCoreOutputs``,
-turns those triples back into tensors while the message's buffers are at hand (zero-copy, as vLLM
-does) and cuts the regions into views of the step's buffer, handing each output its own
-(``multimodal_delivered``: ``{key: (axis, tensor)}``, filled on the receiving side only;
-``resolve_regions``, which the in-process client calls on the scheduler's own objects). The client
-subclasses in ``client.py`` hold this decoder from construction.
-
-Bad data never costs another request its output: a triple that cannot be a tensor of this message
-(data not a buffer of it, an index past its buffers, a size that does not match the shape) becomes
-a ``TensorAccumulationError`` in place of the value, and a region that does not fit its buffer
-fails the requests it names (``multimodal_error``); the frame's other outputs are delivered.
+``encode_payload``/``encode_completion`` and their decoders carry a ``MultimodalPayload`` or a
+``MultimodalCompletionOutput`` between stages through vLLM's encoder, on typed structs so that every
+tensor decodes as a tensor and the key order (``primary_tensor``) is kept.
 """
 
 from __future__ import annotations
@@ -42,11 +32,13 @@ from typing import Any
 import msgspec
 import torch
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
-from vllm.v1.serial_utils import MsgpackDecoder, bytestr
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, bytestr
 
 from ..errors import OutputMemoryError, TensorAccumulationError
+from ..payload import MultimodalPayload
 from ..profiling import nvtx_range
 from ..serving.worker_accumulator import split_region
+from .outputs import MultimodalCompletionOutput
 
 
 class MultimodalRegion(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -105,13 +97,12 @@ class OmniEngineCoreOutputs(EngineCoreOutputs, array_like=True, omit_defaults=Tr
     multimodal_regions: list[MultimodalRegion] | None = None
 
 
-def resolve_regions(outputs: OmniEngineCoreOutputs, decoded: bool = False) -> None:
+def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
     """Give every output its pieces of the message's regions (``multimodal_delivered``), views of
-    ``multimodal_buffer`` cut with one ``split`` per region. A region that does not fit the buffer
-    (unknown dtype, frames past its end, an offset its dtype cannot start at) fails the requests it
-    names (``multimodal_error``). An output of a request with data that is vLLM's plain
-    ``EngineCoreOutput`` (the scheduler's own objects, in process) becomes an ``OmniEngineCoreOutput``
-    (``decoded``: the message came through ``OmniMsgpackDecoder``, whose outputs all are)."""
+    ``multimodal_buffer``. A region that does not fit the buffer (unknown dtype, frames past its
+    end, an offset its dtype cannot start at) fails the requests it names (``multimodal_error``).
+    vLLM's plain ``EngineCoreOutput``s (the scheduler's own objects, in process) become
+    ``OmniEngineCoreOutput``s."""
     regions = outputs.multimodal_regions
     if not regions:
         return
@@ -119,7 +110,7 @@ def resolve_regions(outputs: OmniEngineCoreOutputs, decoded: bool = False) -> No
     if buffer is None:
         buffer = torch.empty(0, dtype=torch.uint8)
     ecos = outputs.outputs
-    if not decoded and not all(isinstance(eco, OmniEngineCoreOutput) for eco in ecos):
+    if not all(isinstance(eco, OmniEngineCoreOutput) for eco in ecos):
         ecos[:] = [eco if isinstance(eco, OmniEngineCoreOutput) else OmniEngineCoreOutput.from_base(eco)
                    for eco in ecos]
     by_id = {eco.request_id: eco for eco in ecos}
@@ -175,12 +166,13 @@ def _is_tensor_triple(value: Any) -> bool:
 
 class OmniMsgpackDecoder(MsgpackDecoder):
     """vLLM's ``MsgpackDecoder`` for ``OmniEngineCoreOutputs`` that restores multimodal tensors and
-    resolves spans (module docstring)."""
+    resolves regions (module docstring). Counts the messages decoded, their bytes (every frame), the
+    decoding time and the multimodal channel's share of it."""
 
-    def __init__(self, t: Any = OmniEngineCoreOutputs, **kwargs):
-        super().__init__(t, **kwargs)
-        self.messages = 0  # decoded so far, with their bytes (every frame), the whole decoding time
-        self.bytes = 0  # and the share spent on the multimodal channel's tensors and spans
+    def __init__(self):
+        super().__init__(OmniEngineCoreOutputs)
+        self.messages = 0
+        self.bytes = 0
         self.seconds = 0.0
         self.multimodal_seconds = 0.0
 
@@ -199,7 +191,7 @@ class OmniMsgpackDecoder(MsgpackDecoder):
                     for eco in [eco for eco in out.outputs if eco.multimodal_output]:
                         eco.multimodal_output = {k: self._restore(v, eco.request_id, k)
                                                  for k, v in eco.multimodal_output.items()}
-                    resolve_regions(out, decoded=True)
+                    resolve_regions(out)
             t2 = time.perf_counter()
             self.multimodal_seconds += t2 - t1
             self.seconds += t2 - t0
@@ -244,3 +236,69 @@ class OmniMsgpackDecoder(MsgpackDecoder):
             return TensorAccumulationError(f"a {dtype} tensor of shape {list(shape)} needs {expected} bytes, its "
                                            f"buffer holds {nbytes}", request_id=request_id, key=key)
         return self._decode_tensor(triple)
+
+
+class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    order: list[str] = []
+    tensors: dict[str, torch.Tensor] = {}
+    tensor_lists: dict[str, list[torch.Tensor]] = {}
+    other_lists: dict[str, list[Any]] = {}
+    meta_order: list[str] = []
+    meta_tensors: dict[str, torch.Tensor] = {}
+    metadata: dict[str, Any] = {}
+
+    @classmethod
+    def from_payload(cls, p: MultimodalPayload) -> PayloadWire:
+        wire = cls(order=list(p.tensors), meta_order=list(p.metadata))
+        for key, value in p.tensors.items():
+            if isinstance(value, torch.Tensor):
+                wire.tensors[key] = value
+            elif isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+                wire.tensor_lists[key] = value
+            else:
+                wire.other_lists[key] = list(value)
+        for key, value in p.metadata.items():
+            (wire.meta_tensors if isinstance(value, torch.Tensor) else wire.metadata)[key] = value
+        return wire
+
+    def to_payload(self) -> MultimodalPayload:
+        tensors = {**self.tensors, **self.tensor_lists, **self.other_lists}
+        meta = {**self.meta_tensors, **self.metadata}
+        return MultimodalPayload(tensors={k: tensors[k] for k in self.order},
+                                 metadata={k: meta[k] for k in self.meta_order})
+
+
+class CompletionWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    multimodal: PayloadWire | None = None
+
+
+def encode_payload(payload: MultimodalPayload) -> Sequence[bytestr]:
+    return MsgpackEncoder().encode(PayloadWire.from_payload(payload))
+
+
+def decode_payload(bufs: bytestr | Sequence[bytestr]) -> MultimodalPayload:
+    return MsgpackDecoder(PayloadWire).decode(bufs).to_payload()
+
+
+def encode_completion(out: MultimodalCompletionOutput) -> Sequence[bytestr]:
+    """A completion output with its payload (logprobs are not carried between stages)."""
+    wire = CompletionWire(index=out.index, text=out.text, token_ids=list(out.token_ids),
+                          cumulative_logprob=out.cumulative_logprob, finish_reason=out.finish_reason,
+                          stop_reason=out.stop_reason,
+                          multimodal=None if out.multimodal_output is None else
+                          PayloadWire.from_payload(out.multimodal_output))
+    return MsgpackEncoder().encode(wire)
+
+
+def decode_completion(bufs: bytestr | Sequence[bytestr]) -> MultimodalCompletionOutput:
+    w = MsgpackDecoder(CompletionWire).decode(bufs)
+    return MultimodalCompletionOutput(index=w.index, text=w.text, token_ids=w.token_ids,
+                                      cumulative_logprob=w.cumulative_logprob, logprobs=None,
+                                      finish_reason=w.finish_reason, stop_reason=w.stop_reason,
+                                      multimodal_output=None if w.multimodal is None else w.multimodal.to_payload())
