@@ -25,15 +25,18 @@ class OutputModality(enum.Flag):
     LATENT = enum.auto()
 
     @classmethod
-    def from_string(cls, text: str | None) -> "OutputModality":
+    def from_string(cls, text: "OutputModality | str | None") -> "OutputModality":
         """Parse ``"text+image"``, ``"image,text"``, ``"speech"``, ``"latents"``, ...
 
         Parts are separated by ``+`` or ``,``, case and surrounding blanks are ignored, and aliases
-        (speech, images, latents, ...) map to their modality. Empty or None means TEXT.
+        (speech, images, latents, ...) map to their modality. Empty or None means TEXT; an
+        ``OutputModality`` is returned as it is.
 
         Raises:
             ValueError: a part names no modality; the message lists the supported names.
         """
+        if isinstance(text, cls):
+            return text
         if text is None or not text.strip():
             return cls.TEXT
         result = cls(0)

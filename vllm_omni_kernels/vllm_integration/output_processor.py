@@ -1,41 +1,36 @@
 """The frontend side of the separated channel (RFC parts II, IV, VI, VII).
 
-``MultimodalOutputProcessor`` is vLLM's ``OutputProcessor`` plus one thing: before vLLM's own loop it
-reads the multimodal fields of each ``OmniEngineCoreOutput`` of the step, leaving ``pooling_output``
-and everything else to vLLM. Nothing in it depends on the modality. Text and pooling requests
-therefore behave exactly as with vLLM's processor.
+``MultimodalOutputProcessor`` is vLLM's ``OutputProcessor`` that first reads the multimodal fields of
+the step's ``OmniEngineCoreOutput``s, whatever the modality, and leaves everything else (text, pooling)
+to vLLM. ``OmniRequestState``'s completion outputs are ``MultimodalCompletionOutput``s carrying the
+request's payload per its output kind: DELTA what arrived since the last output, CUMULATIVE
+everything so far, FINAL_ONLY everything at finish.
 
-* Data the worker accumulated (``multimodal_delivered``, views into the step's received buffer) is
-  handed through as it is: no copy, no re-accumulation. A request's deliveries wait for its next
-  output (vLLM may skip steps: ``stream_interval``, FINAL_ONLY) and a key's pieces are concatenated
-  only if more than one arrived; a CUMULATIVE output is a view of everything so far, appended in
-  place to a ``GrowingTensor`` sized at the first piece for the request's ``max_tokens``.
-* Plain per-step chunks (``multimodal_output``) are accumulated here, one batched append per key and
-  device (``MultimodalAccumulator``).
-* A request whose output the worker failed (``multimodal_error``) fails visibly, as below.
-
-``OmniRequestState`` is vLLM's ``RequestState`` whose completion outputs are
-``MultimodalCompletionOutput``s carrying the request's payload per its output kind: DELTA drains what
-arrived since the last output, CUMULATIVE consolidates everything so far, FINAL_ONLY consolidates at
-finish. With vLLM's ``stream_interval`` above 1 a CUMULATIVE request gets an output with its first
-token, then once every ``stream_interval`` tokens, and at finish, as a DELTA one does (vLLM itself
-thins DELTA outputs only; an output CUMULATIVE skips loses nothing, the next one holds it all).
-Tensors from the wire are CPU tensors and use the torch reference path; CUDA tensors (engine
-in-process) use the ring kernels. A request's slots are freed when it finishes or is aborted.
+* The worker's data (``multimodal_delivered``, views of the step's received buffer) is handed on
+  without a copy. A request's deliveries wait for its next output (vLLM skips steps:
+  ``stream_interval``, FINAL_ONLY) and a key's pieces are concatenated only when more than one
+  arrived; a CUMULATIVE output is a view of a ``GrowingTensor`` sized at the first piece for the
+  request's ``max_tokens``.
+* Plain per-step values (``multimodal_output``) are accumulated here, one batched append per device
+  (``MultimodalAccumulator``: the wire's CPU tensors on the torch reference, CUDA tensors of an
+  in-process engine on the ring kernels). A request's slots are freed when it finishes or is aborted.
+* With ``stream_interval`` above 1 a CUMULATIVE request's outputs are thinned as vLLM thins DELTA
+  ones (a skipped output loses nothing: the next holds it all).
 
 Errors: a bad value (not a tensor where one is expected, dtype or frame shape changing mid-stream,
 an unknown request, a payload that is not a dict) is a ``TensorAccumulationError`` for that request
 and key: logged, counted (``accumulation_errors``), that step's value skipped, every other request
-untouched. Output that arrives for a request after it finished or was aborted (the abort raced the
-engine's next step) is only counted (``late_outputs``). A ``TensorConsolidationError`` fails that
-request visibly: its generate() call raises it
-(AsyncLLM), or its final ``RequestOutput`` (LLMEngine) has finish reason ``"error"`` and the error
-in ``stop_reason``; the engine core is asked to abort it. Anything else propagates.
+untouched. Output for a request that finished or was aborted (an abort races the engine's next step)
+is only counted (``late_outputs``). A ``TensorConsolidationError``, or the worker's failure of the
+request (``multimodal_error``), fails that request visibly: its generate() call raises it (AsyncLLM),
+or its final ``RequestOutput`` (LLMEngine) has finish reason ``"error"`` and the error in
+``stop_reason``; the engine core is asked to abort it. Anything else propagates.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -57,7 +52,7 @@ from ..modality import OutputModality, TensorAccumulationStrategy, parse_strateg
 from ..payload import GrowingTensor, MultimodalPayload
 from ..profiling import nvtx_range
 from .wire import OmniEngineCoreOutput
-from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput, MultimodalRequestOutput
+from .outputs import MultimodalCompletionOutput, MultimodalPoolingOutput, MultimodalRequestOutput, recast
 
 logger = logging.getLogger(__name__)
 
@@ -101,17 +96,12 @@ class Stopwatch:
 
 
 class OmniRequestState(RequestState):
-    """vLLM's ``RequestState`` with the request's multimodal accumulation (see the module docstring).
-
-    Every vLLM field and behaviour is the base class's own, and a state built any way vLLM builds one
-    (its constructor, ``from_new_request``, ``__new__`` and fields) works: the two fields below have
-    class defaults. Until the processor attaches the request's first multimodal value
-    (``accumulator``, and ``failures``: the processor's list of (state, error) of the current step),
-    the state behaves exactly as vLLM's.
-    """
+    """vLLM's ``RequestState`` with the request's multimodal output (module docstring). The fields
+    below have class defaults, so a state built any way vLLM builds one works, and until the
+    request's first multimodal output it behaves exactly as vLLM's."""
 
     accumulator: MultimodalAccumulator | None = None
-    failures: list | None = None
+    failures: list | None = None  # the processor's (state, error) of the current step
     arrived: list[dict[str, tuple[int, torch.Tensor]]] | None = None  # the worker's deliveries since the last output
     so_far: dict[str, tuple[int, Any]] | None = None  # CUMULATIVE: key -> (axis, GrowingTensor) of everything so far
     last: MultimodalPayload | None = None  # CUMULATIVE: everything so far, for outputs with nothing new
@@ -119,13 +109,6 @@ class OmniRequestState(RequestState):
     cumulative_sent: int = 0  # CUMULATIVE: output tokens at its last output (``stream_interval``)
     upstream: bool = False  # the upstream style: CUMULATIVE at vLLM's own cadence (an output every step),
     #                         everything so far concatenated from a list at each output
-
-    @classmethod
-    def adopt(cls, base: RequestState) -> OmniRequestState:
-        """This class's state with ``base``'s fields (for a state vLLM's processor made as its own class)."""
-        state = cls.__new__(cls)
-        state.__dict__.update(base.__dict__)
-        return state
 
     def add_multimodal_tensor(self, payload: Mapping[str, Any] | None) -> list[TensorAccumulationError]:
         """Accumulate one step's ``{key: value}`` for this request (the per-request form of what the
@@ -138,12 +121,10 @@ class OmniRequestState(RequestState):
         return self.accumulator.append_step([self.request_id], {k: [v] for k, v in payload.items()})
 
     def deliver(self, pieces: dict[str, tuple[int, torch.Tensor]]) -> None:
-        """Keep one delivery of worker-accumulated data (``{key: (axis, tensor)}``) for the request's
-        next output."""
+        """Keep one delivery of the worker's data (``{key: (axis, tensor)}``) for the next output."""
         if self.arrived is None:
-            self.arrived = [pieces]
-        else:
-            self.arrived.append(pieces)
+            self.arrived = []
+        self.arrived.append(pieces)
 
     def take_payload(self, finished: bool) -> MultimodalPayload | None:
         """The payload due now (per output kind): the worker's pieces, then what the accumulator
@@ -151,54 +132,46 @@ class OmniRequestState(RequestState):
         since the last one shares that one's payload."""
         if not self.arrived and self.accumulator is None:
             return self.last  # the common step of a stream between deliveries
-        if self.stopwatch is None:
-            return self._take_payload(finished)
-        with self.stopwatch:
-            return self._take_payload(finished)
+        with self.stopwatch or contextlib.nullcontext():
+            payload = None
+            cumulative = self.output_kind == RequestOutputKind.CUMULATIVE
+            if self.arrived:
+                arrived, self.arrived = self.arrived, []
+                payload = self._so_far(arrived) if cumulative else self._joined(arrived)
+            elif cumulative and self.so_far:  # nothing new from the worker: still everything so far
+                payload = self._so_far([])
+            acc = self.accumulator
+            if acc is not None and self.request_id in acc:
+                own = acc.collect([self.request_id] if finished else (), request_ids=[self.request_id])
+                own = own.get(self.request_id)
+                if own and payload is not None:
+                    for key, value in own.tensors.items():
+                        if key in payload.tensors:
+                            raise TensorConsolidationError("the key came both from the worker and as per-step "
+                                                           "values", request_id=self.request_id, key=key)
+                        payload.tensors[key] = value
+                        if key in own.axes:
+                            payload.axes[key] = own.axes[key]
+                    payload.metadata.update(own.metadata)
+                elif own:
+                    payload = own
+            if cumulative and self.accumulator is None:
+                self.last = payload or None
+            return payload if payload else None
 
-    def _take_payload(self, finished: bool) -> MultimodalPayload | None:
-        payload = None
-        cumulative = self.output_kind == RequestOutputKind.CUMULATIVE
-        if self.arrived:
-            arrived, self.arrived = self.arrived, []
-            payload = MultimodalPayload(*(self._so_far(arrived) if cumulative else self._joined(arrived)))
-        elif cumulative and self.so_far:  # nothing new from the worker: still everything so far
-            payload = MultimodalPayload(*self._so_far([]))
-        acc = self.accumulator
-        if acc is not None and self.request_id in acc:
-            own = acc.collect([self.request_id] if finished else (), request_ids=[self.request_id]).get(self.request_id)
-            if own and payload is not None:
-                for key, value in own.tensors.items():
-                    if key in payload.tensors:
-                        raise TensorConsolidationError("the key came both from the worker and as per-step values",
-                                                       request_id=self.request_id, key=key)
-                    payload.tensors[key] = value
-                    if key in own.axes:
-                        payload.axes[key] = own.axes[key]
-                payload.metadata.update(own.metadata)
-            elif own:
-                payload = own
-        if cumulative and self.accumulator is None:
-            self.last = payload or None
-        return payload if payload else None
-
-    def _joined(self, arrived: list[dict[str, tuple[int, torch.Tensor]]]) -> tuple[dict, dict, dict]:
-        """DELTA and FINAL_ONLY: the deliveries since the last output as (tensors, metadata, axes),
-        a key's pieces concatenated where more than one arrived."""
-        if len(arrived) == 1:
-            (only,) = arrived
-            return {key: t for key, (_, t) in only.items()}, {}, {key: axis for key, (axis, _) in only.items()}
+    def _joined(self, arrived: list[dict[str, tuple[int, torch.Tensor]]]) -> MultimodalPayload:
+        """DELTA and FINAL_ONLY: the deliveries since the last output, a key's pieces concatenated."""
         tensors, axes = {}, {}
         for key in dict.fromkeys(key for pieces in arrived for key in pieces):
             got = [pieces[key] for pieces in arrived if key in pieces]
             axes[key] = axis = got[0][0]
             tensors[key] = self._cat(key, [t for _, t in got], axis)
-        return tensors, {}, axes
+        return MultimodalPayload(tensors, axes=axes)
 
-    def _so_far(self, arrived: list[dict[str, tuple[int, torch.Tensor]]]) -> tuple[dict, dict, dict]:
-        """CUMULATIVE: the deliveries appended to everything so far, as (tensors, metadata, axes):
-        views of a ``GrowingTensor`` per key, sized at the first piece for ``max_tokens``; in the
-        upstream style, a list concatenated anew."""
+    def _so_far(self, arrived: list[dict[str, tuple[int, torch.Tensor]]]) -> MultimodalPayload:
+        """CUMULATIVE: the deliveries appended to everything so far (views of a ``GrowingTensor`` per
+        key, sized at the first piece for ``max_tokens``; in the upstream style, a list concatenated
+        anew)."""
         if self.so_far is None:
             self.so_far = {}
         for pieces in arrived:
@@ -219,7 +192,7 @@ class OmniRequestState(RequestState):
             else:
                 tensors[key] = self._cat(key, data, axis)
                 data[:] = [tensors[key]]
-        return tensors, {}, {key: axis for key, (axis, _) in self.so_far.items()}
+        return MultimodalPayload(tensors, axes={key: axis for key, (axis, _) in self.so_far.items()})
 
     def _cat(self, key: str, pieces: list[torch.Tensor], axis: int) -> torch.Tensor:
         """A key's pieces as one tensor (the piece itself when there is one)."""
@@ -280,7 +253,8 @@ class OmniRequestState(RequestState):
         if self.accumulator is None and self.arrived is None:
             return base
         failed = len(self.failures) if self.failures is not None else 0
-        out = MultimodalCompletionOutput.from_completion(base, self._payload_or_failure(finish_reason is not None))
+        out = recast(base, MultimodalCompletionOutput)
+        out.multimodal_output = self._payload_or_failure(finish_reason is not None)
         if self.failures is not None and len(self.failures) > failed:  # it failed: the completion says so, so
             exc = self.failures[-1][1]  # that vLLM's ParentRequest counts a sample of n as finished
             out.finish_reason = str(FinishReason.ERROR)
@@ -293,17 +267,6 @@ class OmniRequestState(RequestState):
         if self.arrived is None and (self.accumulator is None or self.request_id not in self.accumulator):
             return super()._new_pooling_output(pooling_output)
         return MultimodalPoolingOutput(data=pooling_output, multimodal_output=self._payload_or_failure(True))
-
-
-def _give_completion_outputs(state: OmniRequestState) -> None:
-    """A request without a detokenizer (pooling params) that produces multimodal output gets vLLM's
-    token-id-only detokenizer and an empty logprobs processor, so its outputs are completion outputs
-    carrying the payload."""
-    if state.detokenizer is None:
-        state.detokenizer = IncrementalDetokenizer()
-        state.logprobs_processor = LogprobsProcessor(tokenizer=None, logprobs=None, prompt_logprobs=None,
-                                                     cumulative_logprob=None, num_logprobs=None,
-                                                     num_prompt_logprobs=None)
 
 
 class MultimodalOutputProcessor(OutputProcessor):
@@ -324,8 +287,7 @@ class MultimodalOutputProcessor(OutputProcessor):
                  key_aliases: Mapping[str, str] | None = None, accumulator_config: AccumulatorConfig | None = None,
                  **kwargs):
         super().__init__(tokenizer, log_stats=log_stats, stream_interval=stream_interval, **kwargs)
-        modality = OutputModality.from_string(output_modality) if isinstance(output_modality, str) \
-            else OutputModality(output_modality)
+        modality = OutputModality.from_string(output_modality)
         self.output_modality = modality
         self._config = dataclasses.replace(accumulator_config or AccumulatorConfig(), modality=modality,
                                            strategies={k: parse_strategy(v) for k, v in (strategies or {}).items()})
@@ -340,13 +302,14 @@ class MultimodalOutputProcessor(OutputProcessor):
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()  # recently, bounded
 
     def add_request(self, request, prompt, parent_req=None, request_index: int = 0, queue=None) -> None:
-        new = request.request_id not in self.request_states
+        rid = request.request_id
+        new = rid not in self.request_states
         super().add_request(request, prompt, parent_req, request_index, queue)
-        state = self.request_states.get(request.request_id)
-        if new and state is not None and not isinstance(state, OmniRequestState):
-            self.request_states[request.request_id] = state = OmniRequestState.adopt(state)
-        if new and state is not None and self.upstream_style:
-            state.upstream = True
+        state = self.request_states.get(rid)
+        if new and state is not None:
+            if not isinstance(state, OmniRequestState):
+                state = self.request_states[rid] = recast(state, OmniRequestState)
+            state.upstream = self.upstream_style
 
     # ------------------------------------------------------------------ the step
 
@@ -371,15 +334,14 @@ class MultimodalOutputProcessor(OutputProcessor):
         payload) is an error for its request and key; it never costs another request anything."""
         steps: dict[torch.device, tuple[list[str], list[dict[str, Any]]]] = {}
         errors: list[TensorAccumulationError] = []
-        # plain vLLM outputs (text, pooling) and outputs without multimodal data are vLLM's business
-        for eco in [eco for eco in engine_core_outputs if isinstance(eco, OmniEngineCoreOutput) and (
-                eco.multimodal_delivered is not None or eco.multimodal_error is not None
-                or eco.multimodal_output is not None)]:
+        for eco in engine_core_outputs:
+            if not isinstance(eco, OmniEngineCoreOutput):
+                continue  # plain vLLM outputs (text, pooling) are vLLM's business
             if eco.multimodal_delivered or eco.multimodal_error is not None:
                 self._take_from_worker(eco, errors)
-            if eco.multimodal_output is None:
-                continue
             payload = eco.multimodal_output
+            if payload is None:
+                continue
             rid = eco.request_id
             state = self.request_states.get(rid)
             if not isinstance(state, OmniRequestState):
@@ -477,12 +439,16 @@ class MultimodalOutputProcessor(OutputProcessor):
         return acc
 
     def _hook(self, state: OmniRequestState, eco: EngineCoreOutput) -> None:
-        """A request's first multimodal output: its payload time and failures are the processor's,
-        and a request without text gets completion outputs to carry its payloads."""
+        """A request's first multimodal output: its payload time and failures are the processor's. A
+        request without a detokenizer (pooling params), unless this is its pooling output, gets vLLM's
+        token-id-only detokenizer, so that its outputs are completion outputs carrying the payload."""
         state.stopwatch = self.stopwatch
         state.failures = self._failures
         if state.detokenizer is None and eco.pooling_output is None:
-            _give_completion_outputs(state)
+            state.detokenizer = IncrementalDetokenizer()
+            state.logprobs_processor = LogprobsProcessor(tokenizer=None, logprobs=None, prompt_logprobs=None,
+                                                         cumulative_logprob=None, num_logprobs=None,
+                                                         num_prompt_logprobs=None)
 
     def _fail_visibly(self, result: OutputProcessorOutput) -> None:
         """Requests whose output failed in this step (a consolidation here, or the worker's

@@ -25,6 +25,14 @@ from ..payload import MultimodalPayload
 from ..serving.worker_accumulator import PackedStep
 
 
+def recast(base: Any, cls: type) -> Any:
+    """``base`` as an instance of its subclass ``cls``: the same field values (not copied), the
+    subclass's fields at their class defaults."""
+    out = cls.__new__(cls)
+    out.__dict__.update(base.__dict__)
+    return out
+
+
 @dataclass
 class OmniModelRunnerOutput(ModelRunnerOutput):
     """``ModelRunnerOutput`` with a dedicated multimodal channel.
@@ -61,14 +69,6 @@ class MultimodalCompletionOutput(CompletionOutput):
 
     multimodal_output: MultimodalPayload | None = None
 
-    @classmethod
-    def from_completion(cls, base: CompletionOutput, payload: MultimodalPayload | None) -> MultimodalCompletionOutput:
-        """``base`` with ``payload`` attached (every field of ``base`` carried over)."""
-        out = cls.__new__(cls)
-        out.__dict__.update(base.__dict__)
-        out.multimodal_output = payload
-        return out
-
 
 class MultimodalRequestOutput(RequestOutput):
     """vLLM's ``RequestOutput`` whose ``add`` (AsyncLLM merging DELTA outputs that the consumer has not
@@ -80,9 +80,7 @@ class MultimodalRequestOutput(RequestOutput):
         """``base`` as this class (a ``PoolingRequestOutput`` is returned as it is)."""
         if not isinstance(base, RequestOutput) or isinstance(base, cls):
             return base
-        out = cls.__new__(cls)
-        out.__dict__.update(base.__dict__)
-        return out
+        return recast(base, cls)
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         merged = {}
@@ -100,7 +98,7 @@ class MultimodalRequestOutput(RequestOutput):
             if payload is None:
                 continue
             if not isinstance(completion, MultimodalCompletionOutput):  # the first had no payload
-                completion = self.outputs[i] = MultimodalCompletionOutput.from_completion(completion, None)
+                completion = self.outputs[i] = recast(completion, MultimodalCompletionOutput)
             completion.multimodal_output = payload
 
 
@@ -139,8 +137,7 @@ class OmniRequestOutput:
     def from_engine_output(cls, request_output: RequestOutput | PoolingRequestOutput, stage_id: int | None,
                            output_modality: OutputModality | str) -> OmniRequestOutput:
         """From an engine stage's output; ``multimodal`` is the first completion's payload."""
-        modality = OutputModality.from_string(output_modality) if isinstance(output_modality, str) \
-            else output_modality
+        modality = OutputModality.from_string(output_modality)
         multimodal, prompt = None, None
         if isinstance(request_output, PoolingRequestOutput) and isinstance(request_output.outputs,
                                                                            MultimodalPoolingOutput):
