@@ -1,23 +1,15 @@
 """``MultimodalAccumulator``: per-request accumulation of every output key, with emit policies.
 
-A step is ``{key: chunks}`` for a list of request ids, where chunks is a ``PaddedBatch`` (one tensor
-for the batch, host lengths) or a per-request sequence (tensor, scalar or None). A key's strategy is
-fixed per request by its first value (``modality.resolve_strategy``: the declared strategy, else the
-modality default; 0-d tensors and non-tensors are metadata): a request whose later value resolves to
-another strategy gets a ``TensorAccumulationError``, and no request's choice affects another's.
-CONCAT_DIM0 / CONCAT_LAST keys go to ``RingPool`` slots (one launch per pool per step, GPU kernels on
-CUDA, the torch reference on CPU), APPEND_LIST keys to a host list, REPLACE values to the payload's
-metadata. A ``PaddedBatch`` carries concatenating keys only.
+A step is ``{key: chunks}`` for a list of request ids, chunks being a ``PaddedBatch`` (one tensor for
+the batch, host lengths; concatenating keys only) or a per-request sequence (tensor, scalar or None).
+A key's strategy is fixed per request by its first value (``modality.resolve_strategy``); a later
+value of another strategy is a ``TensorAccumulationError`` for that request alone. CONCAT_DIM0 /
+CONCAT_LAST keys go to ``RingPool`` slots (one launch per pool per step: the ring kernels on CUDA,
+the torch reference on the CPU), APPEND_LIST keys to a host list, REPLACE values to the metadata.
 
-Emission (``collect``): the caller says which requests' output is due (vLLM's output processor:
-when it builds a request's output, at vLLM's ``stream_interval``) and which finished. DELTA drains
-what arrived since the last emission; CUMULATIVE consolidates everything so far; FINAL_ONLY
-consolidates once, at finish. Finished and aborted requests free their slots.
-
-Errors: a bad value for one request (wrong type, dtype or frame shape for its slot, device, unknown
-request, overflow that cannot grow) skips that request's value for that key with a
-``TensorAccumulationError``; ``append_step`` returns them (and counts them) and the rest of the step
-is accumulated. A ``TensorConsolidationError`` is raised by ``collect`` for the request concerned.
+``collect`` emits for the requests whose output is due and those finished: DELTA drains what arrived
+since the last emission, CUMULATIVE consolidates everything so far, FINAL_ONLY consolidates once, at
+finish. Finished and aborted requests free their slots.
 """
 
 from __future__ import annotations
@@ -107,10 +99,11 @@ class MultimodalAccumulator:
     def append_step(self, request_ids: Sequence[str], outputs: Mapping[str, Any]) -> list[TensorAccumulationError]:
         """Accumulate one step. ``outputs[key]`` is a ``PaddedBatch`` or a sequence aligned with ids.
 
-        Returns the per-request errors (already logged and counted); nothing else is raised for bad
-        values, and a bad value costs only that request's value for that key. ValueError for a
-        structurally wrong call (a value that is neither, misaligned lengths, a ``PaddedBatch`` whose
-        rows or lengths are not one per request), raised before anything of the step is accumulated.
+        Returns the per-request errors (already logged and counted): a bad value (wrong type, dtype or
+        frame shape for its slot, device, unknown request, overflow that cannot grow) costs only that
+        request's value for that key. ValueError for a structurally wrong call (a value that is
+        neither, misaligned lengths, a ``PaddedBatch`` whose rows or lengths are not one per request),
+        raised before anything of the step is accumulated.
         """
         for key, chunks in outputs.items():
             if isinstance(chunks, PaddedBatch):

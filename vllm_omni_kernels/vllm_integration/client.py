@@ -1,16 +1,11 @@
-"""Engine-core clients that receive the multimodal channel: ``OmniSyncMPClient``,
-``OmniAsyncMPClient`` (the engine core in its own process, over ZMQ) and ``OmniInprocClient``.
+"""Engine-core clients that receive the multimodal channel, built by ``OmniLLM``/``OmniAsyncLLM``:
+``OmniSyncMPClient``, ``OmniAsyncMPClient`` (the engine core in its own process) and
+``OmniInprocClient``.
 
-vLLM's multiprocess clients decode every frame with ``MsgpackDecoder(EngineCoreOutputs)``, which
-drops the multimodal fields without a word, and their output thread (sync) or task (async) takes
-the decoder when it starts, inside or right after construction: a decoder set on a built client is
-never used. Here the decoder is ``OmniMsgpackDecoder`` from construction on: ``OmniDecoding`` sits
-between vLLM's ``SyncMPClient``/``AsyncMPClient`` and ``MPClient`` and sets it as soon as
-``MPClient.__init__`` made vLLM's, before anything can take it. The in-process client gets the
-scheduler's own objects, copies the step's buffer and cuts the regions of the copy into each
-output's pieces.
-
-``OmniLLM``/``OmniAsyncLLM`` (``llm.py``) build these; nothing else needs to.
+vLLM's multiprocess clients decode with ``MsgpackDecoder(EngineCoreOutputs)``, which drops the
+multimodal fields, and their output thread or task takes the decoder during construction: one set
+on a built client is never used. ``OmniDecoding`` sits between vLLM's clients and ``MPClient`` and
+sets ``OmniMsgpackDecoder`` as soon as ``MPClient.__init__`` made vLLM's.
 """
 
 from __future__ import annotations
@@ -38,15 +33,12 @@ class OmniSyncMPClient(SyncMPClient, OmniDecoding):
 
 class OmniAsyncMPClient(AsyncMPClient, OmniDecoding):
     """vLLM's ``AsyncMPClient`` (``AsyncLLM``'s) decoding the multimodal channel, whose output
-    handler lets the event loop run before it takes a step's outputs that were already waiting.
+    handler lets the event loop run once before it takes a step's outputs that were already waiting.
 
-    ``AsyncLLM``'s output handler takes each step's outputs from this client and processes them;
-    awaiting a queue that holds some returns at once, so a client that fell behind the engine
-    processed every waiting step back to back while no stream ran: a stream's outputs of several
-    steps piled up (``AsyncLLM`` merges a DELTA request's unread outputs, a copy of its audio each
-    time), which made each step cost more, and the first audio of every request in flight waited
-    for the whole backlog. With one turn of the loop before each waiting step, the streams take the
-    last step's outputs before the next is processed."""
+    Awaiting a queue that holds outputs returns at once, so a client that fell behind the engine
+    processed every waiting step back to back while no stream ran: a stream's outputs piled up
+    (``AsyncLLM`` merges a DELTA request's unread outputs, copying its audio each time), each step
+    cost more, and every first audio waited for the whole backlog."""
 
     async def get_output_async(self):
         if self.outputs_queue is not None and not self.outputs_queue.empty():
@@ -55,14 +47,12 @@ class OmniAsyncMPClient(AsyncMPClient, OmniDecoding):
 
 
 class OmniInprocClient(InprocClient):
-    """vLLM's in-process client; the engine core's outputs get their pieces of a copy of the step's
-    buffer, as a multiprocess client gets them of the message it received.
+    """vLLM's in-process client; the outputs get their pieces of a copy of the step's buffer.
 
-    The step's buffer is the worker's pinned memory, reused once nothing refers to it. Views of it
-    in a caller's hands would keep every step's buffer (all of that step's requests' data) alive
-    for as long as the caller keeps any one request's audio, and the worker would allocate pinned
-    memory (about a millisecond, with the host waiting) on every step: the copy is one ``memcpy``
-    of the step's due data."""
+    The buffer is the worker's pinned memory, reused once nothing refers to it: views of it in a
+    caller's hands would keep each step's buffer alive as long as any one request's audio, and the
+    worker would allocate pinned memory (about a millisecond, the host waiting) every step. The
+    copy is one ``memcpy`` of the step's due data."""
 
     def get_output(self):
         outputs = super().get_output()

@@ -1,21 +1,18 @@
-"""The entry points a user calls: ``OmniLLM`` (sync, vLLM's ``LLMEngine``) and ``OmniAsyncLLM``
-(vLLM's ``AsyncLLM``), and ``talker_engine_args`` for the TTS talker.
+"""The entry points a user calls: ``OmniLLM`` (vLLM's ``LLMEngine``) and ``OmniAsyncLLM`` (vLLM's
+``AsyncLLM``), and ``talker_engine_args`` for the TTS talker.
 
-Each builds vLLM's engine with three things of this package: the scheduler class (``OmniScheduler``,
-or ``OmniAsyncScheduler`` under async scheduling), ``MultimodalOutputProcessor`` and an engine-core
-client that decodes the multimodal channel from its construction on (``client.py``). vLLM 0.33 has
-no hook for the processor or the client class (``LLMEngine``/``AsyncLLM`` build them in their
-``__init__`` through static factories, and the client's output thread takes its decoder there), so
-the two ``__init__`` below are vLLM's own, step for step, with those two objects made here. The
-engine core runs in its own process (vLLM's default, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) or in
-process (``=0``; ``OmniLLM`` only, as for vLLM).
+Each builds vLLM's engine with this package's scheduler class (``OmniScheduler``, or
+``OmniAsyncScheduler`` under async scheduling), ``MultimodalOutputProcessor`` and an engine-core
+client that decodes the multimodal channel from construction (``client.py``). vLLM 0.33 has no hook
+for the processor or the client class (its engines build them in ``__init__``, where the client's
+output thread takes its decoder), so the two ``__init__`` below are vLLM's own, step for step, with
+those two objects made here. The engine core runs in its own process (vLLM's default) or, for
+``OmniLLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, in this one.
 
-Async scheduling (``TalkerExecutor`` supports it): the engine arguments decide when they name it;
-otherwise it is on for a talker on CUDA, where a step's kernels run while the engine core schedules
-the next one, and off for a talker on the CPU, as vLLM's CPU platform has it: there the step's
-forward runs inside ``execute_model`` and nothing overlaps, so scheduling ahead only holds every
-output back by one step (vLLM's platform decides for vLLM's own worker, not for where this
-executor puts the talker).
+Async scheduling: as the engine arguments say; by default on for a talker on CUDA, where a step's
+kernels run while the engine core schedules the next, and off for one on the CPU, where the forward
+runs inside ``execute_model`` and scheduling ahead only holds every output back by one step (vLLM's
+platform decides for vLLM's own worker, not for where ``TalkerExecutor`` puts the talker).
 """
 
 from __future__ import annotations
@@ -36,7 +33,8 @@ from vllm.logger import configure_logging_if_needed
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.profiler.wrapper import create_frontend_profiler
 from vllm.renderers import renderer_from_config
-from vllm.sampling_params import SamplingParams
+from vllm.inputs.engine import tokens_input
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.tracing import init_tracer
 from vllm.transformers_utils.config import maybe_register_config_serialize_by_value
 from vllm.usage.usage_lib import UsageContext
@@ -56,6 +54,7 @@ from .output_processor import MultimodalOutputProcessor
 from .outputs import OmniRequestOutput, wrap_output
 from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
 from .talker_model import ARCHITECTURE, OmniTalkerForTTS
+from .upstream_style import UpstreamStyleOutputProcessor
 from .worker import TalkerExecutor, WorkerOptions
 
 
@@ -111,10 +110,9 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
 
 def talker_stream_interval(cadence: int | None) -> int:
     """vLLM's ``stream_interval`` that matches the talker's ``cadence`` (samples; None: the worker's
-    default): a streaming request's output goes out with its first frame, then once per cadence
-    interval of frames (when its audio is due) and at finish, not with every sampled token, which
-    spares the frontend the outputs that carry no audio. A chunk the worker delivers between two
-    outputs waits in the request's state for the next one, so nothing is lost either way."""
+    default): a stream's output goes out with its first frame, then when its audio is due and at
+    finish, not with every token that carries no audio (a chunk that arrives between two outputs
+    waits for the next one)."""
     samples = WorkerOptions.cadence if cadence is None else int(cadence)
     return max(1, samples // tk.FRAME_SAMPLES)
 
@@ -122,8 +120,6 @@ def talker_stream_interval(cadence: int | None) -> int:
 def talker_processor_options(output_path: str = "worker") -> ProcessorOptions:
     """The frontend for the talker's output: audio CONCAT_LAST, codes CONCAT_DIM0; for the
     upstream-style path (``output_path="upstream"``) its per-request concatenating processor."""
-    from .upstream_style import UpstreamStyleOutputProcessor
-
     strategies = {"audio": TensorAccumulationStrategy.CONCAT_LAST, "codes": TensorAccumulationStrategy.CONCAT_DIM0}
     if output_path == "upstream":
         return ProcessorOptions("audio", strategies, processor_cls=UpstreamStyleOutputProcessor)
@@ -136,10 +132,6 @@ async def warm_up(engine: AsyncLLM, requests: int | None = None) -> None:
     step, so every batch size a server will see has run once (kernels load and pick their variants
     per shape on first use) and the device and pinned host buffers have grown to a full batch's
     size before the first client arrives."""
-    from vllm import SamplingParams
-    from vllm.inputs.engine import tokens_input
-    from vllm.sampling_params import RequestOutputKind
-
     if requests is None:
         requests = engine.vllm_config.scheduler_config.max_num_seqs
     longest = max(2, engine.vllm_config.model_config.max_model_len - 4)
@@ -155,9 +147,8 @@ async def warm_up(engine: AsyncLLM, requests: int | None = None) -> None:
 
 
 def omni_vllm_config(engine_args: EngineArgs, usage_context: UsageContext) -> VllmConfig:
-    """vLLM's config for ``engine_args`` with this package's scheduler class (the async variant when
-    async scheduling is on: for ``TalkerExecutor`` as the arguments say, else when the talker runs on
-    CUDA; module docstring)."""
+    """vLLM's config for ``engine_args`` with this package's scheduler class and, for
+    ``TalkerExecutor``, async scheduling decided as the module docstring says."""
     config = engine_args.create_engine_config(usage_context)
     sched = config.scheduler_config
     if Executor.get_class(config) is TalkerExecutor:
@@ -174,9 +165,9 @@ def _processor(renderer, config: VllmConfig, log_stats: bool, options: Processor
                **kwargs) -> MultimodalOutputProcessor:
     o = options or ProcessorOptions()
     return o.processor_cls(renderer.tokenizer, log_stats=log_stats,
-                                     stream_interval=config.scheduler_config.stream_interval,
-                                     output_modality=o.output_modality, strategies=o.strategies,
-                                     key_aliases=o.key_aliases, accumulator_config=o.accumulator_config, **kwargs)
+                           stream_interval=config.scheduler_config.stream_interval,
+                           output_modality=o.output_modality, strategies=o.strategies, key_aliases=o.key_aliases,
+                           accumulator_config=o.accumulator_config, **kwargs)
 
 
 def _take_config(engine, vllm_config: VllmConfig) -> str | None:

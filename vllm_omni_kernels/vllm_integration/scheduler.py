@@ -1,41 +1,28 @@
-"""The scheduler side of the separated channel (RFC part I.3): ``OmniScheduler`` and
-``OmniAsyncScheduler``.
+"""The scheduler side of the separated channel (RFC part I.3): ``OmniScheduler`` (vLLM's
+``Scheduler``) and ``OmniAsyncScheduler`` (its ``AsyncScheduler``: a ``Scheduler`` subclass would
+turn async scheduling off), both through ``MultimodalChannel``.
 
-vLLM's v1 ``Scheduler.update_from_output`` turns a runner output into ``EngineCoreOutput``s. Here
-the runner output is an ``OmniModelRunnerOutput``, whose ``pooler_output`` holds pooling tensors
-only, so vLLM's own logic runs unchanged on the pooling channel (its "a pooling request finishes
-when it has pooler output" check fires only for real pooling output). ``MultimodalChannel`` then
-threads the multimodal channel into ``OmniEngineCoreOutput``s:
+The runner output is an ``OmniModelRunnerOutput``, whose ``pooler_output`` holds pooling tensors
+only, so vLLM's ``update_from_output`` runs unchanged; ``MultimodalChannel`` then threads the
+multimodal channel into the step's outputs:
 
-* plain per-step values (``multimodal_outputs``) go on the request's output; the worker's
-  accumulated data due this step (``packed``: one host buffer, and per key the requests whose data
-  lies back to back in it) goes on the message (``OmniEngineCoreOutputs``) of every client that has
-  a request with data in it: nothing is built per request;
-* a request whose output the worker failed (``multimodal_errors``) is finished with
-  ``FINISHED_ERROR`` and its output carries the error, which the frontend raises to its caller;
-* a request that vLLM finishes while the worker still holds its output (it opened it in
-  ``multimodal_opened`` and has not closed it in ``packed.final``): a stop token, which the worker
-  sees only when vLLM does; the worker delivers the rest a step or two later (``worker.py``). The
-  request's final output waits, as vLLM made it (tokens, finish and stop reason, so the frontend
-  treats its stop token as vLLM's would), the data that arrives for it meanwhile goes on outputs
-  of its own, and the final output goes with the rest (``_awaiting``). A finish the worker cannot
-  tell (vLLM's repetition detection, say) makes the worker drop the output when vLLM reports the
-  request finished: after ``_AWAITED_STEPS`` steps the request finishes with an error, so the
-  loss is visible.
+* plain per-step values (``multimodal_outputs``) go on their request's output; the worker's data due
+  this step (``packed``: one host buffer and its regions) goes on the message of every client with a
+  request in it, nothing built per request;
+* a request the worker failed (``multimodal_errors``) is finished with ``FINISHED_ERROR``, its
+  output carrying the error, which the frontend raises to its caller;
+* a request vLLM finishes while the worker still holds its output (opened in ``multimodal_opened``,
+  not closed in ``packed.final``: a stop token, which the worker sees only when vLLM does) keeps its
+  final output as vLLM made it until the worker's rest arrives a step or two later; data arriving
+  meanwhile goes on outputs of its own. After ``_AWAITED_STEPS`` steps (a finish the worker cannot
+  tell, such as vLLM's repetition detection) the request finishes with an error, so the loss is
+  visible.
 
-A multimodal output never finishes a request; a request that has multimodal output in a step but
-produced no token (a generation stage) still gets an output for that step.
-
-A request whose output the worker holds is paced by it: its token ids go out with its data
-(``HeldTokens``). A step's output of such a request that carries nothing but token ids (and
-scheduling events) is held back while none of its data is due, and its tokens and events travel
-with its next output: the first, the next one with data (a streaming request's next span, at the
-worker's cadence), the final one, or any that carries more than tokens. The client then processes
-a paced stream's output once per span instead of once per step; every token arrives, in order
-(vLLM's request metrics see a span's tokens arrive together, as with speculative decoding).
-
-``OmniScheduler`` subclasses vLLM's ``Scheduler`` and ``OmniAsyncScheduler`` its ``AsyncScheduler``
-(async scheduling, vLLM's default: a ``Scheduler`` subclass would turn it off).
+A multimodal output never finishes a request, and a request with multimodal output but no token in
+a step still gets an output. A request the worker paces has its outputs that carry only tokens and
+events held back (``HeldTokens``) until its next output that goes (its first, one with data, the
+final one, or one that carries more), which takes them in front: the client processes a paced
+stream once per span instead of once per step, and every token arrives, in order.
 """
 
 from __future__ import annotations
