@@ -1,15 +1,12 @@
-"""Typed errors of the multimodal output layer.
-
-``TensorAccumulationError`` is recoverable: the caller logs it, skips that step's tensor for that
-request and counts it. ``TensorConsolidationError`` fails the request visibly. Both name the request
-and the key so an operator can find the offending producer; no other request is affected by either.
-"""
+"""Typed errors of the multimodal output layer; none of them affects another request than the one
+it names."""
 
 from __future__ import annotations
 
 
 class MultimodalOutputError(Exception):
-    """Base class of every error this package raises on purpose."""
+    """Base class of every error this package raises on purpose; the message names the request and
+    the key, where known, so that an operator can find the offending producer."""
 
     def __init__(self, message: str, *, request_id: str | None = None, key: str | None = None):
         self.reason = message
@@ -33,9 +30,8 @@ class MultimodalOutputError(Exception):
 
 class TensorAccumulationError(MultimodalOutputError):
     """A step's tensor could not be accumulated (bad dtype/shape/device, unknown slot, overflow).
-
-    Nothing of that request's step was written; its earlier data and every other request are intact.
-    """
+    Recoverable: nothing of that request's step was written, its earlier data is intact; the caller
+    logs it, skips the value and counts it."""
 
 
 class OutputMemoryError(TensorAccumulationError):

@@ -38,10 +38,9 @@ class MultimodalPayload:
         consumer falls behind): tensors concatenated along their axis, lists extended, the later
         metadata winning. Returns a new payload; ``self`` and ``later`` are unchanged.
 
-        A chain of merges (AsyncLLM merges every output its consumer has not read into the first)
-        copies each piece once: the merged tensors grow in a ``GrowingTensor`` that the result
-        carries on. Concatenating everything so far at every merge would copy each piece again at
-        every later merge (quadratic), so a consumer that falls behind would fall further behind."""
+        A chain of merges (AsyncLLM merges every unread output into the first) copies each piece
+        once: the tensors grow in a ``GrowingTensor`` that the result carries on. Concatenating at
+        every merge would be quadratic, so a consumer that falls behind would fall further behind."""
         if not later:
             return self
         merged = MultimodalPayload(dict(self.tensors), {**self.metadata, **later.metadata}, {**self.axes, **later.axes})
@@ -70,13 +69,11 @@ class MultimodalPayload:
 
 class GrowingTensor:
     """A tensor that grows along ``axis`` by ``append``: capacity doubles, so each element is copied
-    O(1) times, and ``view()`` is everything so far without a copy (a strided view when the axis is
-    not the first of a multi-dimensional frame). A view handed out stays valid and unchanged: growth
-    moves the data to new storage, appends write past every earlier view's end.
+    O(1) times, and ``view()`` is everything so far without a copy. A view handed out stays valid
+    and unchanged: growth moves the data to new storage, appends write past every earlier view.
 
-    ``capacity``: the length along ``axis`` to allocate at once when the caller can tell how long
-    the tensor will get (each growth touches fresh memory, which on the host costs more than the
-    copies). CPU data of a dtype numpy has is copied through numpy views of the same memory (a
+    ``capacity``: the length to allocate at once when the caller can tell (fresh memory costs more
+    on the host than the copies). CPU data of a dtype numpy has is copied through numpy views (a
     torch copy costs several microseconds of dispatch, numpy's one)."""
 
     def __init__(self, first: torch.Tensor, axis: int, capacity: int = 0):

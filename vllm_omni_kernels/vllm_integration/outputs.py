@@ -1,14 +1,6 @@
-"""Output types of the separated multimodal channel on vLLM (RFC parts I, IV, V).
-
-* ``OmniModelRunnerOutput``: vLLM's ``ModelRunnerOutput`` plus the multimodal channel: plain
-  per-step values (``multimodal_outputs``), the worker's accumulated output due this step
-  (``packed``), and the requests whose output the worker opened or failed; ``pooler_output`` keeps
-  vLLM's meaning (pooling-task tensors only).
-* ``MultimodalCompletionOutput``: vLLM's ``CompletionOutput`` with a typed ``multimodal_output``;
-  ``MultimodalPoolingOutput`` the same for ``PoolingOutput``.
-* ``OmniRequestOutput``: one non-nestable shape for every stage (``from_engine_output``,
-  ``from_diffusion``) and ``wrap_output``, shared by sync and async orchestration.
-"""
+"""Output types of the separated multimodal channel on vLLM (RFC parts I, IV, V): the runner's
+output, vLLM's completion, pooling and request outputs carrying payloads, and ``OmniRequestOutput``,
+one non-nestable shape for every stage."""
 
 from __future__ import annotations
 
@@ -61,11 +53,9 @@ class OmniModelRunnerOutput(ModelRunnerOutput):
 
 @dataclass
 class MultimodalCompletionOutput(CompletionOutput):
-    """A ``CompletionOutput`` (every vLLM consumer accepts it) with the request's multimodal output.
-
-    ``multimodal_output``: what this output carries per the request's output kind: the chunk since
-    the last output (DELTA), everything so far (CUMULATIVE) or everything at finish (FINAL_ONLY).
-    """
+    """A ``CompletionOutput`` (every vLLM consumer accepts it) with the request's multimodal output
+    per its output kind: DELTA what is new, CUMULATIVE everything so far, FINAL_ONLY everything at
+    finish."""
 
     multimodal_output: MultimodalPayload | None = None
 
