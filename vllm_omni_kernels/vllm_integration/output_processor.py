@@ -322,9 +322,9 @@ class MultimodalOutputProcessor(OutputProcessor):
         return result
 
     def _update_stats_from_output(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats):
-        """vLLM's, except for an output that carries multimodal data only (no token, not the first,
-        not the last: the scheduler sends one when data arrives while a request's final output
-        waits for the worker's rest): it is no token step, so it adds no inter-token latency."""
+        """vLLM's, except for an output with multimodal data only (no token, not the first, not the
+        last: data arriving while the final output waits for the worker's rest), which adds no
+        inter-token latency."""
         if (engine_core_output.new_token_ids or req_state.is_prefilling
                 or engine_core_output.finish_reason is not None):
             super()._update_stats_from_output(req_state, engine_core_output, engine_core_timestamp, iteration_stats)
@@ -393,11 +393,6 @@ class MultimodalOutputProcessor(OutputProcessor):
             self.late_outputs += 1
         else:
             errors.append(TensorAccumulationError("multimodal output for an unknown request", request_id=request_id))
-
-    def _note_gone(self, request_id: str) -> None:
-        self._gone[request_id] = None
-        if len(self._gone) > _GONE_KEPT:
-            self._gone.popitem(last=False)
 
     def _values(self, rid: str, payload: Mapping[str, Any], errors: list) -> dict[str, Any]:
         """The payload's values under the stage's key names; a key that two payload keys map to (say
@@ -480,25 +475,24 @@ class MultimodalOutputProcessor(OutputProcessor):
 
     def _finish_request(self, req_state: RequestState) -> None:
         super()._finish_request(req_state)
-        self._note_gone(req_state.request_id)
-        if isinstance(req_state, OmniRequestState):
-            self._release(req_state)
+        self._forget(req_state.request_id, req_state)
 
     def abort_requests(self, request_ids, internal: bool) -> list[str]:
         states = dict(self.request_states)
         aborted = super().abort_requests(request_ids, internal)
         for rid in aborted:
-            self._note_gone(rid)
-            state = states.get(rid)
-            if isinstance(state, OmniRequestState):
-                self._release(state)
+            self._forget(rid, states.get(rid))
         return aborted
 
-    @staticmethod
-    def _release(state: OmniRequestState) -> None:
-        acc = state.accumulator
-        if acc is not None and state.request_id in acc:
-            acc.abort(state.request_id)
+    def _forget(self, request_id: str, state: RequestState | None) -> None:
+        """A request that finished or was aborted: remembered as gone (the latest ``_GONE_KEPT``), its
+        slots freed."""
+        self._gone[request_id] = None
+        if len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
+        acc = state.accumulator if isinstance(state, OmniRequestState) else None
+        if acc is not None and request_id in acc:
+            acc.abort(request_id)
 
     def accumulator_stats(self) -> dict[str, Any]:
         """Pool statistics per device, plus the error counters."""

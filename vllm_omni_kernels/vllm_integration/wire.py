@@ -159,7 +159,7 @@ def _is_tensor_triple(value: Any) -> bool:
     if not (isinstance(value, list | tuple) and len(value) == 3):
         return False
     dtype, shape, data = value
-    return (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
+    return (isinstance(dtype, str) and dtype in _DTYPES
             and isinstance(shape, list | tuple) and all(type(s) is int and s >= 0 for s in shape)
             and isinstance(data, int | memoryview | bytes | dict))
 
@@ -231,7 +231,7 @@ class OmniMsgpackDecoder(MsgpackDecoder):
         else:
             return TensorAccumulationError(f"tensor data of type {type(data).__name__} is not a buffer of the "
                                            "message", request_id=request_id, key=key)
-        expected = math.prod(shape) * getattr(torch, dtype).itemsize
+        expected = math.prod(shape) * _DTYPES[dtype].itemsize
         if nbytes != expected:
             return TensorAccumulationError(f"a {dtype} tensor of shape {list(shape)} needs {expected} bytes, its "
                                            f"buffer holds {nbytes}", request_id=request_id, key=key)
