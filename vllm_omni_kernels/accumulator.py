@@ -136,13 +136,9 @@ class MultimodalAccumulator:
         return held is strategy
 
     def _pool(self, key: str, strategy: Strategy, dtype: torch.dtype, frame: tuple, device: torch.device) -> RingPool:
-        """The pool for chunks of ``key`` of this dtype and frame shape (made on first use).
-
-        Raises:
-            TensorAccumulationError: the chunks are on another device than the accumulator, have
-                frames without elements, or frames larger than the pool budget (the caller
-                attributes it to its requests).
-        """
+        """The pool for chunks of ``key`` of this dtype and frame shape, made on first use.
+        ``TensorAccumulationError`` (the caller attributes it to its requests): chunks on another
+        device than the accumulator, frames without elements or larger than the pool budget."""
         if device != self.device:
             raise TensorAccumulationError(f"tensor on {device} but the accumulator is on {self.device}", key=key)
         ident = (key, dtype, frame)

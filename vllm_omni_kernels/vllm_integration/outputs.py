@@ -27,17 +27,12 @@ def recast(base: Any, cls: type) -> Any:
 
 @dataclass
 class OmniModelRunnerOutput(ModelRunnerOutput):
-    """``ModelRunnerOutput`` with a dedicated multimodal channel.
-
-    ``multimodal_outputs``: request id -> ``{key: tensor or metadata value}`` for this step, values a
-    producer sends as plain per-step chunks (requests without output are absent).
-    ``packed``: the worker-accumulated data due this step (``serving.worker_accumulator.PackedStep``:
-    one host buffer, spans per request, the requests whose output it closed), already copied.
-    ``multimodal_opened``: requests whose output the worker started to hold this step;
-    ``multimodal_errors``: requests whose output the worker failed (the scheduler finishes them).
-    ``pooler_output`` is vLLM's: per-request tensors of pooling tasks or None, never multimodal dicts
-    (``TypeError`` otherwise: that is the channel this type separates).
-    """
+    """``ModelRunnerOutput`` with a dedicated multimodal channel: ``multimodal_outputs`` (request id
+    -> ``{key: tensor or metadata}``, what a producer sends as plain per-step chunks), ``packed`` (the
+    worker's data due this step, already on the host: ``PackedStep``), ``multimodal_opened``
+    (requests whose output the worker started to hold this step), ``multimodal_errors`` (requests
+    whose output the worker failed; the scheduler finishes them). ``pooler_output`` keeps vLLM's
+    meaning: pooling tensors or None per request (``TypeError`` for anything else)."""
 
     multimodal_outputs: dict[str, dict[str, Any]] | None = None
     packed: PackedStep | None = None

@@ -61,10 +61,8 @@ class MultimodalChannel:
         return finished
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        # The requests the worker opened in this step that are still known: not one aborted since the
-        # step ran (vLLM's engine core takes aborts between a step and its update, with any number of
-        # steps in flight), which would be held open for ever; taken before vLLM's update finishes
-        # those that end in this step.
+        # The requests the worker opened in this step that are still known (one aborted since the step
+        # ran would be held open for ever), taken before vLLM's update finishes those that end in it.
         opened = [rid for rid in getattr(model_runner_output, "multimodal_opened", None) or () if rid in self.requests]
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         out = model_runner_output
