@@ -218,17 +218,17 @@ class OmniRequestState(RequestState):
         frame_bytes = first.numel() // first.shape[axis] * first.element_size()
         return min(-(-n * limit // tokens), _PRESIZE_BYTES // frame_bytes)
 
-    def _payload_or_failure(self, finished: bool) -> MultimodalPayload | None:
-        """``take_payload``, with a consolidation failure recorded for the processor (which fails the
-        request visibly after the step) instead of raised into vLLM's loop."""
+    def _payload_or_failure(self, finished: bool) -> tuple[MultimodalPayload | None, MultimodalOutputError | None]:
+        """``take_payload`` and None, or None and its consolidation failure, recorded for the processor
+        (which fails the request visibly after the step) instead of raised into vLLM's loop."""
         try:
-            return self.take_payload(finished)
+            return self.take_payload(finished), None
         except TensorConsolidationError as exc:
             logger.error("request %s failed: %s", self.request_id, exc)
             if self.failures is None:
                 raise
             self.failures.append((self, exc))
-            return None
+            return None, exc
 
     def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs):
         """vLLM's, with CUMULATIVE outputs thinned at ``stream_interval`` as vLLM thins DELTA ones."""
@@ -252,11 +252,9 @@ class OmniRequestState(RequestState):
         base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
         if self.accumulator is None and self.arrived is None:
             return base
-        failed = len(self.failures) if self.failures is not None else 0
         out = recast(base, MultimodalCompletionOutput)
-        out.multimodal_output = self._payload_or_failure(finish_reason is not None)
-        if self.failures is not None and len(self.failures) > failed:  # it failed: the completion says so, so
-            exc = self.failures[-1][1]  # that vLLM's ParentRequest counts a sample of n as finished
+        out.multimodal_output, exc = self._payload_or_failure(finish_reason is not None)
+        if exc is not None:  # the completion says so, so that vLLM's ParentRequest counts a sample of n as finished
             out.finish_reason = str(FinishReason.ERROR)
             out.stop_reason = str(_raised_by_generate(exc, self.external_req_id))
         return out
@@ -266,7 +264,7 @@ class OmniRequestState(RequestState):
         output, which carries the payload due at finish (per its output kind)."""
         if self.arrived is None and (self.accumulator is None or self.request_id not in self.accumulator):
             return super()._new_pooling_output(pooling_output)
-        return MultimodalPoolingOutput(data=pooling_output, multimodal_output=self._payload_or_failure(True))
+        return MultimodalPoolingOutput(data=pooling_output, multimodal_output=self._payload_or_failure(True)[0])
 
 
 class MultimodalOutputProcessor(OutputProcessor):
