@@ -125,15 +125,21 @@ class MultimodalAccumulator:
         self.accumulation_errors += len(errors)
         return errors
 
-    def _holds(self, req: _Request, rid: str, key: str, strategy: Strategy, errors: list) -> bool:
-        """Whether ``strategy`` is the request's strategy for ``key`` (fixed by its first value);
-        False, with an error recorded, when the request holds another one."""
+    def _holds(self, rid: str, key: str, strategy: Strategy, errors: list) -> _Request | None:
+        """Request ``rid``, if ``strategy`` is its strategy for ``key`` (fixed by its first value);
+        None, with an error recorded, for an unknown request or one that holds another strategy."""
+        req = self._requests.get(rid)
+        if req is None:
+            errors.append(TensorAccumulationError("unknown request (never added, or already finished)",
+                                                  request_id=rid, key=key))
+            return None
         held = req.strategies.setdefault(key, strategy)
         if held is not strategy:
             errors.append(TensorAccumulationError(
                 f"a value of strategy {strategy.value} for a key that holds {held.value} for this request",
                 request_id=rid, key=key))
-        return held is strategy
+            return None
+        return req
 
     def _pool(self, key: str, strategy: Strategy, dtype: torch.dtype, frame: tuple, device: torch.device) -> RingPool:
         """The pool for chunks of ``key`` of this dtype and frame shape, made on first use.
@@ -199,12 +205,8 @@ class MultimodalAccumulator:
             return
         keep = []
         for rid in request_ids:
-            req = self._requests.get(rid)
-            if req is None:
-                errors.append(TensorAccumulationError("unknown request (never added, or already finished)",
-                                                      request_id=rid, key=key))
-            keep.append(req is not None and self._holds(req, rid, key, strategy, errors)
-                        and self._attach(key, rid, req, pool, errors))
+            req = self._holds(rid, key, strategy, errors)
+            keep.append(req is not None and self._attach(key, rid, req, pool, errors))
         if all(keep):
             errors.extend(pool.append(request_ids, batch).errors)
             return
@@ -219,13 +221,9 @@ class MultimodalAccumulator:
         for rid, value in zip(request_ids, values):
             if value is None:
                 continue
-            req = self._requests.get(rid)
-            if req is None:
-                errors.append(TensorAccumulationError("unknown request (never added, or already finished)",
-                                                      request_id=rid, key=key))
-                continue
             strategy = resolve_strategy(key, value, self.config.modality, self.config.strategies)
-            if not self._holds(req, rid, key, strategy, errors):
+            req = self._holds(rid, key, strategy, errors)
+            if req is None:
                 continue
             if strategy is Strategy.REPLACE:
                 req.metadata[key] = value

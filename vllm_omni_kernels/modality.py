@@ -1,10 +1,5 @@
-"""Output modalities and the tensor accumulation strategies bound to them.
-
-``OutputModality`` is a ``Flag``: compound outputs such as text+audio are plain unions. Strategies are
-resolved per key: a stage may declare ``{key: strategy}``; otherwise AUDIO keys concatenate along the
-last (time) axis, IMAGE/LATENT keys along dim 0. 0-d tensors and non-tensor values are metadata and
-always REPLACE.
-"""
+"""Output modalities (``OutputModality``, a ``Flag``: text+audio is a plain union) and the tensor
+accumulation strategies a key's values resolve to (``resolve_strategy``)."""
 
 from __future__ import annotations
 
@@ -84,7 +79,8 @@ class TensorAccumulationStrategy(enum.Enum):
 
 
 def default_strategy(modality: OutputModality) -> TensorAccumulationStrategy:
-    """The modality's default for tensors with a time/row axis: AUDIO first, then IMAGE/LATENT."""
+    """The modality's default for tensors with a time/row axis: AUDIO concatenates along the last
+    (time) axis, IMAGE/LATENT along dim 0; AUDIO wins in a compound modality."""
     if OutputModality.AUDIO in modality:
         return TensorAccumulationStrategy.CONCAT_LAST
     return TensorAccumulationStrategy.CONCAT_DIM0
