@@ -213,27 +213,26 @@ def outputs_with_channel(batch: EngineCoreOutputs, packed: PackedStep | None, pl
     worker's rest, as ``MultimodalChannel`` does) gets an error, its held output being lost, and
     leaves the set. ``emitted`` collects the requests that got an output here."""
     delivered = packed.requests() if packed is not None else ()
+    emitted = set() if emitted is None else emitted
     with_data = changed = False
     ecos = batch.outputs
     for i, eco in enumerate(ecos):
         rid = eco.request_id
         if rid in delivered:
             with_data = True
-            if emitted is not None:
-                emitted.add(rid)
-        error = errors.get(rid) if errors else None
+            emitted.add(rid)
+        error = errors.get(rid)
         if error is None and eco.finish_reason is not None and rid in worker_open:
             worker_open.discard(rid)
             error = MultimodalError(f"the request finished ({eco.finish_reason}) while the worker still "
                                     "held its output, which is lost")
-        value = plain.get(rid) if plain else None
+        value = plain.get(rid)
         if value or error is not None:
             changed = True
             eco = ecos[i] = OmniEngineCoreOutput.from_base(eco, value, error)
             if error is not None:
                 eco.finish_reason = FinishReason.ERROR
-            if emitted is not None:
-                emitted.add(rid)
+            emitted.add(rid)
     return _with_outputs(batch, ecos, packed if with_data else None) if with_data or changed else batch
 
 
