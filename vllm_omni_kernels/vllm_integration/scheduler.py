@@ -167,24 +167,24 @@ class HeldTokens:
         this step."""
         if not (paced or self.active):
             return ecos
-        kept, held_now, started = [], self._held, self._started
+        kept = []
         for eco in ecos:
             rid = eco.request_id
-            if rid in paced and rid not in due and rid in started and _holdable(eco):
-                tokens, events = held_now.setdefault(rid, ([], []))
+            if rid in paced and rid not in due and rid in self._started and _holdable(eco):
+                tokens, events = self._held.setdefault(rid, ([], []))
                 tokens += eco.new_token_ids
                 if eco.events:
                     events += eco.events
                 continue
-            held = held_now.pop(rid, None) if held_now else None
+            held = self._held.pop(rid, None)
             if held is not None:
                 eco.new_token_ids = held[0] + eco.new_token_ids
                 if held[1]:
                     eco.events = held[1] + (eco.events or [])
             if eco.finish_reason is not None:
-                started.discard(rid)
+                self._started.discard(rid)
             elif rid in paced:
-                started.add(rid)
+                self._started.add(rid)
             kept.append(eco)
         return kept
 

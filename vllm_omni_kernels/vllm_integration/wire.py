@@ -131,9 +131,8 @@ def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
             if eco is None:
                 continue  # another client's request
             if eco.multimodal_delivered is None:
-                eco.multimodal_delivered = {key: (axis, piece)}
-            else:
-                eco.multimodal_delivered[key] = (axis, piece)
+                eco.multimodal_delivered = {}
+            eco.multimodal_delivered[key] = (axis, piece)
     for eco in failed:  # none of a failed request's data is handed on
         eco.multimodal_delivered = None
 
