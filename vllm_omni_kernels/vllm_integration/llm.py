@@ -121,9 +121,8 @@ def talker_processor_options(output_path: str = "worker") -> ProcessorOptions:
     """The frontend for the talker's output: audio CONCAT_LAST, codes CONCAT_DIM0; for the
     upstream-style path (``output_path="upstream"``) its per-request concatenating processor."""
     strategies = {"audio": TensorAccumulationStrategy.CONCAT_LAST, "codes": TensorAccumulationStrategy.CONCAT_DIM0}
-    if output_path == "upstream":
-        return ProcessorOptions("audio", strategies, processor_cls=UpstreamStyleOutputProcessor)
-    return ProcessorOptions("audio", strategies)
+    cls = UpstreamStyleOutputProcessor if output_path == "upstream" else MultimodalOutputProcessor
+    return ProcessorOptions("audio", strategies, processor_cls=cls)
 
 
 async def warm_up(engine: AsyncLLM, requests: int | None = None) -> None:
