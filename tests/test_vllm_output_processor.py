@@ -498,6 +498,13 @@ def test_output_after_an_abort_is_counted_not_an_error_and_a_strangers_output_is
     assert p.accumulator_stats()["late_outputs"] == 1
     got = {o.request_id: o.outputs[0] for o in res.request_outputs}
     assert torch.equal(got["kept"].multimodal_output.tensors["audio"], torch.full((2,), 2.0))
+    # an output with both the worker's data and plain values counts once
+    both = {"multimodal_delivered": {"codes": (0, torch.ones(1, 16))}}
+    p.process_outputs([OmniEngineCoreOutput(request_id="gone", new_token_ids=[7],
+                                            multimodal_output={"audio": torch.ones(1)}, **both),
+                       OmniEngineCoreOutput(request_id="stranger", new_token_ids=[7],
+                                            multimodal_output={"audio": torch.ones(1)}, **both)])
+    assert p.late_outputs == 2 and p.accumulation_errors == 2
 
 
 def test_worker_pieces_of_every_kind_and_a_frame_that_changes_fail_only_their_request():

@@ -335,7 +335,8 @@ class MultimodalOutputProcessor(OutputProcessor):
         for eco in engine_core_outputs:
             if not isinstance(eco, OmniEngineCoreOutput):
                 continue  # plain vLLM outputs (text, pooling) are vLLM's business
-            if eco.multimodal_delivered or eco.multimodal_error is not None:
+            from_worker = eco.multimodal_delivered or eco.multimodal_error is not None
+            if from_worker:
                 self._take_from_worker(eco, errors)
             payload = eco.multimodal_output
             if payload is None:
@@ -343,7 +344,8 @@ class MultimodalOutputProcessor(OutputProcessor):
             rid = eco.request_id
             state = self.request_states.get(rid)
             if not isinstance(state, OmniRequestState):
-                self._unknown(rid, errors)
+                if not from_worker:  # else _take_from_worker counted this output already
+                    self._unknown(rid, errors)
                 continue
             if not isinstance(payload, Mapping):
                 errors.append(TensorAccumulationError(
