@@ -588,3 +588,27 @@ def test_what_additional_config_says_of_the_talker_wins_over_the_servers_options
     omni = engine_args.additional_config["omni"]
     assert omni["pool_budget_bytes"] == 9437184 and omni["cadence"] == 0 and args.cadence == 0
     assert engine_args.stream_interval == 1  # the cadence the talker gets: every step
+
+
+def test_a_stream_that_ends_without_audio_adds_no_time_to_first_audio():
+    """A streamed wav whose request ends with no audio still sends its header, but no time to first
+    audio: none arrived (it would count from the epoch, and skew the p99)."""
+    from vllm_omni_kernels.vllm_integration.speech import FirstAudio, SpeechLimits, SpeechRequest, _respond
+
+    class Ended:  # what the route reads of a SpeechStream whose request ended with no audio
+        request_id, received, first_at, first_metrics, output_tokens, delivered = "r", time.time(), 0.0, None, 0, False
+
+        async def next_audio(self):
+            return None, True
+
+        async def close(self):
+            pass
+
+    async def body():
+        first_audio = FirstAudio(observe=False)
+        request = SpeechRequest(input="a", stream=True, response_format="wav")
+        response = await _respond(Ended(), request, True, first_audio, SpeechLimits(), 2)
+        return b"".join([piece async for piece in response.body_iterator]), first_audio.summary()
+
+    sent, summary = asyncio.run(body())
+    assert sent[:4] == b"RIFF" and len(sent) == 44 and summary == {"count": 0}

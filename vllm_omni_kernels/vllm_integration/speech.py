@@ -430,7 +430,8 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
 
     async def audio():
         if first:
-            first_audio.note(stream.received, stream.first_at, time.time(), stream.first_metrics)
+            if stream.first_at:  # (a wav header alone is no audio: a request that ended with none)
+                first_audio.note(stream.received, stream.first_at, time.time(), stream.first_metrics)
             yield first
         done = finished
         while not done:
