@@ -549,6 +549,26 @@ def test_worker_pieces_of_every_kind_and_a_frame_that_changes_fail_only_their_re
 
 
 
+def test_two_worker_keys_that_alias_to_one_name_fail_their_request_and_lose_nothing_of_another():
+    """With ``model_outputs`` an alias of ``audio``, a worker delivery that has both would keep one of
+    them: that request fails visibly, naming the key, and a request whose delivery has one of them
+    gets it under its name."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio",
+                                          key_aliases={"model_outputs": "audio"})
+    for rid in ("ok", "both"):
+        processor.add_request(core_request(rid, [5, 6, 7], sampling(RequestOutputKind.DELTA, max_tokens=1,
+                                                                    detokenize=False)), None)
+    a, b = torch.arange(4.0), -torch.arange(4.0)
+    outs = [token_output("ok", 7, finish=FinishReason.LENGTH, cls=OmniEngineCoreOutput,
+                         multimodal_delivered={"model_outputs": (0, a)}),
+            token_output("both", 7, finish=FinishReason.LENGTH, cls=OmniEngineCoreOutput,
+                         multimodal_delivered={"model_outputs": (0, a), "audio": (0, b)})]
+    got = {out.request_id: out.outputs[0] for out in processor.process_outputs(outs).request_outputs}
+    assert torch.equal(got["ok"].multimodal_output.tensors["audio"], a)
+    assert got["both"].finish_reason == "error" and "audio" in got["both"].stop_reason
+    assert not processor.request_states
+
+
 @pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
 def test_worker_pieces_and_per_step_values_of_one_request(kind):
     """A request whose worker data (``multimodal_delivered``) and per-step values

@@ -382,7 +382,17 @@ class MultimodalOutputProcessor(OutputProcessor):
             self._hook(state, eco)
         pieces = eco.multimodal_delivered
         if self._key_aliases:
-            pieces = {self._key_aliases.get(key, key): value for key, value in pieces.items()}
+            named = {}
+            for key, value in pieces.items():
+                name = self._key_aliases.get(key, key)
+                if name in named:  # two of the worker's keys map to one name: one of them would be lost
+                    exc = TensorConsolidationError(f"the worker's key {key!r} maps to a key it already has",
+                                                   request_id=eco.request_id, key=name)
+                    logger.error("request %s failed: %s", eco.request_id, exc)
+                    self._failures.append((state, exc))
+                    return
+                named[name] = value
+            pieces = named
         state.deliver(pieces)
 
     def _unknown(self, request_id: str, errors: list) -> None:
