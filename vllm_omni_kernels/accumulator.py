@@ -6,6 +6,9 @@ A key's strategy is fixed per request by its first value (``modality.resolve_str
 value of another strategy is a ``TensorAccumulationError`` for that request alone. CONCAT_DIM0 /
 CONCAT_LAST keys go to ``RingPool`` slots (one launch per pool per step: the ring kernels on CUDA,
 the torch reference on the CPU), APPEND_LIST keys to a host list, REPLACE values to the metadata.
+Ring keys are copied; APPEND_LIST and REPLACE values are kept as given (no copy per step), so a
+producer in the same process must not rewrite a tensor in place after handing it over (over vLLM's
+wire every value arrives as a tensor of its own).
 
 ``collect`` emits for the requests whose output is due and those finished: DELTA drains what arrived
 since the last emission, CUMULATIVE consolidates everything so far, FINAL_ONLY consolidates once, at
