@@ -101,6 +101,7 @@ class PackedStep:
     regions: list[Region] = field(default_factory=list)
     final: set[str] = field(default_factory=set)
     event: torch.cuda.Event | None = None
+    _requests: set[str] | None = field(default=None, repr=False)
 
     def wait(self) -> torch.Tensor:
         """Block until the copy has landed (at once on CPU); returns ``host``."""
@@ -109,8 +110,10 @@ class PackedStep:
         return self.host
 
     def requests(self) -> set[str]:
-        """The requests with data in this step."""
-        return {rid for region in self.regions for rid in region.request_ids}
+        """The requests with data in this step (made once: the scheduler asks for every client)."""
+        if self._requests is None:
+            self._requests = {rid for region in self.regions for rid in region.request_ids}
+        return self._requests
 
     def drop_newest(self, request_id: str, frames: Mapping[str, int]) -> None:
         """Leave out the request's newest ``frames[key]`` frames of each key (data found, after the
@@ -140,6 +143,7 @@ class PackedStep:
                 regions.append(replace(region, offset=start + int(counts[i]) * per, request_ids=ids[i + 1:],
                                        frames=counts[i + 1:]))
         self.regions = regions
+        self._requests = None
 
     def tensors(self, request_id: str) -> dict[str, torch.Tensor]:
         """The request's data as views into ``host`` (after ``wait``)."""
