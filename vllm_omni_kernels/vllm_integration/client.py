@@ -14,7 +14,7 @@ import asyncio
 
 from vllm.v1.engine.core_client import AsyncMPClient, InprocClient, MPClient, SyncMPClient
 
-from .wire import OmniEngineCoreOutputs, OmniMsgpackDecoder, resolve_regions
+from .wire import OmniEngineCoreOutputs, OmniMsgpackDecoder, as_omni_outputs, resolve_regions
 
 
 class OmniDecoding(MPClient):
@@ -59,5 +59,7 @@ class OmniInprocClient(InprocClient):
         if isinstance(outputs, OmniEngineCoreOutputs):
             if outputs.multimodal_buffer is not None:
                 outputs.multimodal_buffer = outputs.multimodal_buffer.clone()
-            resolve_regions(outputs)
+            if outputs.multimodal_regions:
+                as_omni_outputs(outputs)
+                resolve_regions(outputs)
         return outputs

@@ -97,23 +97,28 @@ class OmniEngineCoreOutputs(EngineCoreOutputs, array_like=True, omit_defaults=Tr
     multimodal_regions: list[MultimodalRegion] | None = None
 
 
+def as_omni_outputs(outputs: OmniEngineCoreOutputs) -> None:
+    """vLLM's plain ``EngineCoreOutput``s of the message (the scheduler's own objects, in process)
+    made ``OmniEngineCoreOutput``s, which can carry the multimodal channel."""
+    ecos = outputs.outputs
+    if not all(isinstance(eco, OmniEngineCoreOutput) for eco in ecos):
+        ecos[:] = [eco if isinstance(eco, OmniEngineCoreOutput) else OmniEngineCoreOutput.from_base(eco)
+                   for eco in ecos]
+
+
 def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
     """Give every output its pieces of the message's regions (``multimodal_delivered``), views of
     ``multimodal_buffer``. A region that does not fit the buffer (unknown dtype, frames past its
     end, an offset its dtype cannot start at) fails the requests it names (``multimodal_error``).
-    vLLM's plain ``EngineCoreOutput``s (the scheduler's own objects, in process) become
-    ``OmniEngineCoreOutput``s."""
+    The outputs must be ``OmniEngineCoreOutput``s (``as_omni_outputs``: the scheduler's own, in
+    process; the decoder makes them so)."""
     regions = outputs.multimodal_regions
     if not regions:
         return
     buffer = outputs.multimodal_buffer
     if buffer is None:
         buffer = torch.empty(0, dtype=torch.uint8)
-    ecos = outputs.outputs
-    if not all(isinstance(eco, OmniEngineCoreOutput) for eco in ecos):
-        ecos[:] = [eco if isinstance(eco, OmniEngineCoreOutput) else OmniEngineCoreOutput.from_base(eco)
-                   for eco in ecos]
-    by_id = {eco.request_id: eco for eco in ecos}
+    by_id = {eco.request_id: eco for eco in outputs.outputs}
     failed = []
     for region in regions:
         try:
