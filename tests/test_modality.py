@@ -28,6 +28,13 @@ def test_from_string_rejects_unknown_parts_naming_supported(text):
     assert "audio" in str(info.value)
 
 
+def test_from_string_takes_a_modality_or_its_value_and_refuses_other_types_with_a_value_error():
+    assert M.from_string(M.TEXT | M.AUDIO) == M.TEXT | M.AUDIO
+    assert M.from_string(M.AUDIO.value) == M.AUDIO
+    with pytest.raises(ValueError):
+        M.from_string(1.5)
+
+
 def test_has_text_and_has_multimodal():
     assert M.TEXT.has_text and not M.TEXT.has_multimodal
     assert (M.TEXT | M.IMAGE).has_text and (M.TEXT | M.IMAGE).has_multimodal

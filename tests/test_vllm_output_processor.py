@@ -569,6 +569,40 @@ def test_two_worker_keys_that_alias_to_one_name_fail_their_request_and_lose_noth
     assert not processor.request_states
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_failure_in_a_step_without_the_requests_output_still_ends_it_visibly(n):
+    """LLMEngine (no output queue), DELTA at ``stream_interval`` 4: a delivery whose two worker keys
+    alias to one name fails its request in a step where vLLM makes no output for it. The request
+    still ends with an output that says "error" (of a sample of n, its own completion, when its
+    parent reports), not silently."""
+    p = MultimodalOutputProcessor(TOK, log_stats=False, stream_interval=4, output_modality="audio",
+                                  key_aliases={"model_outputs": "audio"})
+    params = sampling(RequestOutputKind.DELTA, max_tokens=20, detokenize=False, n=n)
+    if n == 1:
+        p.add_request(core_request("r", [5, 6, 7], params), None)
+        ids = ["r"]
+    else:
+        from vllm.v1.engine.parallel_sampling import ParentRequest
+
+        parent = ParentRequest(core_request("r", [5, 6, 7], params))
+        ids = []
+        for index in range(n):
+            child_id, child_params = parent.get_child_info(index)
+            p.add_request(core_request(child_id, [5, 6, 7], child_params), None, parent, index, None)
+            ids.append(child_id)
+    a = torch.arange(4.0)
+    first = p.process_outputs([token_output(rid, 7, cls=OmniEngineCoreOutput, multimodal_delivered={"audio": (0, a)})
+                               for rid in ids])
+    assert {o.request_id for o in first.request_outputs} == {"r"}
+    bad = token_output(ids[0], 8, cls=OmniEngineCoreOutput,
+                       multimodal_delivered={"model_outputs": (0, a), "audio": (0, -a)})
+    later = p.process_outputs([bad])
+    assert ids[0] not in p.request_states
+    reasons = {c.index: c.finish_reason for o in later.request_outputs for c in o.outputs}
+    assert reasons == {0: "error"} and "audio" in later.request_outputs[0].outputs[0].stop_reason
+    assert later.request_outputs[0].finished == (n == 1)
+
+
 @pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
 def test_worker_pieces_and_per_step_values_of_one_request(kind):
     """A request whose worker data (``multimodal_delivered``) and per-step values

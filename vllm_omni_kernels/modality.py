@@ -25,13 +25,14 @@ class OutputModality(enum.Flag):
 
         Parts are separated by ``+`` or ``,``, case and surrounding blanks are ignored, and aliases
         (speech, images, latents, ...) map to their modality. Empty or None means TEXT; an
-        ``OutputModality`` is returned as it is.
+        ``OutputModality`` (or its int value) is taken as it is.
 
         Raises:
-            ValueError: a part names no modality; the message lists the supported names.
+            ValueError: a part names no modality (the message lists the supported names), or a
+                value that is neither a string nor a modality.
         """
-        if isinstance(text, cls):
-            return text
+        if text is not None and not isinstance(text, str):
+            return cls(text)
         if text is None or not text.strip():
             return cls.TEXT
         result = cls(0)

@@ -468,9 +468,15 @@ class MultimodalOutputProcessor(OutputProcessor):
             if state.queue is not None:
                 # AsyncLLM: the request's generate() raises it
                 state.queue.put(raised)
-            for out in result.request_outputs:  # LLMEngine: the output says so
-                if not (isinstance(out, RequestOutput) and out.request_id == state.external_req_id):
-                    continue
+            outs = [out for out in result.request_outputs
+                    if isinstance(out, RequestOutput) and out.request_id == state.external_req_id]
+            if state.queue is None and not outs and state.request_id in self.request_states:
+                # LLMEngine, a step without the request's output (vLLM thinned it): its final one
+                made = state.make_request_output([], None, FinishReason.ERROR, str(raised))
+                if made is not None:  # (None: a sample of n whose parent waits for its siblings)
+                    result.request_outputs.append(made)
+                    outs.append(made)
+            for out in outs:  # LLMEngine: the output says so
                 for completion in out.outputs:  # of a sample of n, its own completion (vLLM's parent does the rest)
                     if state.parent_req is None or completion.index == state.request_index:
                         completion.finish_reason = str(FinishReason.ERROR)
