@@ -368,7 +368,9 @@ class WorkerAccumulator:
             if ends is not None:
                 unreads = [np.minimum(unread, np.maximum(end - pool.drained(), 0))
                            for unread, end, pool in zip(unreads, ends, self.pools)]
-            pending = np.any([unread > 0 for unread in unreads], axis=0)
+            pending = unreads[0] > 0
+            for unread in unreads[1:]:
+                pending |= unread > 0
             paced = ~self._delivered  # a request's first data goes at once, then at its cadence
             for i, cadence in self._paced:
                 paced |= unreads[i] >= cadence
