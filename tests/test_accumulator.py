@@ -198,3 +198,72 @@ def test_a_pool_stays_within_its_budget_and_a_frame_past_it_fails_its_request():
     errors = acc.append_step(["a", "b"], {"image": [torch.ones(2, 3, 64, 64), torch.ones(1, 3, 512, 512)]})
     assert [(e.request_id, e.key) for e in errors] == [("b", "image")]
     assert acc.collect(["a"])["a"].tensors["image"].shape == (3, 3, 64, 64)
+
+
+def test_a_padded_batch_whose_dtype_changes_mid_stream_fails_its_request_and_keeps_its_data(acc):
+    """A request's key in a ``PaddedBatch`` of another dtype than its earlier chunks: that step's
+    chunk is an error for the request (naming the change), and what it appended before stays,
+    whole, in its slot; the other request of the batch is appended."""
+    acc.add_request("a")
+    acc.add_request("b")
+    first = torch.randn(2, 4)
+    assert acc.append_step(["a", "b"], {"audio": PaddedBatch(first, [4, 4])}) == []
+    acc.abort("b")
+    acc.add_request("b")
+    errs = acc.append_step(["a", "b"], {"audio": PaddedBatch(torch.ones(2, 3, dtype=torch.float64), [3, 3])})
+    assert [e.request_id for e in errs] == ["a"] and "changed mid-stream" in str(errs[0])
+    payloads = acc.collect(["a", "b"])
+    assert torch.equal(payloads["a"].tensors["audio"], first[0])
+    assert torch.equal(payloads["b"].tensors["audio"], torch.ones(3, dtype=torch.float64))
+    assert acc.stats()["bytes_used"] == 0
+
+
+def test_a_batch_with_a_rejected_request_appends_the_others_with_their_own_lengths(acc):
+    """Rows of a ``PaddedBatch`` that go on after a request of it is rejected keep each its own
+    length: no request gets another's frames or padding."""
+    for rid in ("a", "c"):
+        acc.add_request(rid)
+    data = torch.arange(15.0).view(3, 5)
+    errs = acc.append_step(["a", "ghost", "c"], {"audio": PaddedBatch(data, [1, 2, 4])})
+    assert [e.request_id for e in errs] == ["ghost"]
+    payloads = acc.collect(["a", "c"])
+    assert torch.equal(payloads["a"].tensors["audio"], data[0, :1])
+    assert torch.equal(payloads["c"].tensors["audio"], data[2, :4])
+
+
+def test_a_delta_request_gets_each_list_item_once_and_a_cumulative_one_all_so_far(acc):
+    """APPEND_LIST keys: a DELTA emission holds the items since the last one (none twice), a
+    CUMULATIVE one every item so far."""
+    acc.add_request("d", emit=EmitPolicy.DELTA)
+    acc.add_request("c", emit=EmitPolicy.CUMULATIVE)
+    items = [torch.tensor([i, i]) for i in range(3)]
+    got = {"d": [], "c": []}
+    for step, item in enumerate(items):
+        assert acc.append_step(["d", "c"], {"frames": [item, item]}) == []
+        out = acc.collect(["d", "c"] if step == 2 else [], request_ids=["d", "c"])
+        for rid in got:
+            got[rid].append([t.tolist() for t in out[rid].tensors["frames"]])
+    assert got["d"] == [[[0, 0]], [[1, 1]], [[2, 2]]]
+    assert got["c"] == [[[0, 0]], [[0, 0], [1, 1]], [[0, 0], [1, 1], [2, 2]]]
+
+
+def test_a_chunk_whose_frames_have_no_elements_fails_its_request_only(acc):
+    """A chunk of frames without elements (``[0, n]`` of audio) is an error for its request and
+    key; the other request of the step is appended."""
+    acc.add_request("bad")
+    acc.add_request("ok")
+    errs = acc.append_step(["bad", "ok"], {"audio": [torch.ones(0, 5), torch.ones(3)]})
+    assert [(e.request_id, e.key) for e in errs] == [("bad", "audio")] and "no elements" in str(errs[0])
+    assert torch.equal(acc.collect(["ok"])["ok"].tensors["audio"], torch.ones(3))
+
+
+def test_an_emitted_payloads_metadata_is_its_own(acc):
+    """A payload handed out keeps the metadata it was emitted with: a later REPLACE value of its
+    request (or a change to the later payload) does not reach it."""
+    acc.add_request("d", emit=EmitPolicy.DELTA)
+    acc.append_step(["d"], {"audio": [torch.ones(2)], "sr": [16000]})
+    first = acc.collect(request_ids=["d"])["d"]
+    acc.append_step(["d"], {"audio": [torch.ones(1)], "sr": [24000]})
+    second = acc.collect(["d"])["d"]
+    second.metadata["note"] = "mine"
+    assert first.metadata == {"sr": 16000} and second.metadata == {"sr": 24000, "note": "mine"}

@@ -326,6 +326,49 @@ def test_static_launch_replays_the_prepared_table(use_backend):
     g.run_static(grid_rows=5)
 
 
+def test_int_rows_out_of_order_between_a_runs_ends_copy_row_by_row(use_backend):
+    """Destination rows whose first and last would bound a run but that are out of order between
+    them (a batch with two rows swapped) are a record per row, and every row lands where it was
+    sent, on the Triton interpreter as on the reference."""
+    j = GatherJobs(torch.float32, 8, "cpu")
+    j.ints(torch.zeros(8, dtype=torch.int32), np.array([4, 6, 5, 7]), torch.arange(4))
+    table = np.zeros(TableLayout(j.n_int).words, np.int64)
+    assert j.encode(table, TableLayout(j.n_int), 0, 0) == 4
+    for backend in ("torch", "triton"):
+        use_backend(backend)
+        out = torch.zeros(8, dtype=torch.int32)
+        g = RowGather(torch.float32, 8, "cpu", max_float_rows=1, max_int_rows=8)
+        g.jobs.ints(out, np.array([4, 6, 5, 7]), torch.arange(10, 14))
+        g.launch()
+        assert out.tolist() == [0, 0, 0, 0, 10, 12, 11, 13], backend
+
+
+def test_int_rows_of_a_strided_source_are_read_through_its_stride(use_backend):
+    """A source whose rows are not end to end (every other id of a buffer) is not a run: each row
+    is read from where it is, on the Triton interpreter as on the reference."""
+    ids = torch.arange(100, 116)
+    for backend in ("torch", "triton"):
+        use_backend(backend)
+        out = torch.zeros(8, dtype=torch.int32)
+        g = RowGather(torch.float32, 8, "cpu", max_float_rows=1, max_int_rows=8)
+        g.jobs.ints(out, np.arange(2, 6), ids[::2][:4])
+        g.launch()
+        assert out.tolist() == [0, 0, 100, 102, 104, 106, 0, 0], backend
+
+
+def test_two_value_jobs_of_one_launch_each_write_their_own_values(use_backend):
+    """Values of several ``values`` jobs lie one after another in the table: each destination gets
+    its own, on the Triton interpreter as on the reference."""
+    for backend in ("torch", "triton"):
+        use_backend(backend)
+        flags, lens = torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+        g = RowGather(torch.float32, 8, "cpu", max_float_rows=1, max_int_rows=4, max_values=5)
+        g.jobs.values(flags, [7, -1, 2])
+        g.jobs.values(lens, [40, 50])
+        g.launch()
+        assert flags.tolist() == [7, -1, 2] and lens.tolist() == [40, 50], backend
+
+
 def test_many_int_rows_copy_as_the_reference(use_backend):
     """A gather of many int rows (2500 ids, 200 rows of codes) copies what the reference copies, on
     the Triton interpreter and the reference."""

@@ -521,3 +521,121 @@ def test_staging_uploads_into_another_tensor_at_the_same_address_by_its_own_layo
     narrow = buf.view(torch.int32).view(4, 32)
     staging.upload(0, 2, narrow)
     assert narrow[:2, :8].flatten().tolist() == list(range(1, 17))
+
+
+def test_a_list_append_that_fills_a_slot_exactly_needs_no_growth(backend):
+    """A chunk that fills the slot to its last frame fits: it is written without growing (with
+    growth off, without an error), and reads back whole."""
+    pool = make_pool(initial_frames=8, growth=False)
+    pool.alloc("a")
+    res = pool.append(["a"], [torch.arange(5.0)])
+    res2 = pool.append(["a"], [torch.arange(5.0, 8.0)])
+    assert res.errors == () and res2.errors == ()
+    assert pool.stats().growths == 0 and pool.capacity_frames("a") == 8 and pool.unread_frames("a") == 8
+    assert torch.equal(pool.drain(["a"])[0], torch.arange(8.0))
+
+
+def test_a_repeated_step_checks_its_room_again_after_a_list_write_since_it_was_known(backend):
+    """Room a repeated step found is a bound only while nothing else writes its slots: a list
+    append after a repeat fills the slot, and the next repeat grows it instead of overwriting the
+    oldest unread frames."""
+    pool = make_pool(initial_frames=16)
+    pool.alloc("a")
+    chunks = []
+    # 2 plans, 2 keeps its rows, 2 repeats (finds room 12); 9 comes as a list (15 of 16); 2 repeats
+    for width in (2, 2, 2, 9, 2):
+        data = torch.randn(1, width)
+        pool.append(["a"], PaddedBatch(data, [width]) if width == 2 else [data[0]])
+        chunks.append(data[0])
+    assert pool.stats().repeated_launches >= 1 and pool.stats().growths == 1
+    assert torch.equal(pool.drain(["a"])[0], torch.cat(chunks))
+
+
+def test_a_step_of_the_same_shape_for_other_requests_writes_their_slots(backend):
+    """A step with the shape, strides and lengths of the kept one but other requests (or the same
+    ones in another order) is not a repeat of it: each chunk goes to its own request."""
+    pool = make_pool(initial_frames=16)
+    for r in "abc":
+        pool.alloc(r)
+    want = {r: [] for r in "abc"}
+    for ids in (["a", "b"], ["a", "b"], ["a", "b"], ["b", "a"], ["c", "a"]):
+        data = torch.randn(2, 3)
+        assert pool.append(ids, PaddedBatch(data, [3, 3])).errors == ()
+        for b, r in enumerate(ids):
+            want[r].append(data[b])
+    for r, got in zip("abc", pool.drain(list("abc"))):
+        assert torch.equal(got, torch.cat(want[r])), r
+
+
+def test_a_step_of_the_same_shape_with_other_strides_reads_its_own_rows(backend):
+    """A source of the kept step's shape and lengths but other strides (a slice of a wider
+    buffer) is read through its own strides, not the kept step's."""
+    pool = make_pool(initial_frames=16)
+    pool.alloc("a")
+    pool.alloc("b")
+    want = {"a": [], "b": []}
+    for wide in (False, False, False, True):
+        data = torch.randn(2, 8)[:, :4] if wide else torch.randn(2, 4)
+        assert pool.append(["a", "b"], PaddedBatch(data, [4, 4])).errors == ()
+        want["a"].append(data[0])
+        want["b"].append(data[1])
+    for r, got in zip("ab", pool.drain(["a", "b"])):
+        assert torch.equal(got, torch.cat(want[r])), r
+
+
+def test_a_drain_of_at_most_some_frames_leaves_the_rest_unread(backend):
+    """``read_into(..., frames=)`` drains each request's oldest frames only; the rest stays unread
+    and the next drain returns it, in order."""
+    pool = make_pool(initial_frames=8)
+    pool.alloc("a")
+    pool.alloc("b")
+    pool.append(["a", "b"], [torch.arange(5.0), torch.arange(10.0, 13.0)])
+    out = torch.empty(5)
+    starts, n = pool.read_into(["a", "b"], out, drain=True, frames=np.array([2, 2], np.int64))
+    assert n.tolist() == [2, 2] and torch.equal(out[:4], torch.tensor([0.0, 1.0, 10.0, 11.0]))
+    assert pool.unread_frames("a") == 3 and pool.unread_frames("b") == 1
+    rest = pool.drain(["a", "b"])
+    assert torch.equal(rest[0], torch.arange(2.0, 5.0)) and torch.equal(rest[1], torch.tensor([12.0]))
+
+
+def test_read_into_an_out_too_short_writes_nothing_and_moves_nothing(backend):
+    """An ``out`` shorter than every unread span: ValueError naming the pool before anything is
+    copied; the data stays unread, whole."""
+    pool = make_pool(initial_frames=8)
+    pool.alloc("a")
+    pool.alloc("b")
+    pool.append(["a", "b"], [torch.arange(3.0), torch.arange(10.0, 14.0)])
+    out = torch.full((6,), -1.0)
+    with pytest.raises(ValueError, match="no room for every unread span"):
+        pool.read_into(["a", "b"], out, drain=True)
+    assert torch.equal(out, torch.full((6,), -1.0))
+    assert pool.unread_frames("a") == 3 and pool.unread_frames("b") == 4
+    got = pool.drain(["a", "b"])
+    assert torch.equal(got[0], torch.arange(3.0)) and torch.equal(got[1], torch.arange(10.0, 14.0))
+
+
+def test_a_slot_freed_after_repeated_steps_is_taken_again_empty(backend):
+    """Frames of repeated steps not yet counted when their request is freed are not counted later
+    on the slot's next owner: it starts empty and reads back only its own data."""
+    pool = make_pool(initial_frames=16)
+    pool.alloc("a")
+    pool.alloc("b")
+    for _ in range(3):  # plans, keeps its rows, repeats them (its frames counted when read)
+        assert pool.append(["a", "b"], PaddedBatch(torch.ones(2, 3), [3, 3])).errors == ()
+    assert pool.repeated_launches == 1  # (stats() would count them: here they are not yet)
+    pool.free("b")
+    assert pool.alloc("c") == 1  # b's slot
+    assert pool.unread_frames("c") == 0 and pool.unread_frames("a") == 9
+    pool.append(["c"], [torch.full((2,), 5.0)])
+    assert torch.equal(pool.drain(["c"])[0], torch.full((2,), 5.0))
+
+
+def test_consolidate_after_draining_a_single_frame_is_a_consolidation_error():
+    pool = make_pool()
+    pool.alloc("a")
+    pool.append(["a"], [torch.ones(1)])
+    pool.drain(["a"])
+    pool.append(["a"], [torch.full((2,), 2.0)])
+    with pytest.raises(TensorConsolidationError, match="1 frames were already drained") as info:
+        pool.consolidate(["a"])
+    assert info.value.request_id == "a"

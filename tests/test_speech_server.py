@@ -7,7 +7,6 @@ vLLM's own routes stay vLLM's."""
 import asyncio
 import base64
 import json
-import signal
 import struct
 import subprocess
 import sys

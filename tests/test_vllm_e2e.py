@@ -214,3 +214,153 @@ def test_a_request_aborted_while_its_first_step_runs_leaves_nothing_held(tmp_pat
     for so, opened in steps:
         sched.update_from_output(so, output(so, opened))
     assert "x" not in sched.requests and "x" not in sched._worker_open
+
+
+def _channel_step(sched, sampled: dict, packed=None, opened=None, errors=None, plain=None):
+    """One step of vLLM's real scheduler answered with the given tokens, worker data and failures;
+    returns the step's messages (client -> EngineCoreOutputs) as the engine core sends them."""
+    so = sched.schedule()
+    ids = list(so.num_scheduled_tokens)
+    out = OmniModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[sampled.get(r, []) for r in ids], packed=packed,
+                                multimodal_opened=opened, multimodal_errors=errors, multimodal_outputs=plain)
+    return sched.update_from_output(so, out)
+
+
+def _received(messages) -> dict:
+    """What the client gets of the step: request id -> (its outputs, its delivered pieces), the
+    messages crossing vLLM's msgpack wire and ``OmniMsgpackDecoder``."""
+    got = {}
+    for batch in messages.values():
+        decoded = OmniMsgpackDecoder().decode([bytes(b) for b in MsgpackEncoder().encode(batch)])
+        for eco in decoded.outputs:
+            outs, pieces = got.setdefault(eco.request_id, ([], []))
+            outs.append(eco)
+            if eco.multimodal_delivered:
+                pieces.append(eco.multimodal_delivered["audio"][1])
+    return got
+
+
+def _packed(audio: torch.Tensor, rid: str, final=()):
+    import numpy as np
+
+    from vllm_omni_kernels.serving.worker_accumulator import PackedStep, Region
+
+    return PackedStep(host=audio.view(torch.uint8), regions=[Region("audio", torch.float32, (), -1, 0, [rid],
+                                                                    np.array([audio.numel()]))], final=set(final))
+
+
+def test_worker_data_of_a_running_request_and_of_one_the_worker_closes_as_vllm_finishes_it(tmp_path):
+    """The worker's data goes on the message of its request's client: for a request mid-stream,
+    and for one whose output the worker closes in the step vLLM finishes it (its final output goes
+    at once, with the data, not held for a rest that is already there)."""
+    from vllm.v1.engine import FinishReason
+
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    sched.add_request(sched_request("a", [5, 6, 7], sampling(max_tokens=2)))
+    first, last = torch.arange(4.0), torch.arange(4.0, 10.0)
+    got = _received(_channel_step(sched, {"a": [40]}, _packed(first, "a"), opened=["a"]))
+    (out,), pieces = got["a"]
+    assert out.finish_reason is None and len(pieces) == 1 and torch.equal(pieces[0], first)
+    got = _received(_channel_step(sched, {"a": [41]}, _packed(last, "a", final={"a"})))
+    (out,), pieces = got["a"]
+    assert out.finish_reason == FinishReason.LENGTH and out.multimodal_error is None
+    assert len(pieces) == 1 and torch.equal(pieces[0], last)
+    assert "a" not in sched.requests and not sched._awaiting
+
+
+def test_data_arriving_while_a_finish_waits_for_the_workers_rest_goes_on_outputs_of_its_own(tmp_path):
+    """A request vLLM stops while the worker holds its output: data of the steps before the
+    worker's rest arrives on outputs of its own, then the rest with the final output; none of it
+    is lost."""
+    from vllm.v1.engine import FinishReason
+
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    stop = 42
+    sched.add_request(sched_request("a", [5, 6, 7], sampling(max_tokens=8, stop_token_ids=[stop])))
+    assert "a" not in _received(_channel_step(sched, {"a": [stop]}, opened=["a"]))  # its final output waits
+    pieces, finals = [], []
+    for audio, final in ((torch.arange(3.0), ()), (torch.arange(3.0, 8.0), {"a"})):
+        outs, got = _received(_channel_step(sched, {}, _packed(audio, "a", final))).get("a", ([], []))
+        pieces += got
+        finals += [o.finish_reason for o in outs if o.finish_reason is not None]
+    assert torch.equal(torch.cat(pieces), torch.arange(8.0))
+    assert finals == [FinishReason.STOP]
+
+
+def test_a_request_the_worker_fails_is_finished_in_the_scheduler_and_says_so(tmp_path):
+    """A request the worker failed (``multimodal_errors``) is finished in vLLM's scheduler (it
+    generates no more), and its output says error with the worker's reason; the other request runs
+    on."""
+    from vllm.v1.engine import FinishReason
+
+    from vllm_omni_kernels.errors import OutputMemoryError
+
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    for rid in ("a", "b"):
+        sched.add_request(sched_request(rid, [5, 6, 7], sampling(max_tokens=8)))
+    _channel_step(sched, {"a": [40], "b": [40]}, opened=["a", "b"])
+    errors = {"a": OutputMemoryError("pool budget spent", request_id="a", key="audio")}
+    got = _received(_channel_step(sched, {"a": [41], "b": [41]}, errors=errors))
+    (out,), _ = got["a"]
+    assert out.finish_reason == FinishReason.ERROR and out.multimodal_error.out_of_memory
+    assert out.multimodal_error.key == "audio" and "budget" in out.multimodal_error.message
+    assert "a" not in sched.requests and "b" in sched.requests
+    assert "a" not in _received(_channel_step(sched, {"b": [42]}))
+
+
+def test_data_for_a_waiting_finish_reaches_a_client_whose_message_carries_plain_values_too(tmp_path):
+    """In one step, a client's message carries another request's plain per-step values and the
+    worker's data for a request whose finish waits for the worker's rest: that data arrives."""
+    from vllm.v1.engine import FinishReason
+
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    stop = 42
+    sched.add_request(sched_request("a", [5, 6, 7], sampling(max_tokens=8, stop_token_ids=[stop])))
+    sched.add_request(sched_request("b", [5, 6, 7], sampling(max_tokens=8)))
+    _channel_step(sched, {"a": [stop], "b": [40]}, opened=["a"])  # "a" stops; its final output waits
+    pieces, finals = [], []
+    for step, (audio, final) in enumerate(((torch.arange(3.0), ()), (torch.arange(3.0, 6.0), {"a"}))):
+        got = _received(_channel_step(sched, {"b": [41 + step]}, _packed(audio, "a", final),
+                                      plain={"b": {"emb": torch.full((1, 2), float(step))}}))
+        outs, got_a = got["a"]
+        pieces += got_a
+        finals += [o.finish_reason for o in outs if o.finish_reason is not None]
+        assert torch.equal(got["b"][0][0].multimodal_output["emb"], torch.full((1, 2), float(step)))
+    assert torch.equal(torch.cat(pieces), torch.arange(6.0))
+    assert finals == [FinishReason.STOP]
+
+
+def test_a_waiting_finish_the_worker_fails_ends_once_with_the_workers_error(tmp_path):
+    """A request whose final output waits for the worker's rest and that the worker then fails:
+    its finish goes in that step, saying error with the worker's reason, and nothing of it comes
+    later."""
+    from vllm.v1.engine import FinishReason
+
+    from vllm_omni_kernels.errors import TensorAccumulationError
+
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    stop = 42
+    sched.add_request(sched_request("a", [5, 6, 7], sampling(max_tokens=8, stop_token_ids=[stop])))
+    _channel_step(sched, {"a": [stop]}, opened=["a"])  # its final output waits
+    finals = []
+    errors = {"a": TensorAccumulationError("frame shape changed", request_id="a", key="audio")}
+    for step in range(10):
+        got = _received(_channel_step(sched, {}, errors=errors if step == 0 else None))
+        finals += [(step, o) for o in got.get("a", ([], []))[0] if o.finish_reason is not None]
+    assert [(step, o.finish_reason) for step, o in finals] == [(0, FinishReason.ERROR)]
+    assert "frame shape changed" in finals[0][1].multimodal_error.message and not sched._awaiting
+
+
+def test_an_aborted_paced_request_leaves_no_held_tokens(tmp_path):
+    """Tokens held back for a paced request (until its data is due) are dropped when vLLM finishes
+    the request otherwise (an abort): nothing of it stays held."""
+    from vllm.v1.request import RequestStatus
+
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    sched.add_request(sched_request("a", [5, 6, 7], sampling(max_tokens=8)))
+    assert "a" in _received(_channel_step(sched, {"a": [40]}, opened=["a"]))  # its first output goes
+    assert "a" not in _received(_channel_step(sched, {"a": [41]}))  # then its tokens wait for its data
+    assert len(sched.held) == 1
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert len(sched.held) == 0 and not sched.held.active

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.exceptions import GenerationError, VLLMValidationError  # noqa: E402
+from vllm.exceptions import GenerationError, RetryableRequestError, VLLMValidationError  # noqa: E402
 from vllm.outputs import PoolingRequestOutput, RequestError  # noqa: E402
 from vllm.pooling_params import PoolingParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
@@ -23,9 +23,9 @@ from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402
 from vllm.v1.metrics.stats import IterationStats  # noqa: E402
 
 from vllm_env import EOS, core_request, sampling, token_output, tokenizer, word_ids  # noqa: E402
-from vllm_omni_kernels.errors import MultimodalOutputError, TensorConsolidationError  # noqa: E402
+from vllm_omni_kernels.errors import MultimodalOutputError, OutputMemoryError, TensorConsolidationError  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
-from vllm_omni_kernels.vllm_integration.wire import OmniEngineCoreOutput  # noqa: E402
+from vllm_omni_kernels.vllm_integration.wire import MultimodalError, OmniEngineCoreOutput  # noqa: E402
 from vllm_omni_kernels.vllm_integration.output_processor import (  # noqa: E402
     MultimodalOutputProcessor, OmniRequestState)
 from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput  # noqa: E402
@@ -729,3 +729,85 @@ def test_an_output_with_data_only_adds_no_inter_token_latency():
     assert [len(s.time_to_first_tokens_iter) for s in stats] == [1, 0, 0, 0]
     assert [s.inter_token_latencies_iter for s in stats] == [[], [1.0], [], [2.0]]
     assert sum(s.num_generation_tokens for s in stats) == 3
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_worker_pieces_keep_the_per_step_values_metadata_and_axes(kind):
+    """A request whose worker pieces and per-step values meet in one output gets the per-step
+    values' metadata (REPLACE values) and their keys' axes along with the worker's pieces, at every
+    output: nothing it sent is dropped because the worker's data came too."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=False, strategies={"emb": "concat_last"})
+    processor.add_request(core_request("r", [5, 6, 7], sampling(kind, max_tokens=2, detokenize=False)), None)
+    got = []
+    for step in range(2):
+        outs = [token_output("r", 7 + step, finish=FinishReason.LENGTH if step == 1 else None,
+                             cls=OmniEngineCoreOutput, multimodal_delivered={"audio": (-1, torch.arange(4.0))},
+                             multimodal_output={"emb": torch.full((2, 3), float(step)),
+                                                "sr": torch.tensor(24000 + step)})]
+        got += [out.outputs[0].multimodal_output for out in processor.process_outputs(outs).request_outputs]
+    assert len(got) == 2
+    for step, payload in enumerate(got):
+        assert payload.axes == {"audio": -1, "emb": -1}, step
+        assert int(payload.metadata["sr"]) == 24000 + step, step
+    if kind == RequestOutputKind.CUMULATIVE:
+        assert torch.equal(got[-1].tensors["emb"], torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], dim=-1))
+        assert torch.equal(got[-1].tensors["audio"], torch.arange(4.0).repeat(2))
+
+
+def test_a_cumulative_output_between_worker_deliveries_still_holds_everything_so_far():
+    """CUMULATIVE: an output of a step that brought no worker data (tokens only) carries everything
+    delivered so far, as the one before it did; the final output everything."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=False)
+    processor.add_request(core_request("r", [5, 6, 7], sampling(RequestOutputKind.CUMULATIVE, max_tokens=3,
+                                                                detokenize=False)), None)
+    pieces = [torch.arange(4.0), None, torch.arange(4.0, 6.0)]
+    got = []
+    for step, piece in enumerate(pieces):
+        worker = {"multimodal_delivered": {"audio": (-1, piece)}} if piece is not None else {}
+        outs = [token_output("r", 7 + step, finish=FinishReason.LENGTH if step == 2 else None,
+                             cls=OmniEngineCoreOutput, **worker)]
+        got += [out.outputs[0].multimodal_output for out in processor.process_outputs(outs).request_outputs]
+    assert len(got) == 3 and all(p is not None for p in got)
+    assert torch.equal(got[0].tensors["audio"], torch.arange(4.0))
+    assert torch.equal(got[1].tensors["audio"], torch.arange(4.0))
+    assert torch.equal(got[2].tensors["audio"], torch.arange(6.0))
+
+
+def test_a_request_failing_mid_stream_ends_its_output_and_is_aborted_in_the_engine():
+    """LLMEngine: a CUMULATIVE request whose worker frame changes mid-stream (vLLM's output of that
+    step is not a final one) ends there: its output is finished, says error, and the engine core
+    is asked to abort it (it would generate on for nothing); the other request streams on."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=False)
+    for rid in ("bad", "ok"):
+        processor.add_request(core_request(rid, [5, 6, 7], sampling(RequestOutputKind.CUMULATIVE, max_tokens=4,
+                                                                    detokenize=False)), None)
+    for step, frame in enumerate([(1, 2), (2, 1)]):
+        res = processor.process_outputs([
+            token_output(rid, 7, cls=OmniEngineCoreOutput,
+                         multimodal_delivered={"audio": (0, torch.ones(2, *(frame if rid == "bad" else (1, 2))))})
+            for rid in ("bad", "ok")])
+    outs = {o.request_id: o for o in res.request_outputs}
+    assert outs["bad"].finished and outs["bad"].outputs[0].finish_reason == "error"
+    assert res.reqs_to_abort == ["bad"] and "bad" not in processor.request_states
+    assert not outs["ok"].finished and outs["ok"].outputs[0].multimodal_output.tensors["audio"].shape == (4, 1, 2)
+
+
+def test_a_failed_request_is_named_by_the_id_its_caller_gave():
+    """vLLM runs a request under an internal id (the caller's plus a suffix): the error its
+    generate() raises, and the error an LLMEngine output carries, name the caller's id."""
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    queue = RequestOutputCollector(RequestOutputKind.DELTA, "mine")
+    for internal, external, q in (("mine-1a2b", "mine", queue), ("yours-3c4d", "yours", None)):
+        req = core_request(internal, [3], sampling(RequestOutputKind.DELTA, max_tokens=4))
+        req.external_req_id = external
+        p.add_request(req, None, None, 0, q)
+    err = {"multimodal_error": MultimodalError("pool budget spent", key="audio", out_of_memory=True)}
+    res = p.process_outputs([token_output(rid, 5, finish=FinishReason.ERROR, cls=OmniEngineCoreOutput, **err)
+                             for rid in ("mine-1a2b", "yours-3c4d")])
+    with pytest.raises(MultimodalOutputError) as info:
+        queue.get_nowait()
+    assert info.value.request_id == "mine" and info.value.key == "audio" and isinstance(info.value, GenerationError)
+    assert isinstance(info.value, OutputMemoryError) and isinstance(info.value, RetryableRequestError)  # 503
+    (out,) = res.request_outputs
+    assert out.request_id == "yours" and out.outputs[0].finish_reason == "error"
+    assert "'yours'" in out.outputs[0].stop_reason and "yours-3c4d" not in out.outputs[0].stop_reason

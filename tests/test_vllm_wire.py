@@ -128,6 +128,12 @@ def test_worker_data_travels_in_one_frame_and_arrives_as_views():
     ({"offset": 2}, "boundary"),
     ({"dtype": "float99"}, "malformed"),
     ({"frames": [3, 1]}, "malformed"),  # two counts for the one request it names
+    # one byte past the buffer's end (uint8: any offset is on its boundary); before its start
+    ({"dtype": "uint8", "frame": [8], "frames": [1], "offset": 4 * 1920 * 4 + 8 * 8 * 4 - 7}, "does not fit"),
+    ({"offset": -192}, "does not fit"),
+    ({"frame": [0]}, "malformed"),  # frames of no elements
+    ({"frames": [-1]}, "malformed"),
+    ({"axis": 1}, "malformed"),  # pieces grow along 0 or -1 only
 ])
 def test_a_region_that_does_not_fit_fails_only_the_requests_it_names(change, message):
     outs, audio, codes = packed_frame()
@@ -140,6 +146,24 @@ def test_a_region_that_does_not_fit_fails_only_the_requests_it_names(change, mes
     assert bad.multimodal_delivered is None and message in bad.multimodal_error.message
     assert bad.multimodal_error.key == "codes" and bad.multimodal_error.to_exception("a").request_id == "a"
     assert good.multimodal_error is None and torch.equal(good.multimodal_delivered["audio"][1], audio[1])
+
+
+def test_a_workers_failure_for_want_of_memory_arrives_as_an_output_memory_error():
+    """The worker's ``OutputMemoryError`` (a retry can succeed: vLLM answers 503) stays one across
+    the wire, with its key, for the request it names; any other failure is a plain
+    ``TensorAccumulationError``."""
+    from vllm_omni_kernels.errors import OutputMemoryError
+    from vllm_omni_kernels.vllm_integration.wire import MultimodalError
+
+    errors = {"oom": OutputMemoryError("pool budget spent", request_id="oom", key="audio"),
+              "bad": TensorAccumulationError("dtype changed", request_id="bad", key="codes")}
+    outs = OmniEngineCoreOutputs(outputs=[
+        OmniEngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR,
+                             multimodal_error=MultimodalError.of(exc)) for rid, exc in errors.items()])
+    got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs))
+    oom, bad = (eco.multimodal_error.to_exception(eco.request_id) for eco in got.outputs)
+    assert isinstance(oom, OutputMemoryError) and oom.request_id == "oom" and oom.key == "audio"
+    assert type(bad) is TensorAccumulationError and bad.request_id == "bad" and bad.key == "codes"
 
 
 def test_payload_and_completion_round_trip_through_vllm_msgpack():

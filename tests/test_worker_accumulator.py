@@ -80,6 +80,100 @@ def test_cadence_first_chunk_at_once_then_every_n_frames():
     assert sizes == [4, 12, 12, 4]  # at once; then >= 10 unread; the rest at finish
 
 
+def test_cadence_is_due_at_exactly_its_frames_unread():
+    """A streaming request's data is due once some paced key has at least its ``cadence`` frames
+    unread: exactly ``cadence`` frames go that step, not a step later."""
+    acc = WorkerAccumulator([OutputKey("audio", S.CONCAT_LAST, torch.float32, cadence=10, initial_frames=64)], "cpu")
+    acc.add_request("a", EmitPolicy.DELTA)
+    sizes = []
+    for step in range(5):
+        acc.append(["a"], {"audio": PaddedBatch(torch.full((1, 5), float(step)), [5])})
+        packed = acc.collect(["a"] if step == 4 else [])
+        if packed is not None:
+            sizes.append(packed.tensors("a")["audio"].shape[-1])
+    assert sizes == [5, 10, 10]  # at once; then at 10 unread (steps 2 and 4, the last also the end)
+
+
+def test_a_first_chunk_of_a_key_that_does_not_set_the_pace_goes_at_once():
+    """A streaming request's first data goes at once whichever key brought it: a step with data of
+    the unpaced key only (no audio yet) delivers it."""
+    acc = WorkerAccumulator(KEYS, "cpu")
+    acc.add_request("d", EmitPolicy.DELTA)
+    codes = torch.arange(6, dtype=torch.int64).view(2, 3)
+    assert acc.append(["d"], {"codes": [codes]}) == {}
+    packed = acc.collect()
+    assert packed is not None and packed.requests() == {"d"}
+    got = packed.tensors("d")
+    assert torch.equal(got["codes"], codes) and got["audio"].numel() == 0
+
+
+def test_a_chunk_for_a_request_without_a_row_is_its_error_and_lands_nowhere():
+    """A request that holds no row (never added, or gone) in a step fails by name; its chunk is
+    written into no other request's slot, whichever rows are taken (the last one included)."""
+    acc = WorkerAccumulator(KEYS, "cpu", max_requests=2)
+    acc.add_request("a", EmitPolicy.FINAL_ONLY)
+    acc.add_request("b", EmitPolicy.FINAL_ONLY)  # row 1: the last row
+    failed = acc.append(["a", "ghost"], {"audio": PaddedBatch(torch.stack([torch.ones(3), torch.full((3,), 9.0)]),
+                                                              [3, 3])})
+    assert list(failed) == ["ghost"] and failed["ghost"].request_id == "ghost"
+    acc.append(["b"], {"audio": [torch.full((2,), 2.0)]})
+    packed = acc.collect(["a", "b"])
+    assert torch.equal(packed.tensors("a")["audio"], torch.ones(3))
+    assert torch.equal(packed.tensors("b")["audio"], torch.full((2,), 2.0))
+
+
+def test_a_request_on_a_row_another_had_gets_its_first_chunk_at_once():
+    """The first data of a streaming request goes at once even on a row an earlier request was
+    delivered from: the row's pacing starts over."""
+    acc = WorkerAccumulator([OutputKey("audio", S.CONCAT_LAST, torch.float32, cadence=10, initial_frames=64)], "cpu")
+    for rid in ("a", "b"):
+        assert acc.add_request(rid, EmitPolicy.DELTA) == 0
+        acc.append([rid], {"audio": PaddedBatch(torch.ones(1, 4), [4])})
+        packed = acc.collect()
+        assert packed is not None and packed.tensors(rid)["audio"].shape[-1] == 4, rid
+        acc.abort(rid)
+
+
+def test_head_data_survives_the_buffer_growing_in_its_step():
+    """The caller's head data (the sampled token ids) written before a step's due data outgrows
+    the step's buffer arrives intact with that data."""
+    acc = WorkerAccumulator(KEYS, "cpu", budget_bytes=1 << 20)
+    acc.add_request("d", EmitPolicy.DELTA)
+    tokens = acc.head(2, torch.int64)
+    tokens.copy_(torch.tensor([101, 202]))
+    audio = torch.randn(1, 20000)  # 80 kB: more than the first buffer holds
+    assert acc.append(["d"], {"audio": PaddedBatch(audio, [20000])}) == {}
+    packed = acc.collect(head_bytes=16)
+    host = packed.wait()
+    assert torch.equal(host[:16].view(torch.int64), torch.tensor([101, 202]))
+    assert torch.equal(packed.tensors("d")["audio"], audio[0])
+
+
+def test_a_cumulative_request_streams_as_a_delta_one_does():
+    """CUMULATIVE requests get their data as it comes (the frontend concatenates): the first
+    chunk at once, not only at finish."""
+    acc = WorkerAccumulator(KEYS, "cpu")
+    acc.add_request("c", EmitPolicy.CUMULATIVE)
+    acc.append(["c"], {"audio": PaddedBatch(torch.arange(4.0).view(1, 4), [4])})
+    packed = acc.collect()
+    assert packed is not None and torch.equal(packed.tensors("c")["audio"], torch.arange(4.0))
+
+
+def test_a_request_whose_every_frame_is_left_out_leaves_the_step():
+    """``drop_newest`` of all of a request's frames of every key: the step no longer names it
+    (its output gets no data), and the other request's data stays as it was."""
+    acc = WorkerAccumulator(KEYS, "cpu")
+    for rid in "ab":
+        acc.add_request(rid, EmitPolicy.DELTA)
+    codes = [torch.zeros(1, 3, dtype=torch.int64), torch.ones(2, 3, dtype=torch.int64)]
+    acc.append(list("ab"), {"audio": [torch.ones(3), torch.full((2,), 2.0)], "codes": codes})
+    packed = acc.collect()
+    packed.drop_newest("a", {"audio": 3, "codes": 1})
+    assert packed.requests() == {"b"} and packed.tensors("a") == {}
+    got = packed.tensors("b")
+    assert torch.equal(got["audio"], torch.full((2,), 2.0)) and torch.equal(got["codes"], codes[1])
+
+
 def test_nothing_due_means_no_step_and_no_copy():
     acc = WorkerAccumulator(KEYS, "cpu")
     acc.add_request("f", EmitPolicy.FINAL_ONLY)
@@ -202,6 +296,20 @@ def test_abort_frees_slots():
     with pytest.raises(TensorAccumulationError):
         acc.add_request("b", EmitPolicy.DELTA)
         acc.add_request("b", EmitPolicy.DELTA)
+
+
+def test_a_request_refused_for_want_of_memory_holds_nothing_and_can_be_added_later():
+    """A request whose slot of a later key cannot be had (that key's budget spent) gets the error
+    and holds nothing in any pool: once memory is free again it is added like any other."""
+    acc = WorkerAccumulator(KEYS, "cpu", budget_bytes={"audio": 1 << 16, "codes": 2 * 24}, max_requests=4)
+    acc.add_request("a", EmitPolicy.DELTA)
+    with pytest.raises(TensorAccumulationError, match="budget"):
+        acc.add_request("b", EmitPolicy.DELTA)  # the audio slot is had, the codes slot is not
+    assert "b" not in acc and all(p.stats().slots_used == 1 for p in acc.pools)
+    acc.abort("a")
+    assert acc.add_request("b", EmitPolicy.DELTA) == 0
+    acc.append(["b"], {"audio": [torch.ones(2)]})
+    assert torch.equal(acc.collect(["b"]).tensors("b")["audio"], torch.ones(2))
 
 
 @pytest.mark.gpu
