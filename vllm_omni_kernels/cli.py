@@ -96,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['audio_seconds_per_wall_second']:.1f} audio s / wall s; streaming: time to first audio p50 "
               f"{s['ttfa_ms_p50']:.1f} ms, p99 {s['ttfa_ms_p99']:.1f} ms, first chunk from the worker p50 "
               f"{s['first_chunk_delay_ms_p50']:.1f} ms, p99 {s['first_chunk_delay_ms_p99']:.1f} ms; "
-              f"FINAL_ONLY file p50 {s['final_only_ms_p50']:.1f} ms, p99 {s['final_only_ms_p99']:.1f} ms; client event loop late p50 "
-              f"{s['client_loop_lag_ms_p50']:.1f} ms, p99 {s['client_loop_lag_ms_p99']:.1f}, max "
-              f"{s['client_loop_lag_ms_max']:.1f} ms, longest garbage collection {s['client_gc_ms_max']:.1f} ms")
+              f"FINAL_ONLY file p50 {s['final_only_ms_p50']:.1f} ms, p99 {s['final_only_ms_p99']:.1f} ms; "
+              f"client event loop late p50 {s['client_loop_lag_ms_p50']:.1f} ms, "
+              f"p99 {s['client_loop_lag_ms_p99']:.1f}, max {s['client_loop_lag_ms_max']:.1f} ms, "
+              f"longest garbage collection {s['client_gc_ms_max']:.1f} ms")
         print(f"  engine step {s['step_ms_median']:.2f} ms, {s['streams_per_step']:.0f} streams/step, async scheduling "
               f"{'on' if s['async_scheduling'] else 'off'}")
         print(f"  output path: worker {s['worker_output_path_us_median']:.1f} us/step (p99 "
