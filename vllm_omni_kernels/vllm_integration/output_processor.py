@@ -382,17 +382,13 @@ class MultimodalOutputProcessor(OutputProcessor):
             self._hook(state, eco)
         pieces = eco.multimodal_delivered
         if self._key_aliases:
-            named = {}
-            for key, value in pieces.items():
-                name = self._key_aliases.get(key, key)
-                if name in named:  # two of the worker's keys map to one name: one of them would be lost
-                    exc = TensorConsolidationError(f"the worker's key {key!r} maps to a key it already has",
-                                                   request_id=eco.request_id, key=name)
-                    logger.error("request %s failed: %s", eco.request_id, exc)
-                    self._failures.append((state, exc))
-                    return
-                named[name] = value
-            pieces = named
+            clashes: list[TensorAccumulationError] = []
+            pieces = self._values(eco.request_id, pieces, clashes)
+            if clashes:  # two of the worker's keys map to one name: the request's data is not whole
+                exc = TensorConsolidationError(clashes[0].reason, request_id=eco.request_id, key=clashes[0].key)
+                logger.error("request %s failed: %s", eco.request_id, exc)
+                self._failures.append((state, exc))
+                return
         state.deliver(pieces)
 
     def _unknown(self, request_id: str, errors: list) -> None:
@@ -405,9 +401,9 @@ class MultimodalOutputProcessor(OutputProcessor):
             errors.append(TensorAccumulationError("multimodal output for an unknown request", request_id=request_id))
 
     def _values(self, rid: str, payload: Mapping[str, Any], errors: list) -> dict[str, Any]:
-        """The payload's values under the stage's key names; a key that two payload keys map to (say
-        ``model_outputs`` and ``audio``) is an error and neither value is taken; values the decoder
-        could not make into tensors are their errors."""
+        """The payload's values (plain ones, or the worker's pieces) under the stage's key names; a key
+        that two payload keys map to (say ``model_outputs`` and ``audio``) is an error and neither
+        value is taken; values the decoder could not make into tensors are their errors."""
         values: dict[str, Any] = {}
         dropped: set[str] = set()
         for key, value in payload.items():
