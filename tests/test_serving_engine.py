@@ -521,3 +521,23 @@ def test_the_codes_arena_holds_whatever_the_audio_arena_holds(frames):
         assert codes.capacity_frames(f"r{held}") >= frames, held
         held += 1
     assert held >= 1
+
+
+def test_a_step_resolved_after_its_row_passed_to_a_new_request_judges_its_token_by_its_own(tmp_path):
+    """Under async scheduling a request aborted while its step runs gives its row away before the
+    step resolves: the step's token is compared with the eos its own request had when the step ran,
+    not with the new owner's, so the worker counts no stop that did not happen."""
+    import numpy as np
+    from vllm_omni_kernels.vllm_integration.worker import TalkerWorker, _StepOutput
+    config = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4).create_engine_config()
+    worker = TalkerWorker(config)
+    row, token = np.array([0]), tk.TEXT_VOCAB + 7
+    worker._eos[0], worker._stoppable[0] = tk.TEXT_VOCAB + 9, True  # the row's request when its step runs
+    step = _StepOutput(worker, ["old"], np.array([0]), [], None, sampled=(["old"], row, np.array([3])),
+                       stops=(worker._eos[row], worker._has_stop_ids[row]))
+    worker._eos[0] = token  # the row's next request, whose eos the step's token is
+    worker._resolve(step, [token])
+    assert worker.stats["stopped"] == 0
+    worker._resolve(_StepOutput(worker, ["new"], np.array([0]), [], None, sampled=(["new"], row, np.array([1])),
+                                stops=(worker._eos[row], worker._has_stop_ids[row])), [token])
+    assert worker.stats["stopped"] == 1

@@ -101,23 +101,24 @@ class WorkerOptions:
 class _StepOutput(AsyncModelRunnerOutput):
     """A step's output, resolved when its copy to the host has landed (``get_output``), which is
     also when the worker learns the step's tokens (``TalkerWorker._resolve``). ``sampled``: (request
-    ids, rows, frames produced) of the step's sampling requests; ``stoppable``: a sampled token can
-    end one of them; ``replayed``: (positions in ``req_ids``, rows, frame indices) of the requests
-    whose token vLLM samples again (``_replay``)."""
+    ids, rows, frames produced) of the step's sampling requests; ``stops``: their rows' (eos, has stop
+    ids) as they were when the step ran (a row can pass to a new request before the step resolves),
+    None when no sampled token can end one of them; ``replayed``: (positions in ``req_ids``, rows,
+    frame indices) of the requests whose token vLLM samples again (``_replay``)."""
 
     def __init__(self, worker: TalkerWorker, req_ids: list[str], sampling: np.ndarray, opened: list[str], replayed,
                  *, packed: PackedStep | None = None, tokens_cpu: torch.Tensor | None = None, failed=None, plain=None,
-                 sampled: tuple[list[str], np.ndarray, np.ndarray] | None = None, stoppable: bool = False):
+                 sampled: tuple[list[str], np.ndarray, np.ndarray] | None = None, stops=None):
         self.worker, self.req_ids, self.sampling, self.opened = worker, req_ids, sampling, opened
         self.packed, self.tokens_cpu, self.failed, self.plain = packed, tokens_cpu, failed or {}, plain
-        self.sampled, self.stoppable, self.replayed = sampled, stoppable, replayed
+        self.sampled, self.stops, self.replayed = sampled, stops, replayed
         self.ended: set[str] = set()  # requests whose end an earlier step's token was
 
     def drop_past(self, request_id: str, end: int) -> None:
         """Leave out of this step's data the request's frames past its ``end`` (frames produced),
         found after the step ran."""
         self.ended.add(request_id)
-        if self.packed is None or not self.stoppable or request_id not in self.sampled[0]:
+        if self.packed is None or self.stops is None or request_id not in self.sampled[0]:
             return
         ids, _, produced = self.sampled
         extra = int(produced[ids.index(request_id)]) - end
@@ -500,8 +501,9 @@ class TalkerWorker:
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
             self._done[self._row[rid]] = True
         self._note_output_path(t0, packed.host.numel())  # (never None: the head is there)
+        stops = (self._eos[state_rows], self._has_stop_ids[state_rows]) if self._stoppable[state_rows].any() else None
         return _StepOutput(self, req_ids, sampling, opened, replayed, packed=packed, failed=failed, sampled=sampled,
-                           stoppable=bool(self._stoppable[state_rows].any()))
+                           stops=stops)
 
     def _collect(self, finishing: list[str], flush: dict[str, int], head_bytes: int) -> PackedStep | None:
         """The accumulator's collect; ``flush`` closes each of its requests at the frames it ends at
@@ -531,11 +533,12 @@ class TalkerWorker:
             return
         ids, rows, produced = step.sampled
         self._tokens[rows, (produced - 1) % _KEPT_TOKENS] = tokens[:len(rows)]  # for vLLM to sample again (_replay)
-        if not step.stoppable:
+        if step.stops is None:
             return
-        hit = np.asarray(tokens[:len(rows)], np.int64) == self._eos[rows]
+        eos, has_stop_ids = step.stops
+        hit = np.asarray(tokens[:len(rows)], np.int64) == eos
         if self._stop_ids:  # (no loop over every row of the step)
-            for b in np.flatnonzero(self._has_stop_ids[rows]).tolist():
+            for b in np.flatnonzero(has_stop_ids).tolist():
                 if tokens[b] in self._stop_ids.get(ids[b], ()):
                     hit[b] = True
         for b in np.flatnonzero(hit).tolist():
