@@ -639,3 +639,40 @@ def test_consolidate_after_draining_a_single_frame_is_a_consolidation_error():
     with pytest.raises(TensorConsolidationError, match="1 frames were already drained") as info:
         pool.consolidate(["a"])
     assert info.value.request_id == "a"
+
+
+def test_more_slots_keep_every_held_slots_data_and_repeated_steps_go_on(backend):
+    """``grow_slots``: the slots held keep their indices, unread data and device heads (a repeated
+    step launched from kept rows before and after); new slots take data like any other; a
+    ``StaticAppend`` planned before refuses to prepare (its graph holds the old heads)."""
+    pool = make_pool(initial_frames=64, max_slots=2)
+    g = torch.Generator().manual_seed(3)
+    want = {"a": [], "b": [], "c": []}
+
+    def step(ids, lengths):
+        data = torch.randn(len(ids), 5, generator=g)
+        assert pool.append(ids, PaddedBatch(data, lengths)).errors == ()
+        for b, r in enumerate(ids):
+            want[r].append(data[b, :lengths[b]])
+
+    pool.alloc("a")
+    pool.alloc("b")
+    sa = pool.static_append(["a"], torch.ones(1, 2), [2])
+    with pytest.raises(TensorAccumulationError, match="all 2 slots"):
+        pool.alloc("c")
+    for _ in range(3):
+        step(["a", "b"], [2, 3])  # the third launches from kept rows
+    pool.grow_slots(5)
+    assert pool.stats().slots_capacity == 5 and pool.slot_of("a") == 0 and pool.slot_of("b") == 1
+    for _ in range(3):
+        step(["a", "b"], [2, 3])
+    assert pool.alloc("c") == 2
+    step(["a", "b", "c"], [1, 4, 5])
+    assert pool.unread()[:3].tolist() == [sum(len(t) for t in want[r]) for r in ("a", "b", "c")]
+    assert pool.stats().repeated_launches == 2  # one before the growth, one after
+    for r, got in zip(want, pool.drain(list(want))):
+        assert torch.equal(got, torch.cat(want[r])), r
+    with pytest.raises(RuntimeError, match="grew to 5 slots"):
+        sa.prepare(1)
+    with pytest.raises(ValueError, match="at most 65535 rows"):
+        pool.grow_slots(1 << 16)

@@ -331,6 +331,24 @@ def test_requests_preempted_for_kv_cache_are_recomputed_and_lose_nothing(tmp_pat
     assert all_checked(s, cfg) and s["slots_held_after"] == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_priority_scheduling_preempts_for_each_arrival_and_loses_nothing(tmp_path, async_scheduling):
+    """vLLM's priority scheduling, each arrival outranking every earlier request, through a KV
+    cache of 16 blocks: vLLM preempts running requests again and again and serves the newcomers
+    first, and every preempted request keeps its row and audio in the worker until it resumes. The
+    worker starts with 2 rows and makes more as requests need them (twice as many each time), the
+    rows held and their state staying where they are; every sample is exact."""
+    cfg = SimConfig(requests=160, concurrency=64, min_frames=30, max_frames=60, abort_every=10, stop_every=4,
+                    priorities=160, arrival_ms=0, cadence=2 * tk.FRAME_SAMPLES, device="cpu",
+                    async_scheduling=async_scheduling, paths=("worker",), out_dir=str(tmp_path), progress=False,
+                    write_wavs=False, engine_args={"num_gpu_blocks_override": 16, "max_model_len": 128,
+                                                   "max_num_batched_tokens": 32, "enable_prefix_caching": False,
+                                                   "max_num_seqs": 8, "additional_config": {"omni": {"rows": 2}}})
+    s = run(cfg)["paths"]["worker"]
+    assert s["resumptions"] >= 20 and s["worker_rows"] >= 8  # grown twice at least
+    assert all_checked(s, cfg) and s["slots_held_after"] == 0
+
+
 @RUNNERS
 def test_a_reset_of_running_requests_loses_nothing(tmp_path, monkeypatch, async_scheduling, runner):
     """``reset_prefix_cache(reset_running_requests=True)`` (vLLM's admin call, over ZMQ; its pause

@@ -183,6 +183,34 @@ def test_nothing_due_means_no_step_and_no_copy():
     assert torch.equal(packed.tensors("f")["audio"], torch.ones(4)) and "f" not in acc
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_request_that_finds_no_free_row_makes_more_and_the_rows_held_keep_their_data(device):
+    """More requests than rows (vLLM's preempted requests keep theirs): the accumulator makes twice
+    as many, or up to a row the caller names past the end; every pool's slots grow with them, and
+    the requests held keep their rows, unread data and pacing."""
+    acc = WorkerAccumulator(KEYS, device, budget_bytes=1 << 16, max_requests=2)
+
+    def audio(*pieces):
+        return PaddedBatch(torch.stack([torch.full((4,), v) for v, _ in pieces]).to(device), [n for _, n in pieces])
+
+    assert [acc.add_request(r, EmitPolicy.FINAL_ONLY) for r in ("a", "b")] == [0, 1]
+    acc.append(["a", "b"], {"audio": audio((1.0, 4), (2.0, 3))})
+    assert acc.add_request("c", EmitPolicy.DELTA) == 2 and acc.rows == 4
+    assert acc.add_request("d", EmitPolicy.DELTA, row=9) == 9 and acc.rows == 10
+    assert all(pool.stats().slots_capacity == 10 for pool in acc.pools)
+    with pytest.raises(TensorAccumulationError, match="row 65535 is not free"):  # past what one launch takes
+        acc.add_request("e", EmitPolicy.DELTA, row=65535)
+    codes = [torch.ones(n, 3, dtype=torch.int64, device=device) for n in (0, 1, 0)]
+    acc.append(["a", "c", "d"], {"audio": audio((5.0, 2), (6.0, 2), (7.0, 1)), "codes": codes})
+    packed = acc.collect(["a", "b"], ends=[np.full(acc.rows, 1 << 40, np.int64) for _ in acc.keys])
+    packed.wait()
+    assert torch.equal(packed.tensors("a")["audio"], torch.tensor([1.0, 1, 1, 1, 5, 5]))
+    assert torch.equal(packed.tensors("b")["audio"], torch.tensor([2.0, 2, 2]))
+    assert torch.equal(packed.tensors("c")["audio"], torch.tensor([6.0, 6]))  # a new stream's first data at once
+    assert torch.equal(packed.tensors("d")["audio"], torch.tensor([7.0]))
+    assert torch.equal(packed.tensors("c")["codes"], torch.ones(1, 3, dtype=torch.int64))
+
+
 def test_rows_given_by_the_caller_and_slots_sized_for_what_a_request_will_hold():
     acc = WorkerAccumulator(KEYS, "cpu", budget_bytes=1 << 16, max_requests=8)
     assert acc.add_request("f", EmitPolicy.FINAL_ONLY, row=5, frames={"audio": 100, "codes": 9}) == 5

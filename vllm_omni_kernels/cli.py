@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="every n-th request makes the talker emit a malformed chunk: it must fail alone")
     sim.add_argument("--stop-every", type=int, default=0,
                      help="every n-th request ends on a token its talker emits half-way (stop_token_ids)")
+    sim.add_argument("--priorities", type=int, default=0,
+                     help="n: vLLM's priority scheduling, each request outranking the n - 1 before it")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--no-progress", action="store_true")
     sub.add_parser("serve", help="the speech server (python -m vllm_omni_kernels serve MODEL_DIR --help)")
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     cadence=SimConfig.cadence if args.cadence is None else args.cadence, device=args.device,
                     async_scheduling=args.async_scheduling, in_process=args.in_process, paths=_names(args.paths),
                     out_dir=args.out, seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
-                    bad_every=args.bad_every, stop_every=args.stop_every)
+                    bad_every=args.bad_every, stop_every=args.stop_every, priorities=args.priorities)
     summary = run(cfg)
     for path, s in summary["paths"].items():
         print(f"[{path}] {s['device']}: {s['finished_exact']} finished sample-exact, {s['aborted_checked']} aborted "

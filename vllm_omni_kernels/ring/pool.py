@@ -51,7 +51,7 @@ from .planner import plan_read, plan_write
 from .staging import PinnedStaging
 
 _INT32_MAX = 2**31 - 1
-_MAX_ROWS = 65535  # rows of one launch: the grid's second axis
+MAX_SLOTS = 65535  # slots of a pool: the rows one launch takes (the grid's second axis)
 UPLOAD_ELEMS = 4096  # rows longer than this: several programs per row, metadata copied to the device first
 
 
@@ -146,8 +146,8 @@ class RingPool:
         self.max_slots = max_slots
         self.frame_bytes = self.frame_elems * dtype.itemsize
         self.max_unread_frames = _INT32_MAX // self.frame_elems  # what one launch copies of a slot
-        if max_slots > _MAX_ROWS:
-            raise ValueError(f"pool {key!r}: {max_slots} slots; a launch takes at most {_MAX_ROWS} rows")
+        if max_slots > MAX_SLOTS:
+            raise ValueError(f"pool {key!r}: {max_slots} slots; a launch takes at most {MAX_SLOTS} rows")
         if budget_bytes < self.frame_bytes:  # (no frame: budget_frames would be 0)
             raise ValueError(f"pool {key!r}: a budget of {budget_bytes} bytes holds no frame of {self.frame_bytes}")
         # a new slot's frames: initial_frames rounded up to a power of two, as many as the budget holds
@@ -178,6 +178,31 @@ class RingPool:
         self.writes = 0  # write launches and advances so far: a room bound stays valid while it is unchanged
         self.high_water_bytes = 0
         self.version = 0  # bumped by alloc/free/growth: cached slot lookups are stale after it moves
+
+    def grow_slots(self, max_slots: int) -> None:
+        """Let ``max_slots`` requests hold a slot at once (more than now): the slots held keep their
+        indices, regions and data. The device's head words move to a larger tensor, ordered on the
+        current stream after every launch before; a ``StaticAppend`` planned before refuses to
+        prepare again (its graph holds the old tensor)."""
+        old = self.max_slots
+        if max_slots <= old:
+            return
+        if max_slots > MAX_SLOTS:
+            raise ValueError(f"pool {self.key!r}: {max_slots} slots; a launch takes at most {MAX_SLOTS} rows")
+        self._settle()
+        state = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        state[:old].copy_(self.state)
+        table = np.zeros((max_slots, META_COLS), np.int64)
+        table[:old] = self.table
+        table[old:, SLOT] = np.arange(old, max_slots)
+        table[old:, POS] = -1
+        more = np.zeros(max_slots - old, np.int64)
+        self.state, self.table, self.max_slots = state, table, max_slots
+        self._tail, self._drained = np.concatenate((self._tail, more)), np.concatenate((self._drained, more))
+        self.layout = np.concatenate((self.layout, more))
+        self._slot_free = np.concatenate((self._slot_free, np.ones(max_slots - old, bool)))
+        self._repeat = None
+        self.version += 1
 
     # ----------------------------------------------------------------- lifecycle
 

@@ -37,6 +37,7 @@ from ..errors import TensorAccumulationError
 from ..modality import TensorAccumulationStrategy as Strategy
 from ..profiling import nvtx_range
 from ..ring import PaddedBatch, RingPool
+from ..ring.pool import MAX_SLOTS
 
 _ALIGN = 16  # every span starts on a 16-byte boundary of the buffer (any dtype can view it)
 _BUFFERS_WARNED = 64  # host buffers alive at once (in use or free): more means a caller keeps them
@@ -225,7 +226,8 @@ class WorkerAccumulator:
         keys: what the model produces each step.
         device: where the chunks are (and the rings).
         budget_bytes: each key's ring arena (preallocated, never exceeded), or per key name.
-        max_requests: requests that can hold slots at once (rows ``0 .. max_requests - 1``).
+        max_requests: rows to start with (``0 .. max_requests - 1``); a request that needs another
+            row makes more (``grow_rows``).
     """
 
     def __init__(self, keys: Sequence[OutputKey], device: torch.device | str, *,
@@ -265,6 +267,23 @@ class WorkerAccumulator:
         """The request's row (KeyError for one not held)."""
         return self._row[request_id]
 
+    @property
+    def rows(self) -> int:
+        """Rows there are now (held or free): what per-row arrays, such as ``collect``'s ``ends``, cover."""
+        return len(self._id_of)
+
+    def grow_rows(self, rows: int) -> None:
+        """Make ``rows`` rows (more than now; the requests held keep theirs), and as many slots in
+        every pool (``RingPool.grow_slots``). Rare: when more requests hold data than ever before."""
+        more = rows - len(self._id_of)
+        if more <= 0:
+            return
+        for pool in self.pools:
+            pool.grow_slots(rows)
+        self._id_of += [None] * more
+        self._held, self._streaming, self._delivered = (np.concatenate((a, np.zeros(more, bool))) for a in
+                                                        (self._held, self._streaming, self._delivered))
+
     def add_request(self, request_id: str, emit: EmitPolicy, row: int | None = None,
                     frames: Mapping[str, int] | None = None) -> int:
         """Give the request a row (``row``, which must be free, or the lowest free one) and a slot of
@@ -273,17 +292,21 @@ class WorkerAccumulator:
         once where the pool has room, instead of growing on the way).
 
         Raises:
-            TensorAccumulationError: it already holds slots, the row is taken, or no row or budget is
-                left (nothing is held then).
+            TensorAccumulationError: it already holds slots, the row is taken, or no budget (or, past
+                ``MAX_SLOTS`` requests, no row) is left (nothing is held then).
         """
         if request_id in self._row:
             raise TensorAccumulationError("request added twice", request_id=request_id)
         if row is None:
             if self._held.all():
-                raise TensorAccumulationError(f"all {len(self._id_of)} request rows are in use", request_id=request_id)
+                if self.rows == MAX_SLOTS:
+                    raise TensorAccumulationError(f"all {self.rows} request rows are in use", request_id=request_id)
+                self.grow_rows(min(2 * self.rows, MAX_SLOTS))
             row = int(self._held.argmin())
-        elif not 0 <= row < len(self._id_of) or self._held[row]:
+        elif not 0 <= row < MAX_SLOTS or row < self.rows and self._held[row]:
             raise TensorAccumulationError(f"row {row} is not free", request_id=request_id)
+        elif row >= self.rows:
+            self.grow_rows(min(max(2 * self.rows, row + 1), MAX_SLOTS))
         taken = []
         try:
             for pool in self.pools:

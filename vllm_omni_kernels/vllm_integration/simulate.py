@@ -6,10 +6,11 @@ serves the talker (``talker_model``); ``requests`` requests arrive staggered, at
 ``concurrency`` at a time, in DELTA, CUMULATIVE and FINAL_ONLY output kinds in turn. One in
 ``abort_every`` is aborted (a streaming one after its first audio, a FINAL_ONLY one a while after it
 starts; one that finishes first is checked whole; the output kinds take their turn), and every
-``stop_every``-th one ends on a codec token its talker emits half-way (``stop_token_ids``). Every
-request's codes are checked against its prompt's rollout, its audio sample for sample against what
-its codes decode to, its codes against its tokens and, finished, its length and finish reason; the
-worker path writes each finished request's WAV under ``out_dir`` and reads it back.
+``stop_every``-th one ends on a codec token its talker emits half-way (``stop_token_ids``); with
+``priorities``, vLLM schedules by priority and preempts running requests for those that outrank
+them. Every request's codes are checked against its prompt's rollout, its audio sample for sample
+against what its codes decode to, its codes against its tokens and, finished, its length and finish
+reason; the worker path writes each finished request's WAV under ``out_dir`` and reads it back.
 
 Reported per path (``summary.json``, one PNG): audio seconds per wall second; time to first audio
 (p50/p99, from when the client sends the request, which first waits for one of ``concurrency``
@@ -68,6 +69,8 @@ class SimConfig:
     abort_every: int = 12  # one request in n is aborted (module docstring; 0: none)
     bad_every: int = 0  # every n-th request makes the talker emit a malformed chunk (0: none)
     stop_every: int = 0  # every n-th request ends on a token it produces half-way (0: none)
+    priorities: int = 0  # n: vLLM's priority scheduling, request i at priority n - 1 - i % n, so each outranks
+    #                      the n - 1 before it (0: first come, first served)
     arrival_ms: float = 10.0  # mean gap between arrivals (exponential; 0: all at once)
     kinds: tuple[str, ...] = KINDS  # output kinds, taken in turn
     sync_check: bool = False  # run the worker's step under CUDA's sync-debug mode "error"
@@ -94,6 +97,7 @@ class _Plan:
     arrival: float  # seconds after the start
     stop: int | None = None  # its stop token: it then ends after ``ends`` frames, not ``frames``
     ends: int = 0  # (0: ``frames``)
+    priority: int = 0
     codes: torch.Tensor | None = None  # what its prompt makes the talker say (``_check``), made once
 
     def __post_init__(self):
@@ -128,7 +132,8 @@ def _plans(cfg: SimConfig) -> list[_Plan]:
         abort = bool(cfg.abort_every) and \
             i % cfg.abort_every == (cfg.abort_every // 2 + i // cfg.abort_every) % cfg.abort_every and not bad
         frames = int(rng.integers(min(cfg.min_frames, cfg.max_frames), cfg.max_frames + 1))
-        plan = _Plan(f"req-{i:04d}", prompt, frames, cfg.kinds[i % len(cfg.kinds)], abort, bad, t)
+        plan = _Plan(f"req-{i:04d}", prompt, frames, cfg.kinds[i % len(cfg.kinds)], abort, bad, t,
+                     priority=cfg.priorities - 1 - i % cfg.priorities if cfg.priorities else 0)
         if cfg.stop_every and i % cfg.stop_every == cfg.stop_every - 1 and not (bad or abort):
             talker = talker or tk.ToyTalker(cfg.seed)
             tokens = (tk.rollout(talker, prompt, frames)[:, 0] + tk.TEXT_VOCAB).tolist()
@@ -167,9 +172,13 @@ def _engine_args(cfg: SimConfig, path: str, model: Path):
         omni["bad_prompt_token"] = 1  # "<s>", in no other prompt
     kwargs = {"max_num_seqs": max(cfg.concurrency, 8), "disable_log_stats": True,
               "async_scheduling": cfg.async_scheduling, **cfg.engine_args}
+    extra = dict(kwargs.pop("additional_config", None) or {})
+    extra["omni"] = {**omni, **extra.get("omni", {})}
+    if cfg.priorities:
+        kwargs.setdefault("scheduling_policy", "priority")
     return talker_engine_args(model, device=cfg.device, cadence=cfg.cadence, output_path=path,
                               args_cls=EngineArgs if cfg.in_process else AsyncEngineArgs,
-                              additional_config={"omni": omni}, **kwargs)
+                              additional_config=extra, **kwargs)
 
 
 def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path) -> dict:
@@ -211,7 +220,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "wire_bytes_per_step": client["bytes"] / messages,
         "streams_per_step": engine_stats["samples"] / tk.FRAME_SAMPLES / max(engine_stats["steps"], 1),
         "engine_steps": engine_stats["steps"], "resumptions": engine_stats["resumed"],
-        "requests_stopped": engine_stats["stopped"],
+        "requests_stopped": engine_stats["stopped"], "worker_rows": engine_stats["rows"],
         "pools_after": engine_stats["accumulator"]["pools"],
         "host_buffers_allocated": engine_stats["accumulator"]["pinned_allocations"],
         "slots_held_after": sum(p["slots_used"] for p in engine_stats["accumulator"]["pools"].values()),
@@ -252,7 +261,8 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
                     _FINAL_ONLY_ABORT_S, lambda: asyncio.ensure_future(engine.abort(plan.rid)))
             try:
                 # closed when left early: its frame (and the engine it holds) goes now, not at exit
-                async with contextlib.aclosing(engine.generate(prompt, params, request_id=plan.rid)) as stream:
+                stream = engine.generate(prompt, params, request_id=plan.rid, priority=plan.priority)
+                async with contextlib.aclosing(stream) as stream:
                     async for out in stream:
                         _take(res, out)
                         if _abort_now(res, out):
@@ -353,7 +363,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
         while pending or live:
             while pending and len(live) < cfg.concurrency and pending[0].arrival <= time.perf_counter() - t0:
                 plan = pending.pop(0)
-                engine.add_request(plan.rid, *_request(plan))
+                engine.add_request(plan.rid, *_request(plan), priority=plan.priority)
                 live[plan.rid] = _Result(plan, start=time.perf_counter())
             if not live:
                 time.sleep(min(0.01, max(0.0, pending[0].arrival - (time.perf_counter() - t0))))

@@ -21,8 +21,10 @@ Stop tokens (the request's eos or ``stop_token_ids``, vLLM's ``check_stop``) are
 in ``get_output``. The worker then stops sampling the request and closes its output at the next step,
 up to the stopping frame (``collect(ends=...)``); the scheduler's final output waits for that
 (``scheduler.MultimodalChannel``). A step already run past the stop leaves the extra frame out of its
-data (``PackedStep.drop_newest``). There are twice as many rows as vLLM has seats, since vLLM gives a
-finished request's seat away before its output has closed here.
+data (``PackedStep.drop_newest``). There are twice as many rows as vLLM has seats to start with, since
+vLLM gives a finished request's seat away before its output has closed here; a request that finds
+none free makes twice as many (the requests vLLM preempted hold theirs, and priority scheduling
+preempts running requests for every arrival that outranks them).
 
 ``additional_config["omni"]`` (``WorkerOptions``): ``device`` ("auto", "cuda", "cpu"); ``cadence``
 (audio samples a streaming request gets at a time; 0: every step); ``output_path`` ("worker", or
@@ -33,7 +35,8 @@ finished request's seat away before its output has closed here.
 holds all its audio, 7.5 KiB a frame; a request it cannot hold fails alone with ``OutputMemoryError``,
 a 503 before its first audio; it must hold the first slots of ``max_num_seqs`` streams);
 ``cpu_threads`` (torch's threads for a CPU talker; None: half the cores unless ``OMP_NUM_THREADS`` is
-set, since idle OpenMP threads spin and would slow the API servers beside the engine).
+set, since idle OpenMP threads spin and would slow the API servers beside the engine); ``rows``
+(request rows to start with; None: twice ``max_num_seqs``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from itertools import repeat
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -58,12 +62,15 @@ from ..errors import TensorAccumulationError
 from ..modality import TensorAccumulationStrategy as Strategy
 from ..profiling import nvtx_range
 from ..ring import PaddedBatch
+from ..ring.pool import MAX_SLOTS
 from ..serving import talker as tk
 from ..serving.worker_accumulator import OutputKey, PackedStep, WorkerAccumulator
 from ..ring.staging import PinnedStaging
 from .outputs import OmniModelRunnerOutput
 from .talker_model import OmniTalkerForTTS
 from .upstream_style import upstream_worker_outputs
+
+logger = init_logger("vllm.omni_kernels.worker")  # under "vllm.": vLLM's handler prints it in the engine core
 
 _HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
 _KEPT_TOKENS = 8  # a row's latest sampled tokens, for vLLM to sample again (_replay): it drops a step or two
@@ -79,6 +86,7 @@ class WorkerOptions:
     sync_debug: bool = False
     pool_budget_bytes: int = 1 << 30
     cpu_threads: int | None = None
+    rows: int | None = None  # request rows to start with (None: twice max_num_seqs); more are made when needed
 
     @classmethod
     def from_config(cls, vllm_config) -> WorkerOptions:
@@ -163,7 +171,8 @@ class TalkerWorker:
         # own process runs vLLM's config checks again once it is built, which on vLLM's CPU platform
         # reset the flag; read later, it would no longer say how the engine runs.
         self.async_scheduling = bool(sched.async_scheduling)
-        self.max_requests = 2 * int(sched.max_num_seqs)  # rows: twice vLLM's seats (module docstring)
+        # rows: twice vLLM's seats to start with (module docstring)
+        self.max_requests = self.options.rows or 2 * int(sched.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.model = OmniTalkerForTTS(vllm_config=vllm_config).to(self.device)
         talker = self.model.talker
@@ -268,7 +277,7 @@ class TalkerWorker:
                 "output_path_us_median": float(np.median(us)), "output_path_us_p99": float(np.percentile(us, 99)),
                 "output_path_us_mean": float(us.mean()), "step_us_median": float(np.median(steps)),
                 "first_chunk_at": dict(self.first_chunk_at), "accumulator": self.acc.stats(),
-                "requests_held": len(self._row)}
+                "requests_held": len(self._row), "rows": self.max_requests}
 
     def reset_output_path_stats(self) -> None:
         self._output_path_us.clear()
@@ -372,7 +381,7 @@ class TalkerWorker:
         for new in new_reqs:
             prompt = new.prompt_token_ids or [0]
             params = new.sampling_params  # (None for a pooling request: the getattr defaults below)
-            if not self._free_rows:  # (rows are twice vLLM's seats: module docstring)
+            if not self._free_rows and not self._grow_rows():  # (module docstring: rows)
                 self._discard(new.req_id, TensorAccumulationError(f"all {self.max_requests} request rows are in use",
                                                                   request_id=new.req_id))
                 continue
@@ -423,6 +432,30 @@ class TalkerWorker:
         self.last_token.index_copy_(0, rows_dev, dev[:, 2])
         self.frame.index_fill_(0, rows_dev, 0)
         return opened
+
+    def _grow_rows(self) -> bool:
+        """Twice the rows (at most a pool's ``MAX_SLOTS``; False when there are as many already): the
+        per-row arrays, the talker's device state and the accumulator's rows grow together; the
+        rows held keep their index and state."""
+        old = self.max_requests
+        rows = min(2 * old, MAX_SLOTS)
+        more = rows - old
+        if not more:
+            return False
+        logger.info("worker: %d request rows held (requests vLLM preempted keep theirs); now %d", old, rows)
+        for name in ("_prompt_len", "_max_tokens", "_computed", "_produced", "_done", "_bad", "_has_stop_ids",
+                     "_stoppable", "_tokens"):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate((a, np.zeros((more, *a.shape[1:]), a.dtype))))
+        self._eos, self._replay = (np.concatenate((a, np.full(more, -1, np.int64))) for a in (self._eos, self._replay))
+        self.context, self.last_token, self.frame = (torch.cat((t, t.new_zeros(more, *t.shape[1:])))
+                                                     for t in (self.context, self.last_token, self.frame))
+        self._index = PinnedStaging(1, rows, self.device)
+        self._index_dev = torch.zeros(1, rows, dtype=torch.int64, device=self.device)
+        self.acc.grow_rows(rows)
+        self._free_rows.extend(range(rows - 1, old - 1, -1))
+        self.max_requests = rows
+        return True
 
     def _sampling_rows(self, so, req_ids: list[str]):
         """Positions (in ``req_ids``) of the requests that sample a frame this step, and their rows;
