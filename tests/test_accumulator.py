@@ -267,3 +267,24 @@ def test_an_emitted_payloads_metadata_is_its_own(acc):
     second = acc.collect(["d"])["d"]
     second.metadata["note"] = "mine"
     assert first.metadata == {"sr": 16000} and second.metadata == {"sr": 24000, "note": "mine"}
+
+
+def test_more_requests_than_a_pool_had_slots_for_get_more_and_keep_every_chunk(use_backend):
+    """A pool starts with ``max_slots`` slots and takes twice as many each time another request
+    needs one (on the list path and the batched path alike); every request keeps its data."""
+    use_backend("torch")
+    acc = MultimodalAccumulator(AccumulatorConfig(modality=M.AUDIO, pool_budget_bytes=1 << 16, initial_frames=8,
+                                                  max_slots=2), "cpu")
+    ids = [f"r{i}" for i in range(7)]
+    for rid in ids:
+        acc.add_request(rid)
+    assert acc.append_step(ids[:3], {"audio": [torch.full((3,), float(i)) for i in range(3)]}) == []
+    batch = PaddedBatch(torch.arange(16.0).view(4, 4), [4, 2, 1, 3])
+    assert acc.append_step(ids[3:], {"audio": batch}) == []
+    (pool,) = acc.pools()
+    assert pool.stats().slots_capacity == 8 and pool.stats().slots_used == 7
+    got = acc.collect(ids)
+    for i in range(3):
+        assert torch.equal(got[f"r{i}"].tensors["audio"], torch.full((3,), float(i)))
+    for b, n in enumerate([4, 2, 1, 3]):
+        assert torch.equal(got[f"r{b + 3}"].tensors["audio"], torch.arange(16.0).view(4, 4)[b, :n])

@@ -31,6 +31,7 @@ from .errors import TensorAccumulationError, TensorConsolidationError
 from .modality import OutputModality, TensorAccumulationStrategy as Strategy, resolve_strategy
 from .payload import MultimodalPayload
 from .ring import PaddedBatch, PoolStats, RingPool, host_lengths
+from .ring.pool import MAX_SLOTS
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class AccumulatorConfig:
 
     ``pool_budget_bytes`` is preallocated per pool (one pool per key, dtype, frame shape, device) the
     first time such a combination appears; ``initial_frames`` is a new slot's capacity, one number
-    for every key or ``{key: frames}`` (keys not named get 4096).
+    for every key or ``{key: frames}`` (keys not named get 4096); ``max_slots`` the requests a pool
+    holds at first (twice as many each time one more needs a slot, up to ``ring.pool.MAX_SLOTS``).
     """
 
     modality: OutputModality = OutputModality.AUDIO
@@ -178,6 +180,8 @@ class MultimodalAccumulator:
                 f"dtype/frame shape changed mid-stream: slot holds {held.dtype} frames {held.frame_shape}, "
                 f"got {pool.dtype} frames {pool.frame_shape}", request_id=rid, key=key))
             return False
+        if len(pool) == pool.max_slots < MAX_SLOTS:  # more requests hold data than ever before
+            pool.grow_slots(min(2 * pool.max_slots, MAX_SLOTS))
         try:
             pool.alloc(rid)
         except TensorAccumulationError as exc:
