@@ -288,3 +288,11 @@ def test_more_requests_than_a_pool_had_slots_for_get_more_and_keep_every_chunk(u
         assert torch.equal(got[f"r{i}"].tensors["audio"], torch.full((3,), float(i)))
     for b, n in enumerate([4, 2, 1, 3]):
         assert torch.equal(got[f"r{b + 3}"].tensors["audio"], torch.arange(16.0).view(4, 4)[b, :n])
+
+
+def test_a_pool_that_starts_with_no_slots_makes_one_for_its_first_request(use_backend):
+    use_backend("torch")
+    acc = MultimodalAccumulator(AccumulatorConfig(pool_budget_bytes=1 << 16, initial_frames=8, max_slots=0), "cpu")
+    acc.add_request("a")
+    assert acc.append_step(["a"], {"audio": [torch.ones(3)]}) == []
+    assert torch.equal(acc.collect(["a"])["a"].tensors["audio"], torch.ones(3))

@@ -485,3 +485,9 @@ def test_host_buffer_whose_copy_may_still_run_stays_on_the_free_list():
     buffers.take(1 << 20)[1](None)  # its copy has run: now it goes as any other would
     gc.collect()
     assert first() is None and buffers.alive == 1 and buffers.allocations == 2
+
+
+def test_an_accumulator_that_starts_with_no_rows_makes_one_for_its_first_request():
+    acc = WorkerAccumulator(KEYS, "cpu", budget_bytes=1 << 16, max_requests=0)
+    assert acc.add_request("a", EmitPolicy.DELTA) == 0 and acc.rows == 1
+    assert acc.add_request("b", EmitPolicy.DELTA) == 1 and acc.rows == 2

@@ -181,7 +181,7 @@ class MultimodalAccumulator:
                 f"got {pool.dtype} frames {pool.frame_shape}", request_id=rid, key=key))
             return False
         if len(pool) == pool.max_slots < MAX_SLOTS:  # more requests hold data than ever before
-            pool.grow_slots(min(2 * pool.max_slots, MAX_SLOTS))
+            pool.grow_slots(min(max(2 * pool.max_slots, 1), MAX_SLOTS))
         try:
             pool.alloc(rid)
         except TensorAccumulationError as exc:

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--stop-every", type=int, default=0,
                      help="every n-th request ends on a token its talker emits half-way (stop_token_ids)")
     sim.add_argument("--priorities", type=int, default=0,
-                     help="n: vLLM's priority scheduling, each request outranking the n - 1 before it")
+                     help="n: vLLM's priority scheduling; in each run of n requests, each outranks those before it")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--no-progress", action="store_true")
     sub.add_parser("serve", help="the speech server (python -m vllm_omni_kernels serve MODEL_DIR --help)")

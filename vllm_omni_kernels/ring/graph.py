@@ -38,7 +38,7 @@ class StaticAppend:
         self.max_elems = self._frames * pool.frame_elems
         self._room = 0  # frames every slot can still take: a lower bound while the pool is as last seen
         self._seen = (-1, -1)  # the pool's (version, writes) after the last prepare
-        self._state = pool.state  # the head words a captured launch reads (``RingPool.grow_slots`` replaces them)
+        pool.pin_state(self)  # a captured launch reads the pool's head words in place
 
     def prepare(self, steps: int = 1) -> None:
         """Host work before ``steps`` launches: room for them (growing slots), the resident rows
@@ -46,12 +46,8 @@ class StaticAppend:
 
         Raises:
             TensorAccumulationError: a request no longer holds a slot, or a slot cannot grow.
-            RuntimeError: the pool's slots grew since this append was planned.
         """
         pool = self.pool
-        if pool.state is not self._state:
-            raise RuntimeError(f"pool {pool.key!r} grew to {pool.max_slots} slots after this append was planned: "
-                               "plan it (and capture its graph) again")
         need = self._frames * steps
         if self._seen != (pool.version, pool.writes) or self._room < need:
             # Something else moved, took, freed or wrote slots since the last prepare (or room ran

@@ -34,6 +34,7 @@ through.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from itertools import repeat
 from dataclasses import dataclass
@@ -178,17 +179,30 @@ class RingPool:
         self.writes = 0  # write launches and advances so far: a room bound stays valid while it is unchanged
         self.high_water_bytes = 0
         self.version = 0  # bumped by alloc/free/growth: cached slot lookups are stale after it moves
+        self._pins: weakref.WeakSet = weakref.WeakSet()  # what reads ``state`` in place (pin_state)
+
+    def pin_state(self, owner: object) -> None:
+        """Keep the device's head words (``state``) where they are while ``owner`` lives: a
+        ``StaticAppend``, whose captured graph reads them in place. ``grow_slots`` refuses until then."""
+        self._pins.add(owner)
 
     def grow_slots(self, max_slots: int) -> None:
         """Let ``max_slots`` requests hold a slot at once (more than now): the slots held keep their
         indices, regions and data. The device's head words move to a larger tensor, ordered on the
-        current stream after every launch before; a ``StaticAppend`` planned before refuses to
-        prepare again (its graph holds the old tensor)."""
+        current stream after every launch before.
+
+        Raises:
+            ValueError: more than ``MAX_SLOTS``.
+            RuntimeError: something reads the head words in place (``pin_state``).
+        """
         old = self.max_slots
         if max_slots <= old:
             return
         if max_slots > MAX_SLOTS:
             raise ValueError(f"pool {self.key!r}: {max_slots} slots; a launch takes at most {MAX_SLOTS} rows")
+        if self._pins:
+            raise RuntimeError(f"pool {self.key!r} cannot grow to {max_slots} slots while a StaticAppend reads its "
+                               "head words in place (its graph would write the old ones)")
         self._settle()
         state = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         state[:old].copy_(self.state)

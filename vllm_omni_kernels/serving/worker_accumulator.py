@@ -301,7 +301,7 @@ class WorkerAccumulator:
             if self._held.all():
                 if self.rows == MAX_SLOTS:
                     raise TensorAccumulationError(f"all {self.rows} request rows are in use", request_id=request_id)
-                self.grow_rows(min(2 * self.rows, MAX_SLOTS))
+                self.grow_rows(min(max(2 * self.rows, 1), MAX_SLOTS))
             row = int(self._held.argmin())
         elif not 0 <= row < MAX_SLOTS or row < self.rows and self._held[row]:
             raise TensorAccumulationError(f"row {row} is not free", request_id=request_id)

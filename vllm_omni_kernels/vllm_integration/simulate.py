@@ -69,8 +69,8 @@ class SimConfig:
     abort_every: int = 12  # one request in n is aborted (module docstring; 0: none)
     bad_every: int = 0  # every n-th request makes the talker emit a malformed chunk (0: none)
     stop_every: int = 0  # every n-th request ends on a token it produces half-way (0: none)
-    priorities: int = 0  # n: vLLM's priority scheduling, request i at priority n - 1 - i % n, so each outranks
-    #                      the n - 1 before it (0: first come, first served)
+    priorities: int = 0  # n: vLLM's priority scheduling, request i at priority n - 1 - i % n: in each run of n
+    #                      requests each outranks those before it (0: first come, first served)
     arrival_ms: float = 10.0  # mean gap between arrivals (exponential; 0: all at once)
     kinds: tuple[str, ...] = KINDS  # output kinds, taken in turn
     sync_check: bool = False  # run the worker's step under CUDA's sync-debug mode "error"
