@@ -125,7 +125,7 @@ class RingPool:
         budget_bytes: the arena size; preallocated at construction, never exceeded.
         initial_frames: capacity of a new slot (rounded up to a power of two, and at most what the
             budget holds); also the smallest block.
-        max_slots: how many requests may hold a slot at once.
+        max_slots: how many requests may hold a slot at once (``grow_slots`` makes room for more).
         growth: grow a slot on overflow (else raise for that request).
         max_rows: initial metadata rows (grows, rarely, when a larger step arrives).
     """
