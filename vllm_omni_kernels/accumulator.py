@@ -31,7 +31,7 @@ from .errors import TensorAccumulationError, TensorConsolidationError
 from .modality import OutputModality, TensorAccumulationStrategy as Strategy, resolve_strategy
 from .payload import MultimodalPayload
 from .ring import PaddedBatch, PoolStats, RingPool, host_lengths
-from .ring.pool import MAX_SLOTS
+from .ring.pool import MAX_SLOTS, more_slots
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class MultimodalAccumulator:
                 f"got {pool.dtype} frames {pool.frame_shape}", request_id=rid, key=key))
             return False
         if len(pool) == pool.max_slots < MAX_SLOTS:  # more requests hold data than ever before
-            pool.grow_slots(min(max(2 * pool.max_slots, 1), MAX_SLOTS))
+            pool.grow_slots(more_slots(pool.max_slots))
         try:
             pool.alloc(rid)
         except TensorAccumulationError as exc:

@@ -56,6 +56,12 @@ MAX_SLOTS = 65535  # slots of a pool: the rows one launch takes (the grid's seco
 UPLOAD_ELEMS = 4096  # rows longer than this: several programs per row, metadata copied to the device first
 
 
+def more_slots(slots: int) -> int:
+    """The slots a pool of ``slots`` grows to when it needs one more: twice as many (at least one),
+    at most ``MAX_SLOTS``."""
+    return min(max(2 * slots, 1), MAX_SLOTS)
+
+
 @dataclass(slots=True)
 class PaddedBatch:
     """One step's chunks for a batch of requests as one tensor, with per-request lengths.

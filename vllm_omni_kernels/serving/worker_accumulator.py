@@ -37,7 +37,7 @@ from ..errors import TensorAccumulationError
 from ..modality import TensorAccumulationStrategy as Strategy
 from ..profiling import nvtx_range
 from ..ring import PaddedBatch, RingPool
-from ..ring.pool import MAX_SLOTS
+from ..ring.pool import MAX_SLOTS, more_slots
 
 _ALIGN = 16  # every span starts on a 16-byte boundary of the buffer (any dtype can view it)
 _BUFFERS_WARNED = 64  # host buffers alive at once (in use or free): more means a caller keeps them
@@ -301,12 +301,12 @@ class WorkerAccumulator:
             if self._held.all():
                 if self.rows == MAX_SLOTS:
                     raise TensorAccumulationError(f"all {self.rows} request rows are in use", request_id=request_id)
-                self.grow_rows(min(max(2 * self.rows, 1), MAX_SLOTS))
+                self.grow_rows(more_slots(self.rows))
             row = int(self._held.argmin())
         elif not 0 <= row < MAX_SLOTS or row < self.rows and self._held[row]:
             raise TensorAccumulationError(f"row {row} is not free", request_id=request_id)
         elif row >= self.rows:
-            self.grow_rows(min(max(2 * self.rows, row + 1), MAX_SLOTS))
+            self.grow_rows(max(more_slots(self.rows), row + 1))
         taken = []
         try:
             for pool in self.pools:

@@ -62,7 +62,7 @@ from ..errors import TensorAccumulationError
 from ..modality import TensorAccumulationStrategy as Strategy
 from ..profiling import nvtx_range
 from ..ring import PaddedBatch
-from ..ring.pool import MAX_SLOTS
+from ..ring.pool import more_slots
 from ..serving import talker as tk
 from ..serving.worker_accumulator import OutputKey, PackedStep, WorkerAccumulator
 from ..ring.staging import PinnedStaging
@@ -438,7 +438,7 @@ class TalkerWorker:
         per-row arrays, the talker's device state and the accumulator's rows grow together; the
         rows held keep their index and state."""
         old = self.max_requests
-        rows = min(2 * old, MAX_SLOTS)
+        rows = more_slots(old)
         more = rows - old
         if not more:
             return False
