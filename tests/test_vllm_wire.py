@@ -79,12 +79,39 @@ def test_plain_vllm_frames_decode_with_the_omni_decoder():
 
 def test_empty_fields_are_none_and_cost_one_nil_each():
     """Empty multimodal fields are stored as None; vLLM's array-like frames keep every position (its
-    own None fields are encoded too), so each of the three fields costs one msgpack nil byte."""
+    own None fields are encoded too), so each of the four fields costs one msgpack nil byte."""
     empty = OmniEngineCoreOutput.from_base(EngineCoreOutput(request_id="a", new_token_ids=[1]), {})
     assert empty.multimodal_output is None and empty.multimodal_error is None and empty.multimodal_delivered is None
     with_none = bytes(MsgpackEncoder().encode(empty)[0])
     base = bytes(MsgpackEncoder().encode(EngineCoreOutput(request_id="a", new_token_ids=[1]))[0])
-    assert len(with_none) == len(base) + 3 and with_none.endswith(b"\xc0" * 3)
+    assert len(with_none) == len(base) + 4 and with_none.endswith(b"\xc0" * 4)
+
+
+@pytest.mark.parametrize("lookalike", [["float32", [2], 0], ["int64", [], b"12345678"], ("uint8", [1], 1)])
+def test_a_plain_value_shaped_like_an_encoded_tensor_arrives_as_it_was_sent(lookalike):
+    """vLLM's encoder makes a tensor a [dtype, shape, data] list; a plain list of that form is not
+    one, and stays a list, beside a real tensor of the same output and at any depth."""
+    audio = torch.arange(8, dtype=torch.float32)
+    sent = {"audio": audio, "meta": lookalike, "deep": {"x": [lookalike, audio]}}
+    outs = EngineCoreOutputs(outputs=[OmniEngineCoreOutput(request_id="a", new_token_ids=[1],
+                                                           multimodal_output=sent)])
+    got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs)).outputs[0].multimodal_output
+    want = list(lookalike)  # msgpack has one array type: a tuple arrives as a list
+    assert got["meta"] == want and got["deep"]["x"][0] == want
+    assert torch.equal(got["audio"], audio) and torch.equal(got["deep"]["x"][1], audio)
+
+
+def test_a_path_that_leads_to_no_tensor_fails_its_key_only():
+    audio = torch.arange(8, dtype=torch.float32)
+    outs = EngineCoreOutputs(outputs=[
+        OmniEngineCoreOutput(request_id="a", new_token_ids=[1], multimodal_output={"audio": audio, "n": 3},
+                             multimodal_tensors=[["audio"], ["n"], ["missing", 0]]),
+        OmniEngineCoreOutput(request_id="b", new_token_ids=[2], multimodal_output={"audio": audio})])
+    a, b = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs)).outputs
+    assert torch.equal(a.multimodal_output["audio"], audio) and torch.equal(b.multimodal_output["audio"], audio)
+    for key in ("n", "missing"):
+        err = a.multimodal_output[key]
+        assert isinstance(err, TensorAccumulationError) and err.request_id == "a" and err.key == key
 
 
 def test_non_tensor_values_stay_as_decoded_for_the_processor_to_reject():
@@ -191,7 +218,8 @@ def test_payload_and_completion_round_trip_through_vllm_msgpack():
 def test_a_malformed_tensor_is_an_error_for_its_request_only(bad, message):
     outs, audio, codes, sr = frame()
     outs.outputs.insert(1, OmniEngineCoreOutput(request_id="bad", new_token_ids=[3],
-                                                multimodal_output={"audio": bad, "sr": 16000}))
+                                                multimodal_output={"audio": bad, "sr": 16000},
+                                                multimodal_tensors=[["audio"]]))  # as a damaged frame
     got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs))
     tts, broken, text, quiet = got.outputs
     assert torch.equal(tts.multimodal_output["audio"], audio) and torch.equal(tts.multimodal_output["codes"], codes)

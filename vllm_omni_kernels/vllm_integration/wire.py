@@ -11,11 +11,14 @@ frames without them decode as vLLM's own.
 
 vLLM's client decodes every frame as ``EngineCoreOutputs``, dropping these fields, and a tensor
 under ``Any`` arrives as a raw ``[dtype, shape, buffer index]`` triple whose buffer is gone once
-``decode`` returns. ``OmniMsgpackDecoder`` restores those tensors while the buffers are at hand
-(zero-copy) and cuts the regions into each output's ``multimodal_delivered`` (``{key: (axis,
-tensor)}``, receiving side only). Bad data never costs another request its output: a triple that
-cannot be a tensor of this message becomes a ``TensorAccumulationError`` in place of the value, and
-a region that does not fit its buffer fails the requests it names (``multimodal_error``).
+``decode`` returns; a plain list of the same form would look no different. So the output also
+carries ``multimodal_tensors``, where the tensors of ``multimodal_output`` are (each a path of keys
+and indices), made when the output is built, and ``OmniMsgpackDecoder`` restores exactly those,
+while the buffers are at hand (zero-copy): every other value arrives as it was sent. It also cuts
+the regions into each output's ``multimodal_delivered`` (``{key: (axis, tensor)}``, receiving side
+only). Bad data never costs another request its output: a path that leads to no tensor of this
+message makes a ``TensorAccumulationError`` the value of its key, and a region that does not fit
+its buffer fails the requests it names (``multimodal_error``).
 
 ``encode_payload``/``encode_completion`` and their decoders carry a ``MultimodalPayload`` or a
 ``MultimodalCompletionOutput`` between stages through vLLM's encoder, on typed structs so that every
@@ -79,6 +82,13 @@ class OmniEngineCoreOutput(EngineCoreOutput, array_like=True, omit_defaults=True
     multimodal_output: dict[str, Any] | None = None
     multimodal_error: MultimodalError | None = None
     multimodal_delivered: dict[str, Any] | None = None  # receiving side only: {key: (axis, tensor)}
+    multimodal_tensors: list[list[str | int]] | None = None  # where multimodal_output's tensors are
+
+    def __post_init__(self) -> None:
+        # Runs on construction (with the values themselves) and on decoding (where the tensors are
+        # triples, and the paths came with them): the paths are found only where none were given.
+        if isinstance(self.multimodal_output, dict) and self.multimodal_tensors is None:
+            self.multimodal_tensors = tensor_paths(self.multimodal_output) or None
 
     @classmethod
     def from_base(cls, base: EngineCoreOutput, multimodal_output: dict[str, Any] | None = None,
@@ -159,6 +169,22 @@ def _cut(buffer: torch.Tensor, region: MultimodalRegion) -> list[torch.Tensor]:
 _DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtype, torch.dtype)}
 
 
+def tensor_paths(values: dict[str, Any]) -> list[list[str | int]]:
+    """Where the tensors are in a ``{key: value}`` dict, at any depth of dicts, lists and tuples:
+    each as the key and then the keys or indices that lead to it."""
+    paths: list[list[str | int]] = []
+    stack: list[tuple[Any, list[str | int]]] = [(values, [])]  # (a dict, list or tuple, its path)
+    while stack:
+        value, path = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(v, torch.Tensor):
+                paths.append([*path, k])
+            elif isinstance(v, dict | list | tuple):
+                stack.append((v, [*path, k]))
+    return paths
+
+
 def _is_tensor_triple(value: Any) -> bool:
     if not (isinstance(value, list | tuple) and len(value) == 3):
         return False
@@ -192,9 +218,9 @@ class OmniMsgpackDecoder(MsgpackDecoder):
             t1 = time.perf_counter()
             if isinstance(out, OmniEngineCoreOutputs):
                 with nvtx_range("frontend.decode_multimodal"):
-                    for eco in [eco for eco in out.outputs if eco.multimodal_output]:
-                        eco.multimodal_output = {k: self._restore(v, eco.request_id, k)
-                                                 for k, v in eco.multimodal_output.items()}
+                    for eco in out.outputs:
+                        if eco.multimodal_tensors:
+                            self._restore(eco)
                     resolve_regions(out)
             t2 = time.perf_counter()
             self.multimodal_seconds += t2 - t1
@@ -203,27 +229,36 @@ class OmniMsgpackDecoder(MsgpackDecoder):
         finally:
             self.aux_buffers = ()
 
-    def _restore(self, value: Any, request_id: str, key: str) -> Any:
-        """A plain value with each tensor in it a tensor again, at any depth of lists and dicts (vLLM's
-        encoder makes every tensor a ``[dtype, shape, data]`` triple; its decoder restores only
-        fields typed as tensors), or the error of the first triple that cannot be one."""
-        if _is_tensor_triple(value):
-            return self._tensor_or_error(value, request_id, key)
-        if isinstance(value, dict):
-            items = list(zip(value, (self._restore(v, request_id, key) for v in value.values())))
-        elif isinstance(value, list | tuple):
-            items = list(enumerate(self._restore(v, request_id, key) for v in value))
-        else:
-            return value
-        error = next((v for _, v in items if isinstance(v, TensorAccumulationError)), None)
-        if error is not None:
-            return error
-        return dict(items) if isinstance(value, dict) else [v for _, v in items]
+    def _restore(self, eco: OmniEngineCoreOutput) -> None:
+        """Each tensor of ``eco.multimodal_output`` a tensor again, where ``multimodal_tensors`` says
+        (vLLM's encoder makes every tensor a ``[dtype, shape, data]`` triple; its decoder restores
+        only fields typed as tensors); a key with a path that leads to no tensor of this message
+        gets its error as its value instead."""
+        values, rid = eco.multimodal_output, eco.request_id
+        for path in eco.multimodal_tensors:
+            key = path[0] if path else None
+            if isinstance(values.get(key), TensorAccumulationError):
+                continue  # the key failed already
+            try:
+                parent = values
+                for step in path[:-1]:
+                    parent = parent[step]
+                restored = self._tensor_or_error(parent[path[-1]], rid, key)
+            except (KeyError, IndexError, TypeError):
+                restored = TensorAccumulationError(f"no value at {path}, where the message has a tensor",
+                                                   request_id=rid, key=key)
+            if isinstance(restored, TensorAccumulationError):
+                values[key] = restored
+            else:
+                parent[path[-1]] = restored
 
     def _tensor_or_error(self, triple: Any, request_id: str, key: str) -> torch.Tensor | TensorAccumulationError:
         """The tensor a ``[dtype, shape, data]`` triple of this message stands for, or the error that
         says why it cannot be one (checked before vLLM's tensor decoding, which would raise for the
         whole frame)."""
+        if not _is_tensor_triple(triple):
+            return TensorAccumulationError(f"a {type(triple).__name__} where the message has a tensor",
+                                           request_id=request_id, key=key)
         dtype, shape, data = triple
         if isinstance(data, int):
             if not 0 <= data < len(self.aux_buffers):
