@@ -434,6 +434,8 @@ BAD = [
     ({"input": "x", "sample_format": "f64"}, "body.sample_format"),
     ({"input": "x", "stream_format": "chunks"}, "body.stream_format"),
     ({"input": "x", "stream_format": "sse", "stream": False}, "stream"),
+    ({"input": "x", "instructions": "Speak softly."}, "instructions"),  # the talker cannot
+    ({"input": "x", "instructions": 3}, "body.instructions"),
     ({"input": "y" * 3001}, "input"),  # over --max-input-chars
     ({"input": "y" * 2500, "speed": 0.25}, "input"),  # 10000 frames: past max_model_len
     ({"input": "hi \ud800 there"}, "input"),  # a lone surrogate: valid JSON, no text the tokenizer takes

@@ -20,6 +20,8 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
   (``OutputMemoryError``: the worker's ``pool_budget_bytes``, which a FINAL_ONLY request fills with
   all its audio until it finishes); it counts as turned away, not served.
 - Bad requests: ``400`` with an OpenAI-style error body naming the parameter; the engine is not touched.
+  OpenAI's ``instructions`` (how to speak) is one: the talker's voices take none, and a request that
+  asks for a manner of speech is refused rather than served without it (empty is no instruction).
 - Headers: ``Content-Type``, ``X-Audio-Format``, ``X-Audio-Sample-Rate``, ``X-Audio-Sample-Format``,
   ``X-Audio-Channels``, ``X-Request-Id``.
 
@@ -85,6 +87,7 @@ class SpeechRequest(OpenAIBaseModel):
     stream: bool = Field(default=False, strict=True)
     stream_format: Literal["audio", "sse"] = "audio"
     sample_format: Literal["s16", "f32"] = "s16"
+    instructions: str | None = Field(default=None, strict=True)  # OpenAI's; refused when given (``_validate``)
 
 
 @dataclasses.dataclass
@@ -331,6 +334,9 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
     voices = _voices(engine)
     if request.voice not in voices:
         return _error(f"voice {request.voice!r} is not one of this model's voices {sorted(voices)}", "voice")
+    if request.instructions:
+        return _error("this model speaks its voices as they are and takes no instructions; leave instructions out",
+                      "instructions")
     if not request.input.strip():
         return _error("input must not be empty", "input")
     try:
