@@ -74,6 +74,21 @@ logger = init_logger("vllm.omni_kernels.worker")  # under "vllm.": vLLM's handle
 
 _HISTORY = 100_000  # steps (and first-chunk times) kept for the statistics
 _KEPT_TOKENS = 8  # a row's latest sampled tokens, for vLLM to sample again (_replay): it drops a step or two
+# Every request's state by row (as vLLM's persistent batch keeps it): the step is numpy over these.
+# name: (dtype, shape of a row's entry, what a free row holds)
+_ROW_ARRAYS = {
+    "_prompt_len": (np.int64, (), 0),
+    "_max_tokens": (np.int64, (), 0),
+    "_computed": (np.int64, (), 0),  # tokens computed, by this worker's count
+    "_produced": (np.int64, (), 0),  # frames (sampled tokens) produced
+    "_done": (bool, (), False),  # the last frame was produced
+    "_bad": (bool, (), False),
+    "_eos": (np.int64, (), -1),  # the sampled token that ends the request (-1: none can)
+    "_has_stop_ids": (bool, (), False),  # the row's request is in _stop_ids
+    "_stoppable": (bool, (), False),  # a sampled token can end the request (module docstring)
+    "_tokens": (np.int64, (_KEPT_TOKENS,), 0),  # the latest sampled tokens, by frame index
+    "_replay": (np.int64, (), -1),  # the next frame whose token vLLM samples again (-1: none)
+}
 _STEP_FRAMES = {"audio": tk.FRAME_SAMPLES, "codes": 1}  # ring frames a step appends per request, by key
 
 
@@ -175,30 +190,12 @@ class TalkerWorker:
         self.max_requests = self.options.rows or 2 * int(sched.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.model = OmniTalkerForTTS(vllm_config=vllm_config).to(self.device)
-        talker = self.model.talker
-        self.context = torch.zeros(self.max_requests, talker.hidden_size, device=self.device)
-        self.last_token = torch.zeros(self.max_requests, dtype=torch.int64, device=self.device)
-        self.frame = torch.zeros(self.max_requests, dtype=torch.int64, device=self.device)
-        self._index = PinnedStaging(1, self.max_requests, self.device)
-        self._index_dev = torch.zeros(1, self.max_requests, dtype=torch.int64, device=self.device)
-        # Every request's state by row (as vLLM's persistent batch keeps it): the step is numpy over these.
-        R = self.max_requests
+        self._size_rows(0, self.max_requests)  # the per-row state (_ROW_ARRAYS and the talker's)
         self._row: dict[str, int] = {}
-        self._prompt_len = np.zeros(R, np.int64)
-        self._max_tokens = np.zeros(R, np.int64)
-        self._computed = np.zeros(R, np.int64)  # tokens computed, by this worker's count
-        self._produced = np.zeros(R, np.int64)  # frames (sampled tokens) produced
-        self._done = np.zeros(R, bool)  # the last frame was produced
-        self._bad = np.zeros(R, bool)
-        self._eos = np.full(R, -1, np.int64)  # the sampled token that ends the request (-1: none can)
         self._stop_ids: dict[str, frozenset[int]] = {}  # requests that stop_token_ids of their own can end
-        self._has_stop_ids = np.zeros(R, bool)  # the row's request is in _stop_ids
-        self._stoppable = np.zeros(R, bool)  # a sampled token can end the request (module docstring)
         self._stopped: dict[str, int] = {}  # request -> its frames when a token ended it (seen a step late)
         self._in_flight: deque[_StepOutput] = deque()  # step outputs handed to vLLM, not yet resolved
         self._discarded: dict[str, TensorAccumulationError] = {}  # failures for the next step output (_discard)
-        self._tokens = np.zeros((R, _KEPT_TOKENS), np.int64)  # the latest sampled tokens, by frame index
-        self._replay = np.full(R, -1, np.int64)  # the next frame whose token vLLM samples again (-1: none)
         self._keep_rows: set[str] = set()  # this step's closing requests that keep their rows (_update_requests)
         keys = talker_output_keys(self.options.cadence)
         self.acc = WorkerAccumulator(keys, self.device, budget_bytes=key_budgets(keys, self.options.pool_budget_bytes),
@@ -435,27 +432,36 @@ class TalkerWorker:
 
     def _grow_rows(self) -> bool:
         """Twice the rows (at most a pool's ``MAX_SLOTS``; False when there are as many already): the
-        per-row arrays, the talker's device state and the accumulator's rows grow together; the
-        rows held keep their index and state."""
+        per-row state and the accumulator's rows grow together; the rows held keep their index and
+        state."""
         old = self.max_requests
         rows = more_slots(old)
-        more = rows - old
-        if not more:
+        if rows == old:
             return False
         logger.info("worker: %d request rows held (requests vLLM preempted keep theirs); now %d", old, rows)
-        for name in ("_prompt_len", "_max_tokens", "_computed", "_produced", "_done", "_bad", "_has_stop_ids",
-                     "_stoppable", "_tokens"):
-            a = getattr(self, name)
-            setattr(self, name, np.concatenate((a, np.zeros((more, *a.shape[1:]), a.dtype))))
-        self._eos, self._replay = (np.concatenate((a, np.full(more, -1, np.int64))) for a in (self._eos, self._replay))
-        self.context, self.last_token, self.frame = (torch.cat((t, t.new_zeros(more, *t.shape[1:])))
-                                                     for t in (self.context, self.last_token, self.frame))
-        self._index = PinnedStaging(1, rows, self.device)
-        self._index_dev = torch.zeros(1, rows, dtype=torch.int64, device=self.device)
+        self._size_rows(old, rows)
         self.acc.grow_rows(rows)
         self._free_rows.extend(range(rows - 1, old - 1, -1))
-        self.max_requests = rows
         return True
+
+    def _size_rows(self, old: int, rows: int) -> None:
+        """Make the per-row state hold ``rows`` rows, the first ``old`` as they are: the arrays of
+        ``_ROW_ARRAYS``, the talker's device state (context, last token, frame index) and the
+        staging of the step's row index."""
+        for name, (dtype, shape, fill) in _ROW_ARRAYS.items():
+            a = np.full((rows, *shape), fill, dtype)
+            if old:
+                a[:old] = getattr(self, name)
+            setattr(self, name, a)
+        for name, shape, dtype in (("context", (self.model.talker.hidden_size,), None),
+                                   ("last_token", (), torch.int64), ("frame", (), torch.int64)):
+            t = torch.zeros(rows, *shape, dtype=dtype, device=self.device)
+            if old:
+                t[:old].copy_(getattr(self, name))
+            setattr(self, name, t)
+        self._index = PinnedStaging(1, rows, self.device)
+        self._index_dev = torch.zeros(1, rows, dtype=torch.int64, device=self.device)
+        self.max_requests = rows
 
     def _sampling_rows(self, so, req_ids: list[str]):
         """Positions (in ``req_ids``) of the requests that sample a frame this step, and their rows;
