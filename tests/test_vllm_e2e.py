@@ -9,6 +9,7 @@ together; a multimodal request with pooling params is not finished by its multim
 final pooling output carries its audio.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -307,6 +308,39 @@ def test_a_request_the_worker_fails_is_finished_in_the_scheduler_and_says_so(tmp
     assert out.multimodal_error.key == "audio" and "budget" in out.multimodal_error.message
     assert "a" not in sched.requests and "b" in sched.requests
     assert "a" not in _received(_channel_step(sched, {"b": [42]}))
+
+
+class _Opaque:
+    """A value vLLM's encoder refuses (it pickles only where insecure serialization is allowed)."""
+
+
+@pytest.mark.parametrize("unfit, key", [
+    ([torch.ones(2)], None),  # not a {key: value} dict: the client's decoder would refuse the message
+    ({"audio": torch.ones(2), "meta": _Opaque()}, "meta"),  # the engine core's encoder would fail the step
+    ({"audio": torch.ones(2), "n": 1 << 70}, "n"),  # past 64 bits
+    ({"audio": torch.ones(2), "sr": [np.float64(24000.0)]}, "sr"),  # a numpy scalar, though a float subclass
+    ({"audio": torch.ones(2), 7: "x"}, None),  # a key that is no string
+    ({"audio": torch.ones(2), "deep": {(1, 2): 3}}, "deep"),  # a key no decoder can hash
+])
+def test_a_plain_value_the_wire_cannot_carry_fails_its_request_alone(tmp_path, unfit, key):
+    """A model output for one request that vLLM's msgpack wire would not carry as it is fails that
+    request, with an error naming its key where there is one; the step's message encodes and
+    decodes, and the other request gets its values exactly."""
+    from vllm.v1.engine import FinishReason
+
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    for rid in ("a", "b"):
+        sched.add_request(sched_request(rid, [5, 6, 7], sampling(max_tokens=8)))
+    _channel_step(sched, {"a": [40], "b": [40]})
+    good = {"audio": torch.arange(5.0), "meta": {"sr": 24000, "ids": [1, 2]}, "pair": (1, "x")}
+    got = _received(_channel_step(sched, {"a": [41], "b": [41]}, plain={"a": unfit, "b": good}))
+    (out,), _ = got["a"]
+    assert out.finish_reason == FinishReason.ERROR and out.multimodal_output is None
+    assert out.multimodal_error is not None and out.multimodal_error.key == key
+    (b,), _ = got["b"]
+    assert torch.equal(b.multimodal_output["audio"], torch.arange(5.0))
+    assert b.multimodal_output["meta"] == {"sr": 24000, "ids": [1, 2]} and b.multimodal_output["pair"] == [1, "x"]
+    assert "a" not in sched.requests and "b" in sched.requests
 
 
 def test_data_for_a_waiting_finish_reaches_a_client_whose_message_carries_plain_values_too(tmp_path):

@@ -9,8 +9,10 @@ multimodal channel into the step's outputs:
 * plain per-step values (``multimodal_outputs``) go on their request's output; the worker's data due
   this step (``packed``: one host buffer and its regions) goes on the message of every client with a
   request in it, nothing built per request;
-* a request the worker failed (``multimodal_errors``) is finished with ``FINISHED_ERROR``, its
-  output carrying the error, which the frontend raises to its caller;
+* a request the worker failed (``multimodal_errors``), or whose plain values vLLM's wire would not
+  carry as they are (``wire.tensor_paths``: the encoder would fail the step, or the client's decoder
+  the whole message), is finished with ``FINISHED_ERROR``, its output carrying the error, which the
+  frontend raises to its caller; in process as over ZMQ;
 * a request vLLM finishes while the worker still holds its output (opened in ``multimodal_opened``,
   not closed in ``packed.final``: a stop token, which the worker sees only when vLLM does) keeps its
   final output as vLLM made it until the worker's rest arrives a step or two later; data arriving
@@ -34,7 +36,8 @@ from vllm.v1.request import RequestStatus
 
 from .outputs import OmniModelRunnerOutput
 from ..serving.worker_accumulator import PackedStep
-from .wire import MultimodalError, MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs
+from ..errors import TensorAccumulationError
+from .wire import MultimodalError, MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs, tensor_paths
 
 _AWAITED_STEPS = 8  # a finished request's finish waits this many steps at most for the worker's rest
 
@@ -74,8 +77,8 @@ class MultimodalChannel:
         self._worker_open.update(opened)
         if packed is not None:
             self._worker_open.difference_update(packed.final)
-        plain = out.multimodal_outputs or {}
         errors = {rid: MultimodalError.of(exc) for rid, exc in (out.multimodal_errors or {}).items()}
+        plain, tensors = _carried(out.multimodal_outputs or {}, errors)
         failed_clients = {rid: self.requests[rid].client_index for rid in errors if rid in self.requests}
         if errors:
             self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)  # (which forgets them)
@@ -89,7 +92,7 @@ class MultimodalChannel:
             batch.outputs = self.held.thin(batch.outputs, self._worker_open, delivered)
             if self._worker_open:
                 batch.outputs = self._await_worker(client, batch.outputs)
-            outputs[client] = outputs_with_channel(batch, packed, plain, errors, self._worker_open, emitted)
+            outputs[client] = outputs_with_channel(batch, packed, plain, errors, self._worker_open, emitted, tensors)
         for rid in (set(plain) | delivered | set(errors)) - emitted:
             awaiting = self._awaiting.get(rid)
             request = self.requests.get(rid)
@@ -104,7 +107,8 @@ class MultimodalChannel:
             batch = outputs.setdefault(client, OmniEngineCoreOutputs())
             batch.outputs.append(OmniEngineCoreOutput(
                 request_id=rid, new_token_ids=[], multimodal_output=plain.get(rid) or None,
-                multimodal_error=errors.get(rid), finish_reason=FinishReason.ERROR if rid in errors else None))
+                multimodal_error=errors.get(rid), finish_reason=FinishReason.ERROR if rid in errors else None,
+                multimodal_tensors=tensors.get(rid)))
             if rid in delivered:
                 outputs[client] = _with_outputs(batch, batch.outputs, packed)
         return outputs
@@ -204,14 +208,35 @@ def _holdable(eco) -> bool:
 HOLDABLE = frozenset({"request_id", "new_token_ids", "events", "trace_headers", "num_nans_in_logits"})
 
 
+def _carried(plain: dict, errors: dict) -> tuple[dict, dict]:
+    """The plain values that vLLM's wire carries as they are, and where their tensors are
+    (``tensor_paths``); a request whose value it would not carry (the engine core's encoder would
+    fail the step, or the client's decoder the message) gets its error in ``errors`` instead, and
+    none of its value goes."""
+    tensors, unfit = {}, []
+    for rid, value in plain.items():
+        if not value:
+            continue
+        try:
+            tensors[rid] = tensor_paths(value, check=True)
+        except TensorAccumulationError as exc:
+            errors.setdefault(rid, MultimodalError.of(exc))
+            unfit.append(rid)
+    if unfit:
+        plain = {rid: value for rid, value in plain.items() if rid not in unfit}
+    return plain, tensors
+
+
 def outputs_with_channel(batch: EngineCoreOutputs, packed: PackedStep | None, plain: dict, errors: dict,
-                         worker_open: set[str] = frozenset(), emitted: set[str] | None = None) -> EngineCoreOutputs:
+                         worker_open: set[str] = frozenset(), emitted: set[str] | None = None,
+                         tensors: dict | None = None) -> EngineCoreOutputs:
     """One client's message of a step with the multimodal channel: plain values and errors on their
     requests' outputs, the step's buffer and regions on the message when one of its requests has
     data there (that request's output is left as it is: the client cuts its data from the regions).
     A finishing request still in ``worker_open`` (one whose final output nothing held back for the
     worker's rest, as ``MultimodalChannel`` does) gets an error, its held output being lost, and
-    leaves the set. ``emitted`` collects the requests that got an output here."""
+    leaves the set. ``emitted`` collects the requests that got an output here; ``tensors``: where the
+    plain values' tensors are, by request (``_carried``; else found here)."""
     delivered = packed.requests() if packed is not None else ()
     emitted = set() if emitted is None else emitted
     with_data = changed = False
@@ -229,7 +254,7 @@ def outputs_with_channel(batch: EngineCoreOutputs, packed: PackedStep | None, pl
         value = plain.get(rid)
         if value or error is not None:
             changed = True
-            eco = ecos[i] = OmniEngineCoreOutput.from_base(eco, value, error)
+            eco = ecos[i] = OmniEngineCoreOutput.from_base(eco, value, error, (tensors or {}).get(rid))
             if error is not None:
                 eco.finish_reason = FinishReason.ERROR
             emitted.add(rid)

@@ -16,9 +16,10 @@ carries ``multimodal_tensors``, where the tensors of ``multimodal_output`` are (
 and indices), made when the output is built, and ``OmniMsgpackDecoder`` restores exactly those,
 while the buffers are at hand (zero-copy): every other value arrives as it was sent. It also cuts
 the regions into each output's ``multimodal_delivered`` (``{key: (axis, tensor)}``, receiving side
-only). Bad data never costs another request its output: a path that leads to no tensor of this
-message makes a ``TensorAccumulationError`` the value of its key, and a region that does not fit
-its buffer fails the requests it names (``multimodal_error``).
+only). Bad data never costs another request its output: the scheduler fails a request whose
+values the wire would not carry as they are (``tensor_paths(check=True)``), a path that leads to
+no tensor of this message makes a ``TensorAccumulationError`` the value of its key, and a region
+that does not fit its buffer fails the requests it names (``multimodal_error``).
 
 ``encode_payload``/``encode_completion`` and their decoders carry a ``MultimodalPayload`` or a
 ``MultimodalCompletionOutput`` between stages through vLLM's encoder, on typed structs so that every
@@ -87,15 +88,17 @@ class OmniEngineCoreOutput(EngineCoreOutput, array_like=True, omit_defaults=True
     def __post_init__(self) -> None:
         # Runs on construction (with the values themselves) and on decoding (where the tensors are
         # triples, and the paths came with them): the paths are found only where none were given.
-        if isinstance(self.multimodal_output, dict) and self.multimodal_tensors is None:
+        if self.multimodal_output is not None and self.multimodal_tensors is None:
             self.multimodal_tensors = tensor_paths(self.multimodal_output) or None
 
     @classmethod
     def from_base(cls, base: EngineCoreOutput, multimodal_output: dict[str, Any] | None = None,
-                  error: MultimodalError | None = None) -> OmniEngineCoreOutput:
-        """``base`` with the multimodal fields (every field of ``base`` carried over; empty ones as None)."""
+                  error: MultimodalError | None = None, tensors: list | None = None) -> OmniEngineCoreOutput:
+        """``base`` with the multimodal fields (every field of ``base`` carried over; empty ones as
+        None); ``tensors``: ``tensor_paths(multimodal_output)``, when the caller has them."""
         fields = {name: getattr(base, name) for name in base.__struct_fields__}
-        return cls(**fields, multimodal_output=multimodal_output or None, multimodal_error=error)
+        return cls(**fields, multimodal_output=multimodal_output or None, multimodal_error=error,
+                   multimodal_tensors=tensors if multimodal_output else None)
 
 
 class OmniEngineCoreOutputs(EngineCoreOutputs, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -169,19 +172,43 @@ def _cut(buffer: torch.Tensor, region: MultimodalRegion) -> list[torch.Tensor]:
 _DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtype, torch.dtype)}
 
 
-def tensor_paths(values: dict[str, Any]) -> list[list[str | int]]:
+_PLAIN = frozenset((type(None), bool, float, str, bytes))  # carried as they are, these types exactly (int: in
+_INT64 = (-(1 << 63), (1 << 64) - 1)  # 64 bits; a numpy scalar, a float subclass, is refused by the encoder)
+
+
+def tensor_paths(values: Any, check: bool = False) -> list[list[str | int]]:
     """Where the tensors are in a ``{key: value}`` dict, at any depth of dicts, lists and tuples:
-    each as the key and then the keys or indices that lead to it."""
+    each as the key and then the keys or indices that lead to it.
+
+    Raises (``check``; else what cannot be carried is passed over):
+        TensorAccumulationError: naming the key, for what vLLM's wire would not carry as it is (the
+            engine core's encoder would fail the whole step, or the client's decoder every request of
+            the message): ``values`` not a dict or a key of it not a str, a dict below it with a key
+            neither a str nor an int, an int beyond 64 bits, or a value other than a tensor, None, a
+            bool, an int, a float, a str, bytes, a list, a tuple (it arrives as a list) or a dict.
+    """
+    if not isinstance(values, dict):
+        if check:
+            raise TensorAccumulationError(f"a multimodal output is a {{key: value}} dict, not a "
+                                          f"{type(values).__name__}")
+        return []
     paths: list[list[str | int]] = []
     stack: list[tuple[Any, list[str | int]]] = [(values, [])]  # (a dict, list or tuple, its path)
     while stack:
         value, path = stack.pop()
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for k, v in items:
+        is_dict = isinstance(value, dict)
+        for k, v in value.items() if is_dict else enumerate(value):
+            if check and is_dict and not (type(k) is str or (path and type(k) is int)):
+                raise TensorAccumulationError(f"key {k!r} of a {type(k).__name__}: keys are strings (or ints below "
+                                              "the top)", key=path[0] if path else None)
             if isinstance(v, torch.Tensor):
                 paths.append([*path, k])
             elif isinstance(v, dict | list | tuple):
                 stack.append((v, [*path, k]))
+            elif check and type(v) not in _PLAIN and not (type(v) is int and _INT64[0] <= v <= _INT64[1]):
+                raise TensorAccumulationError(f"a value of type {type(v).__name__} at {[*path, k]}: the wire carries "
+                                              "tensors and plain values (None, bool, int, float, str, bytes, lists, "
+                                              "dicts)", key=path[0] if path else k)
     return paths
 
 
