@@ -314,6 +314,19 @@ class _Opaque:
     """A value vLLM's encoder refuses (it pickles only where insecure serialization is allowed)."""
 
 
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def _holding_itself() -> dict:
+    value: dict = {"x": []}
+    value["x"].append(value)
+    return value
+
+
 @pytest.mark.parametrize("unfit, key", [
     ([torch.ones(2)], None),  # not a {key: value} dict: the client's decoder would refuse the message
     ({"audio": torch.ones(2), "meta": _Opaque()}, "meta"),  # the engine core's encoder would fail the step
@@ -321,6 +334,13 @@ class _Opaque:
     ({"audio": torch.ones(2), "sr": [np.float64(24000.0)]}, "sr"),  # a numpy scalar, though a float subclass
     ({"audio": torch.ones(2), 7: "x"}, None),  # a key that is no string
     ({"audio": torch.ones(2), "deep": {(1, 2): 3}}, "deep"),  # a key no decoder can hash
+    ({"audio": torch.ones(2), "deep": {1 << 70: 3}}, "deep"),  # a key past 64 bits
+    ({"audio": torch.ones(2), "text": "hi \ud800"}, "text"),  # not UTF-8
+    ({"audio": torch.ones(2), "meta": {"\ud800": 1}}, "meta"),
+    ({"\ud800": 1}, None),
+    ({"audio": torch.ones(2), "deep": _nested(2000)}, "deep"),  # past the encoder's depth
+    ({"audio": torch.ones(2), "loop": _holding_itself()}, "loop"),
+    ({"audio": torch.eye(2).to_sparse()}, "audio"),  # a tensor that is not strided memory
 ])
 def test_a_plain_value_the_wire_cannot_carry_fails_its_request_alone(tmp_path, unfit, key):
     """A model output for one request that vLLM's msgpack wire would not carry as it is fails that

@@ -114,6 +114,22 @@ def test_a_path_that_leads_to_no_tensor_fails_its_key_only():
         assert isinstance(err, TensorAccumulationError) and err.request_id == "a" and err.key == key
 
 
+@pytest.mark.parametrize("paths", [[[0]], [[]]])
+def test_a_tensor_place_that_names_no_key_fails_that_request_only(paths):
+    """A damaged frame whose tensor places name no key: that request gets an error instead of its
+    values; the message's other request is as it was sent."""
+    audio = torch.arange(8, dtype=torch.float32)
+    outs = EngineCoreOutputs(outputs=[
+        OmniEngineCoreOutput(request_id="a", new_token_ids=[1], multimodal_output={"audio": audio},
+                             multimodal_tensors=paths),
+        OmniEngineCoreOutput(request_id="b", new_token_ids=[2], multimodal_output={"audio": audio}),
+        OmniEngineCoreOutput(request_id="c", new_token_ids=[3], multimodal_tensors=[["audio"]])])
+    a, b, c = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs)).outputs
+    assert a.multimodal_output is None and a.multimodal_error is not None
+    assert torch.equal(b.multimodal_output["audio"], audio)
+    assert c.multimodal_output is None and c.multimodal_error is None and c.new_token_ids == [3]
+
+
 def test_non_tensor_values_stay_as_decoded_for_the_processor_to_reject():
     outs = EngineCoreOutputs(outputs=[OmniEngineCoreOutput(request_id="a", new_token_ids=[],
                                                            multimodal_output={"audio": "oops", "n": 3})])

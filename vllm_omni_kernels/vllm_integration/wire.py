@@ -174,24 +174,43 @@ _DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtyp
 
 _PLAIN = frozenset((type(None), bool, float, str, bytes))  # carried as they are, these types exactly (int: in
 _INT64 = (-(1 << 63), (1 << 64) - 1)  # 64 bits; a numpy scalar, a float subclass, is refused by the encoder)
+_MAX_DEPTH = 512  # containers within containers that ``tensor_paths`` looks into (a value holding itself stops)
+
+
+def _tensor_or_refuse(obj: Any) -> None:
+    if isinstance(obj, torch.Tensor) and obj.layout is torch.strided and not obj.is_meta:
+        return None  # vLLM's encoder writes it as a [dtype, shape, data] list
+    if isinstance(obj, torch.Tensor):
+        raise TypeError(f"a tensor of layout {obj.layout} on {obj.device}: tensors go as strided memory")
+    raise TypeError(f"a value of type {type(obj).__name__}")
+
+
+# msgspec's msgpack encoding, as vLLM's encoder runs it, of everything but the tensors: whether a value
+# can be carried (strings that are not UTF-8, ints past 64 bits, depth, types it refuses).
+_STRUCTURE = msgspec.msgpack.Encoder(enc_hook=_tensor_or_refuse)
+_UNCARRIED = (TypeError, ValueError, OverflowError, RecursionError)
 
 
 def tensor_paths(values: Any, check: bool = False) -> list[list[str | int]]:
-    """Where the tensors are in a ``{key: value}`` dict, at any depth of dicts, lists and tuples:
-    each as the key and then the keys or indices that lead to it.
+    """Where the tensors are in a ``{key: value}`` dict, at any depth of dicts, lists and tuples
+    (down to ``_MAX_DEPTH``): each as the key and then the keys or indices that lead to it.
 
     Raises (``check``; else what cannot be carried is passed over):
         TensorAccumulationError: naming the key, for what vLLM's wire would not carry as it is (the
             engine core's encoder would fail the whole step, or the client's decoder every request of
             the message): ``values`` not a dict or a key of it not a str, a dict below it with a key
-            neither a str nor an int, an int beyond 64 bits, or a value other than a tensor, None, a
-            bool, an int, a float, a str, bytes, a list, a tuple (it arrives as a list) or a dict.
+            neither a str nor an int, a str that is not UTF-8, an int beyond 64 bits, nesting past
+            what the encoder takes (or a value that holds itself), a tensor that is not strided
+            memory, or a value other than a tensor, None, a bool, an int, a float, a str, bytes, a
+            list, a tuple (it arrives as a list) or a dict.
     """
     if not isinstance(values, dict):
         if check:
             raise TensorAccumulationError(f"a multimodal output is a {{key: value}} dict, not a "
                                           f"{type(values).__name__}")
         return []
+    if check:
+        _check_encodes(values)
     paths: list[list[str | int]] = []
     stack: list[tuple[Any, list[str | int]]] = [(values, [])]  # (a dict, list or tuple, its path)
     while stack:
@@ -204,12 +223,31 @@ def tensor_paths(values: Any, check: bool = False) -> list[list[str | int]]:
             if isinstance(v, torch.Tensor):
                 paths.append([*path, k])
             elif isinstance(v, dict | list | tuple):
-                stack.append((v, [*path, k]))
+                if len(path) < _MAX_DEPTH:
+                    stack.append((v, [*path, k]))
             elif check and type(v) not in _PLAIN and not (type(v) is int and _INT64[0] <= v <= _INT64[1]):
                 raise TensorAccumulationError(f"a value of type {type(v).__name__} at {[*path, k]}: the wire carries "
                                               "tensors and plain values (None, bool, int, float, str, bytes, lists, "
                                               "dicts)", key=path[0] if path else k)
     return paths
+
+
+def _check_encodes(values: dict) -> None:
+    """TensorAccumulationError, naming the key where one is to blame, unless msgspec's encoder takes
+    ``values`` with its tensors left out (``_STRUCTURE``)."""
+    try:
+        _STRUCTURE.encode(values)
+        return
+    except _UNCARRIED as exc:
+        whole = exc
+    for k, v in values.items():
+        try:
+            _STRUCTURE.encode(k)
+            _STRUCTURE.encode(v)
+        except _UNCARRIED as exc:
+            raise TensorAccumulationError(f"vLLM's wire cannot carry the value: {exc}",
+                                          key=k if type(k) is str and k.isprintable() else None) from None
+    raise TensorAccumulationError(f"vLLM's wire cannot carry the output: {whole}")
 
 
 def _is_tensor_triple(value: Any) -> bool:
@@ -246,7 +284,7 @@ class OmniMsgpackDecoder(MsgpackDecoder):
             if isinstance(out, OmniEngineCoreOutputs):
                 with nvtx_range("frontend.decode_multimodal"):
                     for eco in out.outputs:
-                        if eco.multimodal_tensors:
+                        if eco.multimodal_tensors and eco.multimodal_output is not None:
                             self._restore(eco)
                     resolve_regions(out)
             t2 = time.perf_counter()
@@ -263,7 +301,11 @@ class OmniMsgpackDecoder(MsgpackDecoder):
         gets its error as its value instead."""
         values, rid = eco.multimodal_output, eco.request_id
         for path in eco.multimodal_tensors:
-            key = path[0] if path else None
+            if not path or type(path[0]) is not str:  # a damaged frame: no key to blame
+                eco.multimodal_output = None
+                eco.multimodal_error = MultimodalError(f"a tensor's place {path} names no key of its output")
+                return
+            key = path[0]
             if isinstance(values.get(key), TensorAccumulationError):
                 continue  # the key failed already
             try:
