@@ -172,8 +172,10 @@ def _cut(buffer: torch.Tensor, region: MultimodalRegion) -> list[torch.Tensor]:
 _DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtype, torch.dtype)}
 
 
-_PLAIN = frozenset((type(None), bool, float, str, bytes))  # carried as they are, these types exactly (int: in
-_INT64 = (-(1 << 63), (1 << 64) - 1)  # 64 bits; a numpy scalar, a float subclass, is refused by the encoder)
+# Values carried as they are: these types exactly (np.float64, a float subclass, is refused by the
+# encoder), and ints within 64 bits.
+_PLAIN = frozenset((type(None), bool, float, str, bytes))
+_INT64 = (-(1 << 63), (1 << 64) - 1)
 _MAX_DEPTH = 512  # containers within containers that ``tensor_paths`` looks into (a value holding itself stops)
 
 
