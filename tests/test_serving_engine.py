@@ -355,7 +355,8 @@ def test_a_reset_of_running_requests_loses_nothing(tmp_path, monkeypatch, async_
     and sleep make it too) preempts every running request and vLLM recomputes them. With a step in
     flight (async scheduling) it drops that step's tokens, whose audio the worker has produced:
     when vLLM samples those frames again the worker hands it the tokens it sampled, and every
-    stream stays exact (it used to wait forever for a token the worker would not sample again)."""
+    stream stays exact (without that, the stream would wait for ever for a token the worker does not
+    sample again)."""
     use_runner(monkeypatch, runner)
     model = make_model_dir(tmp_path / "model")
     args = talker_engine_args(model, device="cpu", max_num_seqs=8, args_cls=AsyncEngineArgs, disable_log_stats=True,
