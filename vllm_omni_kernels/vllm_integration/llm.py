@@ -98,14 +98,21 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
     omni: dict[str, Any] = {"device": device, "output_path": output_path}
     if cadence is not None:
         omni["cadence"] = int(cadence)
-    extra = dict(kwargs.pop("additional_config", None) or {})
-    extra["omni"] = {**omni, **extra.get("omni", {})}
+    extra = with_talker_options(kwargs.pop("additional_config", None), omni)
     kwargs.setdefault("stream_interval", talker_stream_interval(extra["omni"].get("cadence")))
     kwargs.setdefault("max_model_len", 8192)
     kwargs.setdefault("max_num_batched_tokens", max(8192, kwargs["max_model_len"]))
     return args_cls(model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
                      distributed_executor_backend=TalkerExecutor, max_num_seqs=max_num_seqs,
                      additional_config=extra, **kwargs)
+
+
+def with_talker_options(additional_config: dict | None, options: dict[str, Any]) -> dict:
+    """vLLM's ``additional_config`` with the talker's ``options`` under ``"omni"`` (what
+    ``TalkerWorker`` reads), where it does not say otherwise: what it says of the talker wins."""
+    extra = dict(additional_config or {})
+    extra["omni"] = {**options, **extra.get("omni", {})}
+    return extra
 
 
 def talker_stream_interval(cadence: int | None) -> int:

@@ -38,7 +38,8 @@ from vllm.v1.utils import APIServerProcessManager, wait_for_completion_or_failur
 
 from ..serving.talker import STREAM_CADENCE
 from . import speech
-from .llm import OmniAsyncLLM, omni_vllm_config, talker_processor_options, talker_stream_interval, warm_up
+from .llm import (OmniAsyncLLM, omni_vllm_config, talker_processor_options, talker_stream_interval, warm_up,
+                  with_talker_options)
 from .speech import Admission
 from .worker import TalkerExecutor
 
@@ -86,11 +87,10 @@ def _positive(text: str) -> int:
 def engine_args_from(args) -> AsyncEngineArgs:
     """vLLM's engine arguments from the parsed options, this server's merged into
     ``additional_config["omni"]`` (what ``TalkerWorker`` reads; a key given there wins)."""
-    extra = args.additional_config or {}  # (vLLM's parser made it a dict)
-    omni = {"device": args.talker_device, "cadence": args.cadence, "output_path": args.output_path,
-            "cpu_threads": args.talker_threads, "pool_budget_bytes": args.audio_memory_mib << 20,
-            **extra.get("omni", {})}
-    args.additional_config = {**extra, "omni": omni}
+    args.additional_config = with_talker_options(args.additional_config, {  # (vLLM's parser made it a dict)
+        "device": args.talker_device, "cadence": args.cadence, "output_path": args.output_path,
+        "cpu_threads": args.talker_threads, "pool_budget_bytes": args.audio_memory_mib << 20})
+    omni = args.additional_config["omni"]
     args.talker_device, args.cadence, args.output_path = omni["device"], omni["cadence"], omni["output_path"]
     if args.stream_interval is None:  # not given: outputs at the audio's cadence
         args.stream_interval = talker_stream_interval(args.cadence)

@@ -48,7 +48,7 @@ from vllm.utils.gc_utils import freeze_gc_heap
 from ..errors import TensorAccumulationError
 from ..serving import talker as tk
 from ..serving.wav import read_wav, write_wav_f32
-from .llm import OmniAsyncLLM, OmniLLM, talker_engine_args, talker_processor_options, warm_up
+from .llm import OmniAsyncLLM, OmniLLM, talker_engine_args, talker_processor_options, warm_up, with_talker_options
 
 KINDS = ("delta", "cumulative", "final_only")
 PATHS = ("worker", "upstream")
@@ -172,8 +172,7 @@ def _engine_args(cfg: SimConfig, path: str, model: Path):
         omni["bad_prompt_token"] = 1  # "<s>", in no other prompt
     kwargs = {"max_num_seqs": max(cfg.concurrency, 8), "disable_log_stats": True,
               "async_scheduling": cfg.async_scheduling, **cfg.engine_args}
-    extra = dict(kwargs.pop("additional_config", None) or {})
-    extra["omni"] = {**omni, **extra.get("omni", {})}
+    extra = with_talker_options(kwargs.pop("additional_config", None), omni)
     if cfg.priorities:
         kwargs.setdefault("scheduling_policy", "priority")
     return talker_engine_args(model, device=cfg.device, cadence=cfg.cadence, output_path=path,
