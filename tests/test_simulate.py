@@ -135,28 +135,29 @@ def test_the_check_finds_what_is_lost_altered_or_anothers(case):
     talker = tk.ToyTalker(0)
     good = [_result(), _result("cumulative"), _result("final_only")]
     aborted = _result(codes=tk.rollout(talker, [5, 6, 7], 3)[:1], aborted=True)
-    assert _check(good + [aborted], None, bad_fails=True, talker=talker) == \
+    assert _check(good + [aborted], None, bad_error="dtype", talker=talker) == \
         {"finished_exact": 3, "aborted_checked": 1, "failed_as_expected": 0}
     change, message = _spoiled()[case]
     kind = change.pop("kind", "delta")
     if change.get("tokens", 0) is None:
         change["tokens"] = (tk.rollout(talker, [5, 6, 7], 3)[:, 0] + tk.TEXT_VOCAB).tolist()[:2]
     with pytest.raises(AssertionError, match=message):
-        _check(good + [_result(kind, **change)], None, bad_fails=True, talker=talker)
+        _check(good + [_result(kind, **change)], None, bad_error="dtype", talker=talker)
 
 
 @pytest.mark.vllm
-def test_bad_every_on_the_upstream_path_is_served_and_checked(tmp_path):
-    """--bad-every: the upstream path serves a malformed request as any other, so its codes are
-    those of its prompt as sent (the prompt and the worker's cue, token 1): that is what they are
-    checked against."""
+def test_bad_every_on_the_upstream_path_fails_the_request_whose_value_the_wire_cannot_carry(tmp_path):
+    """--bad-every on the upstream path: the talker puts a numpy int among a request's plain values
+    (its sample rate), which vLLM's msgpack wire cannot carry. The scheduler in the engine core's
+    own process fails that request alone, with an error its caller gets, instead of the encoder
+    failing the step's message; every other request is exact."""
     pytest.importorskip("vllm")
     from vllm_omni_kernels.vllm_integration.simulate import SimConfig, run
 
-    cfg = SimConfig(requests=4, concurrency=4, min_frames=2, max_frames=3, abort_every=0, bad_every=2,
+    cfg = SimConfig(requests=8, concurrency=8, min_frames=3, max_frames=5, abort_every=0, bad_every=4,
                     device="cpu", paths=("upstream",), out_dir=str(tmp_path), progress=False, write_wavs=False)
     s = run(cfg)["paths"]["upstream"]
-    assert s["finished_exact"] == 4
+    assert (s["finished_exact"], s["failed_as_expected"], s["slots_held_after"]) == (6, 2, 0)
 
 
 @pytest.mark.vllm
@@ -213,4 +214,4 @@ def test_a_cumulative_output_wrong_when_delivered_fails_even_when_its_storage_is
     _take(res, out(True))
     _settle(res)
     with pytest.raises(AssertionError):
-        _check([res], None, bad_fails=True, talker=talker)
+        _check([res], None, bad_error="dtype", talker=talker)

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--out", default="out/simulate", help="where WAVs, summary.json and the PNG go")
     sim.add_argument("--no-wavs", action="store_true", help="check every sample but write no WAV files")
     sim.add_argument("--bad-every", type=int, default=0,
-                     help="every n-th request makes the talker emit a malformed chunk: it must fail alone")
+                     help="every n-th request makes the talker emit a malformed output (worker path: a chunk of "
+                          "another dtype; upstream path: a value the wire cannot carry): it must fail alone")
     sim.add_argument("--stop-every", type=int, default=0,
                      help="every n-th request ends on a token its talker emits half-way (stop_token_ids)")
     sim.add_argument("--priorities", type=int, default=0,

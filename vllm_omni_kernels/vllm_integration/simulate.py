@@ -168,7 +168,7 @@ def run(cfg: SimConfig) -> dict:
 
 def _engine_args(cfg: SimConfig, path: str, model: Path):
     omni = {"sync_debug": cfg.sync_check}
-    if cfg.bad_every and path == "worker":
+    if cfg.bad_every:
         omni["bad_prompt_token"] = 1  # "<s>", in no other prompt
     kwargs = {"max_num_seqs": max(cfg.concurrency, 8), "disable_log_stats": True,
               "async_scheduling": cfg.async_scheduling, **cfg.engine_args}
@@ -188,7 +188,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         results, engine_stats, client, wall = asyncio.run(_serve_async(cfg, path, model, plans))
         gc.collect()  # the shut-down engine, if a cycle holds it, goes while the interpreter is whole
     checked = _check(results, out / "wav" if (path == "worker" and cfg.write_wavs) else None,
-                     bad_fails=path == "worker", talker=tk.ToyTalker(cfg.seed))
+                     bad_error=_BAD_ERRORS[path], talker=tk.ToyTalker(cfg.seed))
     audio_seconds = sum(sum(a.numel() for a in r.audio) for r in results) / tk.SAMPLE_RATE
     # A streaming request's first audio is its first chunk; a FINAL_ONLY one's is its whole file, at
     # its end: that is its own figure, never mixed into the time to first audio.
@@ -465,19 +465,25 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
             f"(frame {int(bad[0]) // tk.FRAME_SAMPLES} to {int(bad[-1]) // tk.FRAME_SAMPLES})")
 
 
-def _check(results: list[_Result], wav_dir: Path | None, bad_fails: bool, talker: tk.ToyTalker) -> dict:
+# What fails a request planned with a malformed output (``WorkerOptions.bad_prompt_token``), by path:
+# the accumulator's error for its chunk of another dtype, the scheduler's for a value the wire cannot
+# carry.
+_BAD_ERRORS = {"worker": "dtype", "upstream": "wire cannot carry"}
+
+
+def _check(results: list[_Result], wav_dir: Path | None, bad_error: str, talker: tk.ToyTalker) -> dict:
     """Every request's codes against its prompt's rollout by ``talker`` and every sample against
     what those codes decode to; an aborted request up to where it got, any other to its end (its
     length, finish reason, and for FINAL_ONLY one payload). Raises ``AssertionError`` on any
-    difference. ``bad_fails``: the requests planned with a malformed chunk must have failed with its
-    error (the upstream path has no such check and serves them as any other)."""
+    difference. The requests planned with a malformed output must have failed with an error that
+    says ``bad_error``."""
     exact = aborted = failed = 0
     if wav_dir is not None:
         wav_dir.mkdir(parents=True, exist_ok=True)
     for r in results:
         p = r.plan
-        if p.bad and bad_fails:
-            if r.error is None or "dtype" not in r.error:
+        if p.bad:
+            if r.error is None or bad_error not in r.error:
                 raise AssertionError(f"{p.rid}: its malformed chunk should have failed it, got {r.error!r}")
             failed += 1
             continue

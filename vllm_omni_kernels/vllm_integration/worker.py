@@ -29,7 +29,10 @@ preempts running requests for every arrival that outranks them).
 ``additional_config["omni"]`` (``WorkerOptions``): ``device`` ("auto", "cuda", "cpu"); ``cadence``
 (audio samples a streaming request gets at a time; 0: every step); ``output_path`` ("worker", or
 "upstream": the comparison path, every key copied to the host each step and sliced per request);
-``bad_prompt_token`` (a prompt token that makes the talker emit a malformed chunk, for tests);
+``bad_prompt_token`` (a prompt token that makes the talker emit a malformed output, for tests: on
+the worker path its audio chunk of another dtype at its second frame, which the accumulator fails;
+on the upstream path its sample rate as a numpy int, which vLLM's wire cannot carry and the
+scheduler fails);
 ``sync_debug`` (CUDA's sync-debug mode "error" around ``execute_model``: any host sync raises);
 ``pool_budget_bytes`` (the audio's ring arena on the device, 1 GiB by default: a FINAL_ONLY request
 holds all its audio, 7.5 KiB a frame; a request it cannot hold fails alone with ``OutputMemoryError``,
@@ -524,6 +527,8 @@ class TalkerWorker:
             with nvtx_range("worker.output_path"):
                 tokens_cpu = tokens.cpu()
                 plain = upstream_worker_outputs(ids, {"audio": audio, "codes": codes.unsqueeze(1)})
+                for b in bad:  # the malformed output of a test request: a value the wire cannot carry
+                    plain[ids[b]]["sr"] = np.int64(tk.SAMPLE_RATE)
             if self.device.type == "cuda":
                 self._upstream_copies += 3
             self._note_output_path(t0, audio.numel() * 4 + codes.numel() * 8 + tokens_cpu.numel() * 8)
