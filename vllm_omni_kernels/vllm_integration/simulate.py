@@ -484,7 +484,7 @@ def _check(results: list[_Result], wav_dir: Path | None, bad_error: str, talker:
         p = r.plan
         if p.bad:
             if r.error is None or bad_error not in r.error:
-                raise AssertionError(f"{p.rid}: its malformed chunk should have failed it, got {r.error!r}")
+                raise AssertionError(f"{p.rid}: its malformed output should have failed it, got {r.error!r}")
             failed += 1
             continue
         if r.error is not None:
