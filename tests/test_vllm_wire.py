@@ -226,6 +226,19 @@ def test_payload_and_completion_round_trip_through_vllm_msgpack():
     assert torch.equal(out.multimodal_output.tensors["codes"], payload.tensors["codes"])
 
 
+def test_tensors_inside_a_payloads_plain_values_arrive_as_tensors_between_stages():
+    """A payload's list of mixed values and a metadata value holding tensors: each tensor comes back
+    a tensor, in its place; the sender's payload is left as it was."""
+    emb, part = torch.randn(4), torch.arange(6).view(2, 3)
+    payload = MultimodalPayload(tensors={"audio": torch.ones(3), "chunks": [part, "x", (1, part)]},
+                                metadata={"sr": 24000, "spk": {"emb": emb, "names": ["a", emb]}})
+    back = decode_payload(encode_payload(payload))
+    chunks, spk = back.tensors["chunks"], back.metadata["spk"]
+    assert torch.equal(chunks[0], part) and chunks[1] == "x" and chunks[2][0] == 1 and torch.equal(chunks[2][1], part)
+    assert torch.equal(spk["emb"], emb) and spk["names"][0] == "a" and torch.equal(spk["names"][1], emb)
+    assert payload.metadata["spk"]["emb"] is emb and payload.tensors["chunks"][0] is part
+
+
 @pytest.mark.parametrize("bad, message", [
     (["float32", [999], 1], "needs 3996 bytes"),   # shape not matching its buffer
     (["float32", [4], 99], "outside the message"),  # aux index out of range

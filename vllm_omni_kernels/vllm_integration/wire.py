@@ -349,6 +349,10 @@ class OmniMsgpackDecoder(MsgpackDecoder):
 
 
 class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """A ``MultimodalPayload`` on typed fields, so that every tensor decodes as one: those inside the
+    plain values (``other_lists``, ``metadata``) travel in ``nested``, each put back where
+    ``nested_paths`` says (the field, then keys and indices); a tuple arrives as a list."""
+
     order: list[str] = []
     tensors: dict[str, torch.Tensor] = {}
     tensor_lists: dict[str, list[torch.Tensor]] = {}
@@ -356,6 +360,8 @@ class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type:
     meta_order: list[str] = []
     meta_tensors: dict[str, torch.Tensor] = {}
     metadata: dict[str, Any] = {}
+    nested: list[torch.Tensor] = []
+    nested_paths: list[list[str | int]] = []
 
     @classmethod
     def from_payload(cls, p: MultimodalPayload) -> PayloadWire:
@@ -369,13 +375,34 @@ class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type:
                 wire.other_lists[key] = list(value)
         for key, value in p.metadata.items():
             (wire.meta_tensors if isinstance(value, torch.Tensor) else wire.metadata)[key] = value
+        wire.other_lists = _lifted(wire.other_lists, ["other_lists"], wire.nested, wire.nested_paths)
+        wire.metadata = _lifted(wire.metadata, ["metadata"], wire.nested, wire.nested_paths)
         return wire
 
     def to_payload(self) -> MultimodalPayload:
+        for path, tensor in zip(self.nested_paths, self.nested):
+            parent = getattr(self, str(path[0]))
+            for step in path[1:-1]:
+                parent = parent[step]
+            parent[path[-1]] = tensor
         tensors = {**self.tensors, **self.tensor_lists, **self.other_lists}
         meta = {**self.meta_tensors, **self.metadata}
         return MultimodalPayload(tensors={k: tensors[k] for k in self.order},
                                  metadata={k: meta[k] for k in self.meta_order})
+
+
+def _lifted(value: Any, path: list[str | int], tensors: list[torch.Tensor], paths: list[list[str | int]]) -> Any:
+    """A copy of ``value`` with every tensor inside its dicts, lists and tuples replaced by None,
+    each tensor appended to ``tensors`` and its place to ``paths``."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        paths.append(path)
+        return None
+    if isinstance(value, dict):
+        return {k: _lifted(v, [*path, k], tensors, paths) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_lifted(v, [*path, i], tensors, paths) for i, v in enumerate(value)]
+    return value
 
 
 class CompletionWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
