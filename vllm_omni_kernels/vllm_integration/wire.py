@@ -173,9 +173,8 @@ _DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtyp
 
 
 # Values carried as they are: these types exactly (np.float64, a float subclass, is refused by the
-# encoder), and ints within 64 bits.
-_PLAIN = frozenset((type(None), bool, float, str, bytes))
-_INT64 = (-(1 << 63), (1 << 64) - 1)
+# encoder; an int past 64 bits by ``_check_encodes`` before the walk looks at types).
+_PLAIN = frozenset((type(None), bool, int, float, str, bytes))
 _MAX_DEPTH = 512  # containers within containers that ``tensor_paths`` looks into (a value holding itself stops)
 
 
@@ -227,7 +226,7 @@ def tensor_paths(values: Any, check: bool = False) -> list[list[str | int]]:
             elif isinstance(v, dict | list | tuple):
                 if len(path) < _MAX_DEPTH:
                     stack.append((v, [*path, k]))
-            elif check and type(v) not in _PLAIN and not (type(v) is int and _INT64[0] <= v <= _INT64[1]):
+            elif check and type(v) not in _PLAIN:
                 raise TensorAccumulationError(f"a value of type {type(v).__name__} at {[*path, k]}: the wire carries "
                                               "tensors and plain values (None, bool, int, float, str, bytes, lists, "
                                               "dicts)", key=path[0] if path else k)
