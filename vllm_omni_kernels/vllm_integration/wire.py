@@ -310,9 +310,7 @@ class OmniMsgpackDecoder(MsgpackDecoder):
             if isinstance(values.get(key), TensorAccumulationError):
                 continue  # the key failed already
             try:
-                parent = values
-                for step in path[:-1]:
-                    parent = parent[step]
+                parent = _holder(values, path)
                 restored = self._tensor_or_error(parent[path[-1]], rid, key)
             except (KeyError, IndexError, TypeError):
                 restored = TensorAccumulationError(f"no value at {path}, where the message has a tensor",
@@ -380,14 +378,18 @@ class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type:
 
     def to_payload(self) -> MultimodalPayload:
         for path, tensor in zip(self.nested_paths, self.nested):
-            parent = getattr(self, str(path[0]))
-            for step in path[1:-1]:
-                parent = parent[step]
-            parent[path[-1]] = tensor
+            _holder(getattr(self, str(path[0])), path[1:])[path[-1]] = tensor
         tensors = {**self.tensors, **self.tensor_lists, **self.other_lists}
         meta = {**self.meta_tensors, **self.metadata}
         return MultimodalPayload(tensors={k: tensors[k] for k in self.order},
                                  metadata={k: meta[k] for k in self.meta_order})
+
+
+def _holder(root: Any, path: list[str | int]) -> Any:
+    """The dict or list below ``root`` that holds the value at ``path`` (keys and indices)."""
+    for step in path[:-1]:
+        root = root[step]
+    return root
 
 
 def _lifted(value: Any, path: list[str | int], tensors: list[torch.Tensor], paths: list[list[str | int]]) -> Any:
