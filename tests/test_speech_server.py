@@ -7,10 +7,13 @@ vLLM's own routes stay vLLM's."""
 import asyncio
 import base64
 import json
+import math
 import struct
 import subprocess
 import sys
+import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +32,12 @@ BOUND = 4
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def running_server(tmp_path_factory, *options: str):
+def running_server(tmp_path_factory, *options: str, env: dict[str, str] | None = None):
     model = make_model_dir(tmp_path_factory.mktemp("talker"))
     log = tmp_path_factory.mktemp("log") / "server.log"
     with speech_server(model, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND + 2),
-                       "--max-inflight", str(BOUND), "--max-input-chars", "3000", *options, cwd=ROOT) as (url, _):
+                       "--max-inflight", str(BOUND), "--max-input-chars", "3000", *options, cwd=ROOT,
+                       env=env) as (url, _):
         from transformers import AutoTokenizer
 
         yield {"url": url, "model": model, "tokenizer": AutoTokenizer.from_pretrained(str(model)), "log": log}
@@ -52,7 +56,7 @@ def two_api_servers(tmp_path_factory):
 
 def expected(server, text: str, voice: str = "alloy", speed: float = 1.0) -> np.ndarray:
     ids = [VOICES[voice], *server["tokenizer"](text, add_special_tokens=False)["input_ids"]]
-    frames = max(1, int(np.ceil((len(ids) - 1) / speed)))
+    frames = max(1, math.ceil(Fraction(len(ids) - 1) / Fraction(str(speed))))  # a frame a character, exactly
     return tk.expected_audio(tk.rollout(tk.ToyTalker(0), ids, frames)).numpy()
 
 
@@ -613,3 +617,68 @@ def test_a_stream_that_ends_without_audio_adds_no_time_to_first_audio():
 
     sent, summary = asyncio.run(body())
     assert sent[:4] == b"RIFF" and len(sent) == 44 and summary == {"count": 0}
+
+
+@pytest.mark.parametrize("chars,speed,frames", [(145, 0.29, 500), (3, 0.3, 10), (7, 1.0, 7), (10, 4.0, 3),
+                                                (1, 0.25, 4), (1000, 0.7, 1429)])
+def test_speed_gives_the_frames_its_decimal_value_asks_for(chars, speed, frames):
+    """Frames at a speed are counted on the speed as written: 145 characters at 0.29 are 500 frames
+    exactly (in floats 145 / 0.29 is a little over 500, and its ceiling one frame too many)."""
+    from vllm_omni_kernels.vllm_integration.speech import speech_frames
+
+    assert speech_frames(chars, speed) == frames
+
+
+@pytest.fixture(scope="module")
+def dev_server(tmp_path_factory):
+    """The server with vLLM's development routes (``VLLM_SERVER_DEV_MODE``), among them ``/pause``
+    and ``/resume``, which a weight update drives."""
+    yield from running_server(tmp_path_factory, env={"VLLM_SERVER_DEV_MODE": "1"})
+
+
+def test_the_engines_own_abort_never_looks_like_a_complete_response(dev_server):
+    """vLLM's ``/pause`` in its default mode aborts every request in flight, as its shutdown does.
+    A stream that had audio is cut (its chunked response ends without the last chunk) and counts
+    as failed; a whole file waiting for its audio, and a request that arrives while the engine is
+    paused, get 503 with Retry-After (a retry can be served) and count as turned away. After
+    ``/resume`` a request is exact again."""
+    server = dev_server
+    url = f"{server['url']}/v1/audio/speech"
+    long_text = "a" * 2500  # 200 s of audio: seconds of engine steps
+    body = {"input": long_text, "response_format": "pcm", "sample_format": "f32", "stream": True}
+    before = idle(server)
+    got = b""
+    try:
+        with pytest.raises(httpx.RemoteProtocolError):
+            with httpx.stream("POST", url, json=body, timeout=120) as r:
+                assert r.status_code == 200
+                chunks = r.iter_raw()
+                got += next(chunks)
+                assert httpx.post(f"{server['url']}/pause", timeout=60).status_code == 200
+                for chunk in chunks:
+                    got += chunk
+        want = expected(server, long_text).astype("<f4").tobytes()
+        assert 0 < len(got) < len(want) and want.startswith(got)
+
+        refused = httpx.post(url, json={**body, "input": "Paused.", "stream": False}, timeout=60)
+        assert refused.status_code == 503 and "Retry-After" in refused.headers
+        httpx.post(f"{server['url']}/resume", timeout=60).raise_for_status()
+
+        whole = {}
+        asking = threading.Thread(target=lambda: whole.setdefault(
+            "r", httpx.post(url, json={**body, "stream": False}, timeout=120)))
+        asking.start()
+        t0 = time.time()
+        while not stats(server)["worker"]["requests_held"]:  # it is in the engine, making its audio
+            assert time.time() - t0 < 30 and asking.is_alive()
+            time.sleep(0.05)
+        assert httpx.post(f"{server['url']}/pause", timeout=60).status_code == 200
+        asking.join(120)
+        assert whole["r"].status_code == 503 and "Retry-After" in whole["r"].headers
+    finally:
+        httpx.post(f"{server['url']}/resume", timeout=60)
+    after = idle(server)
+    assert {k: after[k] - before[k] for k in ("served", "failed", "rejected", "cancelled")} == \
+        {"served": 0, "failed": 1, "rejected": 2, "cancelled": 0}
+    again = httpx.post(url, json={**body, "input": "Resumed.", "stream": False}, timeout=60)
+    assert again.status_code == 200 and again.content == expected(server, "Resumed.").astype("<f4").tobytes()

@@ -15,16 +15,16 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def speech_server(model: str | Path, log: Path, *options: str, cwd: str | Path | None = None,
-                  timeout: float = 240.0):
+                  timeout: float = 240.0, env: dict[str, str] | None = None):
     """``python -m vllm_omni_kernels serve MODEL`` on a free port of 127.0.0.1 with ``options``, its
     output in ``log``, in a session of its own; yields its URL and process once it is ready
     (``wait_ready``). vLLM's platform is its CPU one (the talker picks its own device); no
-    Prometheus multiprocess directory is inherited. On exit it gets SIGTERM, and its session
+    Prometheus multiprocess directory is inherited; ``env``: variables set for it besides. On exit it gets SIGTERM, and its session
     SIGKILL if it has not exited 60 s later (``subprocess.TimeoutExpired`` is raised then)."""
     with socket.socket() as s:  # a port nobody listens on now (another process may take it first)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     cmd = [sys.executable, "-m", "vllm_omni_kernels", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
            *options]

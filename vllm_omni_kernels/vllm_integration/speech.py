@@ -18,16 +18,18 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
 - Over ``max_inflight`` requests in flight: ``503`` with ``Retry-After``; nothing is queued. The same
   for a request that fails before its first audio because the engine's output memory cannot hold it
   (``OutputMemoryError``: the worker's ``pool_budget_bytes``, which a FINAL_ONLY request fills with
-  all its audio until it finishes); it counts as turned away, not served.
+  all its audio until it finishes), for one that vLLM refuses as retryable (a paused engine), and
+  for one the engine itself aborts before its first audio (its shutdown, a pause that aborts); each
+  counts as turned away, not served.
 - Bad requests: ``400`` with an OpenAI-style error body naming the parameter; the engine is not touched.
   OpenAI's ``instructions`` (how to speak) is one: the talker's voices take none, and a request that
   asks for a manner of speech is refused rather than served without it (empty is no instruction).
 - Headers: ``Content-Type``, ``X-Audio-Format``, ``X-Audio-Sample-Rate``, ``X-Audio-Sample-Format``,
   ``X-Audio-Channels``, ``X-Request-Id``.
 
-A stream that fails after its first bytes (a worker error for this request) ends without the final
-chunk of the chunked encoding, so a client sees a truncated response, never a short one that looks
-complete. ``GET /v1/audio/speech/stats`` reports the requests in flight and how those that left
+A stream that fails after its first bytes (a worker error for this request, or the engine aborting
+it) ends without the final chunk of the chunked encoding, so a client sees a truncated response,
+never a short one that looks complete. ``GET /v1/audio/speech/stats`` reports the requests in flight and how those that left
 ended (served, rejected, failed, cancelled: ``Admission``), the worker's pools, and
 where each streamed request's time to first audio went (``FirstAudio``).
 """
@@ -42,6 +44,7 @@ import json
 import math
 import time
 from collections import deque
+from fractions import Fraction
 from http import HTTPStatus
 from typing import Literal
 
@@ -54,7 +57,7 @@ from vllm import SamplingParams
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse, OpenAIBaseModel
 from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_cancellation
-from vllm.exceptions import VLLMError, VLLMServerError
+from vllm.exceptions import RetryableRequestError, VLLMError, VLLMServerError
 from vllm.inputs.engine import tokens_input
 from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind
@@ -221,7 +224,8 @@ class SpeechStream:
         self.first_metrics = None  # vLLM's request metrics and the time, at the first output with audio
         self.first_at = 0.0
         self.finished = False
-        self.turned_away = False  # the engine had no output memory for it before its first audio (a 503)
+        self.turned_away = False  # the engine let it go before its first audio, and a retry can be served (a 503):
+        #                           no output memory, vLLM's retryable refusal (paused), the engine's own abort
         self.failed = False  # the engine failed it
         self.delivered = False  # the whole response was handed to the HTTP server
         self.samples = 0  # audio samples handed to the response so far
@@ -235,7 +239,8 @@ class SpeechStream:
             out = await anext(self.gen)
         except (MultimodalOutputError, VLLMServerError) as exc:
             self.finished = self.failed = True  # the engine has let the request go
-            self.turned_away = isinstance(exc, OutputMemoryError) and not self.first_at
+            # (vLLM's RetryableRequestError, a paused engine's say, is a 503 as vLLM's routes answer it)
+            self.turned_away = isinstance(exc, (OutputMemoryError, RetryableRequestError)) and not self.first_at
             raise SpeechFailedError(f"request {self.request_id} failed in the engine: {exc}") from exc
         except VLLMError:  # vLLM refused it (its client errors, a full queue): its handlers answer
             self.finished = True
@@ -243,9 +248,14 @@ class SpeechStream:
             self.failed = not self.turned_away
             raise
         comp = out.outputs[0]
-        if comp.finish_reason == "error":
+        if comp.finish_reason in ("error", "abort"):
+            # An abort here is the engine's own (its shutdown, a pause that aborts, ...): this route's
+            # abort closes the stream and reads no further. The audio is not whole: before any of it,
+            # a 503 (a retry can be served); after, a stream cut visibly.
             self.finished = self.failed = True
-            raise SpeechFailedError(f"request {self.request_id} failed in the engine: {comp.stop_reason}")
+            self.turned_away = comp.finish_reason == "abort" and not self.first_at
+            what = "was aborted by the engine" if comp.finish_reason == "abort" else "failed in the engine"
+            raise SpeechFailedError(f"request {self.request_id} {what}: {comp.stop_reason}")
         payload = getattr(comp, "multimodal_output", None)
         audio = None if payload is None else payload.tensors.get("audio")
         self.finished = out.finished
@@ -351,7 +361,13 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
 def plan_request(tokenizer, voice_token: int, text: str, speed: float = 1.0) -> tuple[list[int], int]:
     """The prompt (the voice's token, then the text's) and the number of codec frames to speak."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return [voice_token, *ids], max(1, math.ceil(len(ids) * FRAMES_PER_CHAR / speed))
+    return [voice_token, *ids], max(1, speech_frames(len(ids), speed))
+
+
+def speech_frames(chars: int, speed: float) -> int:
+    """Codec frames for ``chars`` characters at ``speed``, in exact arithmetic on the decimal values
+    as written (145 characters at 0.29 are 500 frames; in floats, 145 / 0.29 is a little over 500)."""
+    return math.ceil(chars * Fraction(str(FRAMES_PER_CHAR)) / Fraction(str(speed)))
 
 
 def _headers(request: SpeechRequest, request_id: str) -> dict[str, str]:
@@ -539,4 +555,4 @@ def install(app, limits: SpeechLimits, shared_counts=None, api_server: tuple[int
 
 
 __all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "install", "plan_request", "router", "samples_bytes",
-           "warm_up_route"]
+           "speech_frames", "warm_up_route"]
