@@ -508,6 +508,89 @@ def test_requests_the_output_memory_cannot_hold_fail_alone_and_the_engine_serves
     assert all(not isinstance(r, Exception) and r.multimodal_output.tensors["audio"].equal(want) for r in one_by_one)
 
 
+BAD = 1  # the prompt token that makes the talker's second chunk malformed (the worker's ``bad_prompt_token``)
+KINDS = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
+
+
+async def _served(engine, rid: str, prompt: list[int], params: SamplingParams):
+    """(finish reason, the request's whole audio) of one request, or the error its generate() raised."""
+    audio, last = [], None
+    try:
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=rid):
+            payload = getattr(out.outputs[0], "multimodal_output", None)
+            if payload is not None:
+                audio.append(payload.tensors["audio"])
+            last = out.outputs[0]
+    except MultimodalOutputError as exc:
+        return exc
+    whole = torch.cat(audio) if params.output_kind == RequestOutputKind.DELTA else audio[-1]
+    return last.finish_reason, whole
+
+
+def test_a_failure_past_a_stop_token_not_seen_yet_leaves_the_request_stopped_and_exact(tmp_path):
+    """Under async scheduling the worker samples a request's next frame before it sees the token of
+    the frame before. When that token ends the request and the next frame's chunk fails (here the
+    talker's malformed second chunk; in serving, a region that cannot grow in a full output
+    memory), the failure lies past the request's end: it finishes on its stop token with its audio
+    exact, in every output kind, over ZMQ. The same request without the stop token fails visibly."""
+    model = make_model_dir(tmp_path / "model")
+    args = talker_engine_args(model, device="cpu", max_num_seqs=8, args_cls=AsyncEngineArgs, disable_log_stats=True,
+                              async_scheduling=True, additional_config={"omni": {"bad_prompt_token": BAD}})
+    prompt = [5, BAD, 7]
+    first = int(tk.rollout(tk.ToyTalker(0), prompt, 1)[0, 0]) + tk.TEXT_VOCAB  # the token of its first frame
+
+    async def serve():
+        engine = OmniAsyncLLM.from_engine_args(args)
+        try:
+            asked = {(kind, stop): SamplingParams(max_tokens=6, output_kind=kind, detokenize=False,
+                                                  stop_token_ids=[first] if stop else None)
+                     for kind in KINDS for stop in (True, False)}
+            got = await asyncio.gather(*(_served(engine, f"{kind.name}-{stop}", prompt, params)
+                                         for (kind, stop), params in asked.items()))
+            return dict(zip(asked, got))
+        finally:
+            engine.shutdown()
+
+    results = asyncio.run(serve())
+    want = tk.expected_audio(tk.rollout(tk.ToyTalker(0), prompt, 1))
+    for kind in KINDS:
+        assert not isinstance(results[kind, True], Exception), results[kind, True]
+        reason, audio = results[kind, True]
+        assert reason == "stop" and audio.equal(want), (kind, reason)
+        failed = results[kind, False]
+        assert isinstance(failed, MultimodalOutputError) and failed.key == "audio" and "dtype" in str(failed)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_the_worker_fails_on_its_last_frame_ends_once(tmp_path, async_scheduling):
+    """The worker fails a request on the frame at which vLLM finishes it (its ``max_tokens``): its
+    caller gets the error, the other requests their audio, and the engine core sends nothing more
+    for it (no second final output, which the client would count as late)."""
+    model = make_model_dir(tmp_path / "model")
+    args = talker_engine_args(model, device="cpu", max_num_seqs=8, args_cls=AsyncEngineArgs, disable_log_stats=True,
+                              async_scheduling=async_scheduling,
+                              additional_config={"omni": {"bad_prompt_token": BAD}})
+
+    async def serve():
+        engine = OmniAsyncLLM.from_engine_args(args)
+        try:
+            got = await asyncio.gather(*(_served(engine, f"{kind.name}-{bad}", [5, BAD if bad else 6, 7],
+                                                 SamplingParams(max_tokens=2, output_kind=kind, detokenize=False))
+                                         for kind in KINDS for bad in (True, False)))
+            await asyncio.sleep(1.0)  # the engine core's steps after the last request (there are none to take)
+            return got, engine.output_processor.accumulator_stats()
+        finally:
+            engine.shutdown()
+
+    got, stats = asyncio.run(serve())
+    want = tk.expected_audio(tk.rollout(tk.ToyTalker(0), [5, 6, 7], 2))
+    for i, kind in enumerate(KINDS):
+        failed, served = got[2 * i], got[2 * i + 1]
+        assert isinstance(failed, MultimodalOutputError) and failed.request_id == f"{kind.name}-True"
+        assert served[0] == "length" and served[1].equal(want)
+    assert stats["late_outputs"] == 0 and stats["failed_by_worker"] == 3
+
+
 def test_an_output_memory_too_small_for_the_engines_streams_is_refused_at_start(tmp_path):
     """Every one of ``max_num_seqs`` streams takes a first slot of the audio arena at once (the
     server's warm-up does): an arena that cannot hold them is refused when the engine starts,

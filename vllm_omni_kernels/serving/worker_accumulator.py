@@ -350,12 +350,16 @@ class WorkerAccumulator:
         return self._pack[:nbytes].view(dtype)
 
     def append(self, request_ids: Sequence[str], outputs: Mapping[str, PaddedBatch | Sequence],
-               rows: np.ndarray | None = None) -> dict[str, TensorAccumulationError]:
+               rows: np.ndarray | None = None,
+               keep: Callable[[str], bool] | None = None) -> dict[str, TensorAccumulationError]:
         """Append one step: ``outputs[key]`` is a ``PaddedBatch`` aligned with ``request_ids`` or a
         per-request list (None: nothing this step). ``rows``: the requests' rows (int64, as
         ``add_request`` gave them, each request once), else looked up. One launch per key. Returns
         the requests that failed (their slots are freed; every other request's chunk was
-        appended), a request that holds no row, or is named twice, among them.
+        appended), a request that holds no row, or is named twice, among them. A failed request for
+        which ``keep`` is true keeps its slots and the data it had (this step's chunk of a key may
+        be there or not): the caller reads it up to an end of its own (``collect``'s ``hold`` and
+        ``ends``) or aborts it.
         """
         failed: dict[str, TensorAccumulationError] = {}
         with nvtx_range("worker.append"):
@@ -371,20 +375,21 @@ class WorkerAccumulator:
                     for err in pool.append(request_ids, chunks, slots=rows).errors:
                         failed.setdefault(err.request_id, err)
             if failed:
-                self._release([rid for rid in failed if rid in self._row])
+                self._release([rid for rid in failed if rid in self._row and not (keep is not None and keep(rid))])
         self.failed += len(failed)
         return failed
 
     def collect(self, finishing: Collection[str] = (), head_bytes: int = 0,
-                ends: Sequence[np.ndarray] | None = None) -> PackedStep | None:
+                ends: Sequence[np.ndarray] | None = None, hold: Collection[str] = ()) -> PackedStep | None:
         """Read what is due into the step's buffer and start its one copy to the host.
 
         ``finishing``: requests whose output ends here (their rest is read, then their slots are
         freed). ``head_bytes``: bytes of ``head()`` data to carry along. ``ends``: per key (in
         ``keys`` order), by row, the frames each request's output ends at (int64; a request found
         to have ended steps ago: what it appended after that is never read, and goes with its
-        slots); rows with no end hold any larger number. Returns None when nothing is due and there
-        is no head.
+        slots); rows with no end hold any larger number. ``hold``: requests none of whose data is
+        read this step (whose end is not known yet). Returns None when nothing is due and there is
+        no head.
         """
         with nvtx_range("worker.collect"):
             unreads = [pool.unread() for pool in self.pools]
@@ -398,6 +403,8 @@ class WorkerAccumulator:
             for i, cadence in self._paced:
                 paced |= unreads[i] >= cadence
             due = self._streaming & pending & paced  # (rows not held have nothing unread)
+            if hold:
+                due[[self._row[r] for r in hold if r in self._row]] = False
             ending = [r for r in dict.fromkeys(finishing) if r in self._row]
             if ending:
                 due[[self._row[r] for r in ending]] = True  # everything left, whatever the output kind

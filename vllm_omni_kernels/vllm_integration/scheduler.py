@@ -82,6 +82,9 @@ class MultimodalChannel:
         failed_clients = {rid: self.requests[rid].client_index for rid in errors if rid in self.requests}
         if errors:
             self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)  # (which forgets them)
+            # One that vLLM finished in this very step: its final output goes now, with the error,
+            # instead of waiting for a rest the worker will never send.
+            self._worker_open.difference_update(errors)
         if not (plain or packed or errors or self._worker_open or self.held.active or self._awaiting):
             return outputs
         emitted: set[str] = set()

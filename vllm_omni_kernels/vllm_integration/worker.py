@@ -199,6 +199,9 @@ class TalkerWorker:
         self._stopped: dict[str, int] = {}  # request -> its frames when a token ended it (seen a step late)
         self._in_flight: deque[_StepOutput] = deque()  # step outputs handed to vLLM, not yet resolved
         self._discarded: dict[str, TensorAccumulationError] = {}  # failures for the next step output (_discard)
+        # failures of a frame that may lie past a stop token not seen yet, until it is (_judge_held_failures):
+        # request -> (its error, the step whose append failed)
+        self._held_failures: dict[str, tuple[TensorAccumulationError, _StepOutput]] = {}
         self._keep_rows: set[str] = set()  # this step's closing requests that keep their rows (_update_requests)
         keys = talker_output_keys(self.options.cadence)
         self.acc = WorkerAccumulator(keys, self.device, budget_bytes=key_budgets(keys, self.options.pool_budget_bytes),
@@ -540,14 +543,27 @@ class TalkerWorker:
                       "codes": PaddedBatch(codes.unsqueeze(1), np.full(B, _STEP_FRAMES["codes"], np.int64))}
             if bad:  # the malformed chunk of a test request: one request's audio of another dtype
                 chunks["audio"] = [audio[b].double() if b in bad else audio[b] for b in range(B)]
-            failed = self.acc.append(ids, chunks, rows=state_rows)
+            failed = self.acc.append(ids, chunks, rows=state_rows, keep=self._may_have_stopped)
+            held = [rid for rid in failed if rid in self.acc]  # (kept: judged once the earlier steps resolve)
+            if held:
+                finishing = [rid for rid in finishing if rid not in failed]
             packed = self._collect(finishing, flush, 8 * B)
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
             self._done[self._row[rid]] = True
         self._note_output_path(t0, packed.host.numel())  # (never None: the head is there)
         stops = (self._eos[state_rows], self._has_stop_ids[state_rows]) if self._stoppable[state_rows].any() else None
-        return _StepOutput(self, req_ids, sampling, opened, replayed, packed=packed, failed=failed, sampled=sampled,
+        step = _StepOutput(self, req_ids, sampling, opened, replayed, packed=packed, failed=failed, sampled=sampled,
                            stops=stops)
+        for rid in held:
+            self._held_failures[rid] = (failed.pop(rid), step)
+        return step
+
+    def _may_have_stopped(self, rid: str) -> bool:
+        """Whether a step still in flight sampled a token that may end the request: under async
+        scheduling the worker samples a frame before it sees the token of the frame before, so a
+        failure of the newest frame may lie past the request's end (``_judge_held_failures``)."""
+        return bool(self._stoppable[self._row[rid]]) and any(
+            step.stops is not None and step.sampled is not None and rid in step.sampled[0] for step in self._in_flight)
 
     def _collect(self, finishing: list[str], flush: dict[str, int], head_bytes: int) -> PackedStep | None:
         """The accumulator's collect; ``flush`` closes each of its requests at the frames it ends at
@@ -559,7 +575,7 @@ class TalkerWorker:
             for end, key in zip(ends, self.acc.keys):
                 for rid, frames in flush.items():
                     end[self._row[rid]] = frames * _STEP_FRAMES[key.name]
-        packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, ends=ends)
+        packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, ends=ends, hold=self._held_failures)
         for rid in flush:
             if rid not in self._keep_rows:
                 self._free_rows.append(self._row.pop(rid))
@@ -573,6 +589,12 @@ class TalkerWorker:
         if step in self._in_flight:
             while self._in_flight.popleft() is not step:
                 pass  # (a step vLLM never resolved)
+        self._see_stops(step, tokens)
+        if self._held_failures:
+            self._judge_held_failures()
+
+    def _see_stops(self, step: _StepOutput, tokens: list[int]) -> None:
+        """``_resolve``'s stop tokens: the request's end, its frames past it left out of later steps."""
         if step.sampled is None:
             return
         ids, rows, produced = step.sampled
@@ -595,6 +617,19 @@ class TalkerWorker:
             if rid in self.acc:  # (else closed by its length in this step)
                 self._stopped[rid] = end
                 self._done[self._row[rid]] = True
+
+    def _judge_held_failures(self) -> None:
+        """Failures held back (``_may_have_stopped``) whose earlier steps have all resolved: a request
+        that a stop token ended before the failing frame closes there as any stopped request does
+        (its data is held unread until then: ``collect``'s ``hold``), and the failure is void; any
+        other fails now, with the next step output."""
+        for rid, (error, failing) in list(self._held_failures.items()):
+            if failing in self._in_flight and self._in_flight[0] is not failing:
+                continue  # an earlier step has not resolved: its token may end the request
+            del self._held_failures[rid]
+            if rid in self._stopped or rid not in self.acc:
+                continue  # ended on a stop token before the failing frame (or finished or aborted since)
+            self._discard(rid, error)
 
     def _note_output_path(self, t0: float, nbytes: int) -> None:
         self._output_path_us.append((time.perf_counter() - t0) * 1e6)
