@@ -45,6 +45,17 @@ def test_explicit_request_of_an_unavailable_backend_says_why(availability, monke
         backend.select(torch.device("cuda"))
 
 
+@pytest.mark.parametrize("requested", ["cuda", "cupy"])
+def test_a_backend_of_cuda_kernels_leaves_cpu_tensors_to_the_reference(availability, monkeypatch, requested):
+    """The compiled and CuPy kernels read device memory only: asked for by name, they run the CUDA
+    tensors, and CPU tensors (the frontend's accumulator, say) still take the torch reference."""
+    availability(cuda=None, cupy=None)
+    monkeypatch.setenv("VLLM_OMNI_KERNELS_BACKEND", requested)
+    assert backend.select(torch.device("cuda"))[0] == requested
+    name, why = backend.select(torch.device("cpu"))
+    assert name == "torch" and "reference" in why
+
+
 def test_every_change_of_the_setting_reaches_the_next_launch(availability, monkeypatch):
     """Launches read the setting through a cached fast path; set, changed and removed values all count."""
     availability(triton=None)

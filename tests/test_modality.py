@@ -105,6 +105,19 @@ def test_payload_merge_chain_copies_each_piece_once_and_keeps_every_payload_unch
         chain[-1].merge(MultimodalPayload({"codes": torch.zeros(2, 1, dtype=torch.int64)}, axes={"codes": 0}))
 
 
+def test_payload_merge_is_torch_cat_for_pieces_of_other_dtypes_and_conjugate_views():
+    """A later piece of a wider dtype promotes the data as ``torch.cat`` does (it is not cast down
+    to the first piece's), and a lazily conjugated complex piece is copied as its values."""
+    ints = MultimodalPayload({"x": torch.tensor([1, 2])}, axes={"x": 0})
+    floats = MultimodalPayload({"x": torch.tensor([1.5])}, axes={"x": 0})
+    merged = ints.merge(floats).merge(MultimodalPayload({"x": torch.tensor([3])}, axes={"x": 0}))
+    assert merged.tensors["x"].dtype == torch.float32 and merged.tensors["x"].tolist() == [1.0, 2.0, 1.5, 3.0]
+    z = torch.randn(3, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    first = MultimodalPayload({"z": z.conj()}, axes={"z": -1})
+    got = first.merge(MultimodalPayload({"z": z.conj()}, axes={"z": -1})).tensors["z"]
+    assert torch.equal(got, torch.cat([z.conj(), z.conj()]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
 @pytest.mark.parametrize("capacity", [0, 5, 10_000])
 def test_growing_tensor_equals_one_concatenation(dtype, capacity):

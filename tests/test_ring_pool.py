@@ -205,6 +205,12 @@ def test_free_many_frees_all_or_nothing(backend):
     pool.free_many([])
 
 
+@pytest.mark.parametrize("frame", [(0,), (2, 0)])
+def test_a_frame_that_holds_no_element_is_refused_naming_the_pool(frame):
+    with pytest.raises(ValueError, match="'k'.*holds no element"):
+        RingPool("k", torch.float32, frame, "cpu", S.CONCAT_DIM0, budget_bytes=1024)
+
+
 def test_budget_spent_and_slot_limit():
     pool = make_pool(budget_bytes=8 * 4 * 2, initial_frames=8, max_slots=4)
     pool.alloc("a")

@@ -282,6 +282,23 @@ def test_frames_of_a_multichannel_concat_last_key_cannot_be_left_out():
         packed.drop_newest("r", {"stereo": 1})
 
 
+def test_a_negative_count_to_leave_out_is_refused():
+    """``drop_newest`` with a negative count would hand the request the next request's frames."""
+    acc = WorkerAccumulator([OutputKey("audio", S.CONCAT_LAST, torch.float32, (), cadence=0)], "cpu")
+    for rid in "ab":
+        acc.add_request(rid, EmitPolicy.DELTA)
+    acc.append(["a", "b"], {"audio": [torch.arange(4.0), torch.arange(4.0) + 10]})
+    packed = acc.collect()
+    with pytest.raises(ValueError, match="negative"):
+        packed.drop_newest("a", {"audio": -2})
+    assert packed.tensors("a")["audio"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_key_whose_frame_holds_no_element_is_refused():
+    with pytest.raises(ValueError, match="holds no element"):
+        WorkerAccumulator([OutputKey("empty", S.CONCAT_DIM0, torch.float32, (2, 0))], "cpu")
+
+
 def test_a_malformed_chunk_fails_only_its_request():
     acc = WorkerAccumulator(KEYS, "cpu")
     for rid in "abc":

@@ -78,6 +78,8 @@ def _decide(raw: str | None, device_type: str) -> tuple[str, str]:
     if want != "auto":
         if want == "torch":
             return "torch", f"{_ENV}=torch"
+        if want in ("cuda", "cupy") and device_type != "cuda":  # (their kernels read device memory only)
+            return "torch", f"{_ENV}={want} runs CUDA tensors; {device_type} tensors use the torch reference"
         if want == "triton" and device_type == "cpu" and not triton_interpreted():
             raise BackendUnavailableError(f"{_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1")
         if avail[want] is not None:

@@ -93,18 +93,26 @@ class GrowingTensor:
 
     def _write(self, at: int, piece: torch.Tensor) -> None:
         k = piece.shape[self.axis]
-        if self._np is not None and piece.is_cpu and not piece.requires_grad:
+        if (self._np is not None and piece.is_cpu and piece.dtype == self._data.dtype and not piece.requires_grad
+                and not piece.is_conj() and not piece.is_neg()):  # (numpy would not take a lazy conjugate)
             self._np[(*self._lead, slice(at, at + k))] = piece.numpy()
         else:
             self._data.narrow(self.axis, at, k).copy_(piece)
 
     def append(self, piece: torch.Tensor) -> None:
         """Copy ``piece`` in after the data so far; its other dimensions must be the data's
-        (ValueError otherwise: a copy would broadcast where a concatenation refuses)."""
+        (ValueError otherwise: a copy would broadcast where a concatenation refuses). A piece of
+        another dtype promotes the data as ``torch.cat`` does (int64 then float32: float32)."""
         shape, axis = piece.shape, self.axis
         if len(shape) <= axis or (shape[1:] if axis == 0 else shape[:axis] + shape[axis + 1:]) != self._frame:
             raise ValueError(f"cannot append a piece of shape {tuple(shape)} along axis {axis} to data "
                              f"of shape {tuple(self.view().shape)}")
+        if piece.dtype != self._data.dtype:
+            dtype = torch.promote_types(self._data.dtype, piece.dtype)
+            if dtype != self._data.dtype:  # rare: the data so far moves to the wider type
+                old = self.view()
+                self._allocate(self._data.new_empty(self._data.shape, dtype=dtype))
+                self._write(0, old)
         k = shape[axis]
         if self._n + k > self._cap:
             old = self.view()

@@ -145,6 +145,8 @@ class RingPool:
         self.dtype = dtype
         self.frame_shape = tuple(int(s) for s in frame_shape)
         self.frame_elems = math.prod(self.frame_shape)
+        if self.frame_elems == 0 or min(self.frame_shape, default=1) < 0:
+            raise ValueError(f"pool {key!r}: a frame of shape {self.frame_shape} holds no element")
         self.device = backend.resolve_device(device)
         self._on_device = backend.on_device(self.device)
         self.strategy = strategy

@@ -120,8 +120,10 @@ class PackedStep:
         """Leave out the request's newest ``frames[key]`` frames of each key (data found, after the
         step was packed, to lie past the request's end); the other requests' data stays where it is
         (a region splits around the request's), and a request left without frames of a key leaves
-        that key's region. ValueError for a CONCAT_LAST key with channels (``[*frame, n]``: its
-        older frames are not one span)."""
+        that key's region. ValueError for a negative count, and for a CONCAT_LAST key with
+        channels (``[*frame, n]``: its older frames are not one span)."""
+        if any(n < 0 for n in frames.values()):
+            raise ValueError(f"request {request_id!r}: frames to leave out must not be negative, got {dict(frames)}")
         regions = []
         for region in self.regions:
             drop = frames.get(region.key, 0)
