@@ -547,7 +547,7 @@ class TalkerWorker:
             held = [rid for rid in failed if rid in self.acc]  # (kept: judged once the earlier steps resolve)
             if held:
                 finishing = [rid for rid in finishing if rid not in failed]
-            packed = self._collect(finishing, flush, 8 * B)
+            packed = self._collect(finishing, flush, 8 * B, held)
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
             self._done[self._row[rid]] = True
         self._note_output_path(t0, packed.host.numel())  # (never None: the head is there)
@@ -565,17 +565,21 @@ class TalkerWorker:
         return bool(self._stoppable[self._row[rid]]) and any(
             step.stops is not None and step.sampled is not None and rid in step.sampled[0] for step in self._in_flight)
 
-    def _collect(self, finishing: list[str], flush: dict[str, int], head_bytes: int) -> PackedStep | None:
+    def _collect(self, finishing: list[str], flush: dict[str, int], head_bytes: int,
+                 held: list[str] = ()) -> PackedStep | None:
         """The accumulator's collect; ``flush`` closes each of its requests at the frames it ends at
         (what it produced after that is never read), and their rows are free afterwards unless vLLM
-        has not finished the request (``_keep_rows``: it samples the row's tokens again)."""
+        has not finished the request (``_keep_rows``: it samples the row's tokens again). Nothing
+        is read of the requests whose failure is held (``_held_failures``, and ``held``, this step's):
+        their data ends where a stop token says, or they fail."""
         ends = None
         if flush:
             ends = [np.full(self.max_requests, np.iinfo(np.int64).max, np.int64) for _ in self.acc.keys]
             for end, key in zip(ends, self.acc.keys):
                 for rid, frames in flush.items():
                     end[self._row[rid]] = frames * _STEP_FRAMES[key.name]
-        packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, ends=ends, hold=self._held_failures)
+        packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, ends=ends,
+                                  hold=[*self._held_failures, *held])
         for rid in flush:
             if rid not in self._keep_rows:
                 self._free_rows.append(self._row.pop(rid))
