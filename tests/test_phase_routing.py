@@ -173,6 +173,19 @@ def test_invalid_offsets_raise_before_any_hook(use_backend, backend, case):
     assert "meta" not in runner.model_intermediate_buffer.get("x", {})
 
 
+@pytest.mark.parametrize("mtp", [True, False])
+def test_a_request_on_two_rows_of_a_step_is_refused_before_any_hook(use_backend, mtp):
+    """One request, two single-token decode rows: its phase metadata (one dict per request) and its
+    code slot are one, so the batched hook would tell both rows the second row's phase. Refused,
+    naming the request, with nothing written."""
+    runner = make_runner(use_backend, "torch", mtp=mtp, prompts={"a": 5, "b": 5})
+    spans = runner.schedule([("a", 5, 1), ("b", 5, 1), ("a", 6, 1)], [0, 1, 2])
+    before = runner.inputs_embeds.clone()
+    with pytest.raises(PhaseRoutingError, match="two rows") as err:
+        runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
+    assert err.value.request_id == "a" and runner.model.calls == [] and torch.equal(runner.inputs_embeds, before)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("broken", ["rows", "ids", "updates", "update type", "arity"])
 @pytest.mark.parametrize("mtp", [True, False])

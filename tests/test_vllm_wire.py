@@ -226,6 +226,24 @@ def test_payload_and_completion_round_trip_through_vllm_msgpack():
     assert torch.equal(out.multimodal_output.tensors["codes"], payload.tensors["codes"])
 
 
+def test_a_payloads_axes_survive_the_stage_codec_and_its_stereo_pieces_merge_along_time():
+    """The axis each tensor grows along travels with the payload: two stereo DELTA pieces ``[2, T]``
+    decoded at the next stage merge to ``[2, 2T]`` (without their axes, ``merge`` stacks the second
+    piece's channels under the first)."""
+    audio = torch.randn(2, 8)
+    pieces = [MultimodalPayload({"audio": audio[:, :4], "codes": torch.zeros(1, 16, dtype=torch.int64)},
+                                axes={"audio": -1, "codes": 0}),
+              MultimodalPayload({"audio": audio[:, 4:], "codes": torch.ones(2, 16, dtype=torch.int64)},
+                                axes={"audio": -1, "codes": 0})]
+    first, second = (decode_payload(encode_payload(p)) for p in pieces)
+    assert first.axes == {"audio": -1, "codes": 0}
+    merged = first.merge(second)
+    assert torch.equal(merged.tensors["audio"], audio) and merged.tensors["codes"].shape == (3, 16)
+    comp = MultimodalCompletionOutput(index=0, text="", token_ids=[1], cumulative_logprob=None, logprobs=None,
+                                      multimodal_output=pieces[0])
+    assert decode_completion(encode_completion(comp)).multimodal_output.axes == {"audio": -1, "codes": 0}
+
+
 def test_tensors_inside_a_payloads_plain_values_arrive_as_tensors_between_stages():
     """A payload's list of mixed values and a metadata value holding tensors: each tensor comes back
     a tensor, in its place; the sender's payload is left as it was."""

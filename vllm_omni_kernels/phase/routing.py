@@ -9,9 +9,10 @@ Rules (``shared/DESIGN.md``, "Phase metadata and routing"):
   prefill rows, one-token prompt tails included, never reach MTP; decode spans longer than one token
   go to the scalar hook and not to MTP.
 
-``RoutingPlan.build`` validates the offsets before anything runs and raises ``PhaseRoutingError``
-naming the request: negative or out-of-bounds spans, overlapping rows, and for a non-MTP batched run
-any gap, reversal or duplicate (its rows are written as one contiguous block of tokens).
+``RoutingPlan.build`` validates the step before anything runs and raises ``PhaseRoutingError``
+naming the request: a request on two rows (its phase metadata and code slot are one), negative or
+out-of-bounds spans, overlapping rows, and for a non-MTP batched run any gap, reversal or duplicate
+(its rows are written as one contiguous block of tokens).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class RoutingPlan:
         rows = len(phase)
         if len(request_ids) != rows:
             raise ValueError(f"{len(request_ids)} request ids for {rows} rows")
+        if len(set(request_ids)) != rows:
+            seen: set[str] = set()
+            twice = next(rid for rid in request_ids if rid in seen or seen.add(rid))
+            raise PhaseRoutingError("on two rows of one step (a request has one phase and one code slot)",
+                                    request_id=twice)
         _check_spans(phase, request_ids, num_tokens)
         decode = phase.single_token_decode
         in_mtp = decode if mtp else np.zeros(rows, dtype=bool)

@@ -348,7 +348,8 @@ class OmniMsgpackDecoder(MsgpackDecoder):
 class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
     """A ``MultimodalPayload`` on typed fields, so that every tensor decodes as one: those inside the
     plain values (``other_lists``, ``metadata``) travel in ``nested``, each put back where
-    ``nested_paths`` says (the field, then keys and indices); a tuple arrives as a list."""
+    ``nested_paths`` says (the field, then keys and indices); a tuple arrives as a list. ``axes``:
+    the payload's (the axis each tensor grows along, which ``MultimodalPayload.merge`` follows)."""
 
     order: list[str] = []
     tensors: dict[str, torch.Tensor] = {}
@@ -359,10 +360,11 @@ class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type:
     metadata: dict[str, Any] = {}
     nested: list[torch.Tensor] = []
     nested_paths: list[list[str | int]] = []
+    axes: dict[str, int] = {}
 
     @classmethod
     def from_payload(cls, p: MultimodalPayload) -> PayloadWire:
-        wire = cls(order=list(p.tensors), meta_order=list(p.metadata))
+        wire = cls(order=list(p.tensors), meta_order=list(p.metadata), axes=dict(p.axes))
         for key, value in p.tensors.items():
             if isinstance(value, torch.Tensor):
                 wire.tensors[key] = value
@@ -382,7 +384,7 @@ class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type:
         tensors = {**self.tensors, **self.tensor_lists, **self.other_lists}
         meta = {**self.meta_tensors, **self.metadata}
         return MultimodalPayload(tensors={k: tensors[k] for k in self.order},
-                                 metadata={k: meta[k] for k in self.meta_order})
+                                 metadata={k: meta[k] for k in self.meta_order}, axes=dict(self.axes))
 
 
 def _holder(root: Any, path: list[str | int]) -> Any:
