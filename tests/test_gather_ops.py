@@ -32,6 +32,21 @@ def test_rows_far_apart_keep_every_bit_of_their_offsets(backend, monkeypatch):
     check_far_apart_rows("cpu", backend, monkeypatch, graph=backend == "triton")
 
 
+def test_rows_past_what_one_launch_or_one_record_copies_are_refused_when_recorded():
+    """A float row is copied in at most 65535 blocks (a launch's grid.y), an int row's length is a
+    32-bit field of its record: wider rows are refused before anything is recorded (a kernel would
+    fail to launch, or copy nothing)."""
+    widest = 65535 * 4096 // 4
+    GatherJobs(torch.float32, widest, "cpu")
+    with pytest.raises(ValueError, match="65535 blocks"):
+        GatherJobs(torch.float32, widest + 1, "cpu")
+    jobs = GatherJobs(torch.float32, 8, "cpu")
+    wide = torch.zeros(1, 1, dtype=torch.int32).expand(1, 2**31)  # (no memory behind it)
+    with pytest.raises(ValueError, match="at most 2147483647"):
+        jobs.ints(wide, 0, wide)
+    assert jobs.n_int == 0
+
+
 def test_the_table_holds_one_plain_record_per_row():
     """The table is the record count, then ``GATHER_ROW`` records (each side's offset from the base in
     float elements or int32 words, its row stride and its row; the count and the kind), then the

@@ -27,12 +27,14 @@ import numpy as np
 import torch
 
 from .. import backend
-from ..ops.layout import INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, R_DST_ROW, R_SRC_ROW, R_WORD, ROW_WORDS, RUN_ELEMS
+from ..ops.layout import (GATHER_BLOCK_BYTES, INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, R_DST_ROW, R_SRC_ROW,
+                          R_WORD, ROW_WORDS, RUN_ELEMS, gather_row_blocks)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
 _INTS = (int, np.integer)
 _INT32 = np.iinfo(np.int32)
+_MAX_ROW_BLOCKS = 65535  # a float row's blocks are a launch's grid.y (CUDA's limit)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,9 @@ class GatherJobs:
         self._on_device = backend.on_device(self.device)
         self._device_index = self.device.index if self.is_cuda else -1  # Tensor.get_device()'s (-1: CPU or meta)
         self.elem_size = self.dtype.itemsize
+        if gather_row_blocks(self.width, self.elem_size) > _MAX_ROW_BLOCKS:
+            raise ValueError(f"float rows of {self.width} {self.dtype} elements are past what one launch copies: "
+                             f"{_MAX_ROW_BLOCKS} blocks of {GATHER_BLOCK_BYTES} bytes a row")
         self._vector = 16 // self.elem_size
         self._width_aligned = self.width % self._vector == 0
         self._outputs: dict[int, torch.Tensor] = {}
@@ -181,6 +186,8 @@ class GatherJobs:
         width = dst.shape[1] if dst.dim() == 2 else 1
         if width != (src.shape[1] if src.dim() == 2 else 1):
             raise ValueError(f"int rows of different widths: source {tuple(src.shape)}, destination {tuple(dst.shape)}")
+        if width > _INT32.max:  # (a record's count field)
+            raise ValueError(f"int rows of {width} elements; one record copies at most {_INT32.max}")
         if dst.dim() == 2 and dst.stride(1) != 1:
             raise ValueError("destination rows must be contiguous")
         if dst.dim() != src.dim():  # rows of one element either way
@@ -310,6 +317,8 @@ class GatherJobs:
             raise ValueError("values go into a 1-D contiguous tensor")
         self._check(dst, "destination", INT_DTYPES, (1,))
         v = np.asarray(values).reshape(-1)
+        if v.size > _INT32.max:  # (a record's count field)
+            raise ValueError(f"{v.size} values; one record writes at most {_INT32.max}")
         if v.size and v.dtype.kind not in "iub":
             raise TypeError(f"values must be integers, got {v.dtype}")
         if v.size and (v.min() < _INT32.min or v.max() > _INT32.max):

@@ -46,7 +46,7 @@ def _row_gather_kernel(fbase, ibase, table, W, BLOCK_F: tl.constexpr, BLOCK_I: t
                        ALIGN: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         wait_previous_grid()
-    job = tl.program_id(0)
+    job = tl.program_id(0).to(tl.int64)  # (times ROW_WORDS: past 2^31 words at 3e8 records)
     blk = tl.program_id(1)
     if job < tl.load(table):
         rec = table + 1 + job * ROW_WORDS
