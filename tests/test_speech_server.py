@@ -32,15 +32,16 @@ BOUND = 4
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def running_server(tmp_path_factory, *options: str, env: dict[str, str] | None = None):
+def running_server(tmp_path_factory, *options: str, env: dict[str, str] | None = None, api_key: str | None = None):
     model = make_model_dir(tmp_path_factory.mktemp("talker"))
     log = tmp_path_factory.mktemp("log") / "server.log"
     with speech_server(model, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND + 2),
-                       "--max-inflight", str(BOUND), "--max-input-chars", "3000", *options, cwd=ROOT,
-                       env=env) as (url, _):
+                       "--max-inflight", str(BOUND), "--max-input-chars", "3000", *options,
+                       *(("--api-key", api_key) if api_key else ()), cwd=ROOT, env=env) as (url, _):
         from transformers import AutoTokenizer
 
-        yield {"url": url, "model": model, "tokenizer": AutoTokenizer.from_pretrained(str(model)), "log": log}
+        yield {"url": url, "model": model, "tokenizer": AutoTokenizer.from_pretrained(str(model)), "log": log,
+               "headers": {"Authorization": f"Bearer {api_key}"} if api_key else None}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def expected(server, text: str, voice: str = "alloy", speed: float = 1.0) -> np.
 
 
 def stats(server) -> dict:
-    return httpx.get(f"{server['url']}/v1/audio/speech/stats", timeout=30).json()
+    return httpx.get(f"{server['url']}/v1/audio/speech/stats", headers=server["headers"], timeout=30).json()
 
 
 def metrics(server) -> dict[str, float]:
@@ -70,7 +71,8 @@ def metrics(server) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     found = {}
-    for family in text_string_to_metric_families(httpx.get(f"{server['url']}/metrics", timeout=30).text):
+    for family in text_string_to_metric_families(httpx.get(f"{server['url']}/metrics", headers=server["headers"],
+                                                           timeout=30).text):
         for sample in family.samples:
             if sample.name == "vllm_omni:speech_requests_total":
                 found[sample.labels["outcome"]] = sample.value
@@ -632,8 +634,8 @@ def test_speed_gives_the_frames_its_decimal_value_asks_for(chars, speed, frames)
 @pytest.fixture(scope="module")
 def dev_server(tmp_path_factory):
     """The server with vLLM's development routes (``VLLM_SERVER_DEV_MODE``), among them ``/pause``
-    and ``/resume``, which a weight update drives."""
-    yield from running_server(tmp_path_factory, env={"VLLM_SERVER_DEV_MODE": "1"})
+    and ``/resume``, which a weight update drives, and an API key (its own warm-up sends it)."""
+    yield from running_server(tmp_path_factory, env={"VLLM_SERVER_DEV_MODE": "1"}, api_key="sekret")
 
 
 def test_the_engines_own_abort_never_looks_like_a_complete_response(dev_server):
@@ -643,14 +645,14 @@ def test_the_engines_own_abort_never_looks_like_a_complete_response(dev_server):
     paused, get 503 with Retry-After (a retry can be served) and count as turned away. After
     ``/resume`` a request is exact again."""
     server = dev_server
-    url = f"{server['url']}/v1/audio/speech"
+    url, key = f"{server['url']}/v1/audio/speech", server["headers"]
     long_text = "a" * 2500  # 200 s of audio: seconds of engine steps
     body = {"input": long_text, "response_format": "pcm", "sample_format": "f32", "stream": True}
     before = idle(server)
     got = b""
     try:
         with pytest.raises(httpx.RemoteProtocolError):
-            with httpx.stream("POST", url, json=body, timeout=120) as r:
+            with httpx.stream("POST", url, json=body, headers=key, timeout=120) as r:
                 assert r.status_code == 200
                 chunks = r.iter_raw()
                 got += next(chunks)
@@ -660,13 +662,13 @@ def test_the_engines_own_abort_never_looks_like_a_complete_response(dev_server):
         want = expected(server, long_text).astype("<f4").tobytes()
         assert 0 < len(got) < len(want) and want.startswith(got)
 
-        refused = httpx.post(url, json={**body, "input": "Paused.", "stream": False}, timeout=60)
+        refused = httpx.post(url, json={**body, "input": "Paused.", "stream": False}, headers=key, timeout=60)
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         httpx.post(f"{server['url']}/resume", timeout=60).raise_for_status()
 
         whole = {}
         asking = threading.Thread(target=lambda: whole.setdefault(
-            "r", httpx.post(url, json={**body, "stream": False}, timeout=120)))
+            "r", httpx.post(url, json={**body, "stream": False}, headers=key, timeout=120)))
         asking.start()
         t0 = time.time()
         while not stats(server)["worker"]["requests_held"]:  # it is in the engine, making its audio
@@ -680,5 +682,6 @@ def test_the_engines_own_abort_never_looks_like_a_complete_response(dev_server):
     after = idle(server)
     assert {k: after[k] - before[k] for k in ("served", "failed", "rejected", "cancelled")} == \
         {"served": 0, "failed": 1, "rejected": 2, "cancelled": 0}
-    again = httpx.post(url, json={**body, "input": "Resumed.", "stream": False}, timeout=60)
+    again = httpx.post(url, json={**body, "input": "Resumed.", "stream": False}, headers=key, timeout=60)
     assert again.status_code == 200 and again.content == expected(server, "Resumed.").astype("<f4").tobytes()
+    assert httpx.post(url, json={**body, "input": "No key."}, timeout=60).status_code == 401  # vLLM's own check

@@ -131,7 +131,8 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
                                                 retry_after_s=args.retry_after),
                        shared_counts=getattr(args, "omni_speech_counts", None), api_server=(index, count))
         await init_app_state(engine, app.state, args, tasks)
-        await speech.warm_up_route(app)
+        # the key vLLM's authentication takes (its --api-key wins over VLLM_API_KEY), if it asks for one
+        await speech.warm_up_route(app, next((key for key in (args.api_key or [envs.VLLM_API_KEY]) if key), None))
         kwargs = {}
         if (log_config := get_uvicorn_log_config(args)) is not None:
             kwargs["log_config"] = log_config

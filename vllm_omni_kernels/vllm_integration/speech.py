@@ -508,23 +508,25 @@ async def speech_stats(raw_request: Request) -> JSONResponse:
                          "worker": worker})
 
 
-async def warm_up_route(app) -> None:
+async def warm_up_route(app, api_key: str | None = None) -> None:
     """One streamed and one whole-file speech request through the app itself (in process, no
     socket) before it serves, so that the first clients do not pay for what runs once per process
     on first use; the engine was warmed already (``llm.warm_up``). They count neither in
-    ``Admission`` nor in ``FirstAudio``, and speak one character in the model's first voice. A 400
-    (the server's limits: a model without voices, say) is logged and ends the warm-up, as it shows
-    the route running; so does a 503 (other API server processes warming under the same bound)."""
+    ``Admission`` nor in ``FirstAudio``, and speak one character in the model's first voice, with
+    ``api_key`` when the server asks for one. A 400 (the server's limits: a model without voices,
+    say) is logged and ends the warm-up, as it shows the route running; so does a 503 (other API
+    server processes warming under the same bound)."""
     import httpx
 
     voice = next(iter(_voices(app.state.engine_client)), "")
     body = {"input": "a", "voice": voice, "response_format": "pcm", "stream": True}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     admission: Admission = app.state.omni_speech_admission
     admission.counting = False
     app.state.omni_speech_first_audio = FirstAudio(observe=False)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warm-up",
-                                     timeout=120) as client:
+                                     headers=headers, timeout=120) as client:
             for payload in (body, {**body, "stream": False}):
                 r = await client.post("/v1/audio/speech", json=payload)
                 if r.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
