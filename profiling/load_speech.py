@@ -290,9 +290,12 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
           f"extra; 503s {res['status_503']}; probe {probe}; pool bytes {before['pool_bytes_used']} -> "
           f"{after['pool_bytes_used']}, slots {after['pool_slots_used']}, RSS {before['rss_bytes']} -> "
           f"{[m['rss_bytes'] for m in rounds]} after each round", flush=True)
-    print(f"[{path}] in the server, p50 / p99 ms: " + ", ".join(
-        f"{name} {phases.get(f'{name}_ms_p50', 0):.1f} / {phases.get(f'{name}_ms_p99', 0):.1f}"
-        for name in ("admit", "engine", "deliver", "respond", "total")), flush=True)
+    if phases.get("count"):  # (the API server process that answered the stats request: one of --api-servers)
+        print(f"[{path}] in the server, p50 / p99 ms: " + ", ".join(
+            f"{name} {phases[f'{name}_ms_p50']:.1f} / {phases[f'{name}_ms_p99']:.1f}"
+            for name in ("admit", "engine", "deliver", "respond", "total")), flush=True)
+    else:
+        print(f"[{path}] in the server: no first audio timed by the API server process that answered", flush=True)
     return res
 
 

@@ -26,6 +26,7 @@ from vllm_omni_kernels.errors import MultimodalOutputError, OutputMemoryError  #
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.vllm_integration.llm import (  # noqa: E402
     OmniAsyncLLM, OmniLLM, omni_vllm_config, talker_engine_args, talker_processor_options)
+from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput  # noqa: E402
 from vllm_omni_kernels.vllm_integration.scheduler import OmniAsyncScheduler, OmniScheduler  # noqa: E402
 from vllm_omni_kernels.vllm_integration.simulate import SimConfig, _plans, run  # noqa: E402
 from vllm_omni_kernels.vllm_integration.talker_model import make_model_dir  # noqa: E402
@@ -115,6 +116,7 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
             codes, audio = out.multimodal.tensors["codes"], out.multimodal.tensors["audio"]
             assert codes.shape == (p.max_tokens, tk.CODEBOOKS) and audio.equal(tk.expected_audio(codes))
             assert list(out.request_output.outputs[0].token_ids) == (codes[:, 0] + tk.TEXT_VOCAB).tolist()
+            assert out.outputs[0].multimodal_output is out.multimodal  # as vLLM's RequestOutput reads
     for a, b in zip(results[True], results[False]):  # the same talker, the same frames either way
         assert a.multimodal.tensors["codes"].equal(b.multimodal.tensors["codes"])
 
@@ -589,6 +591,39 @@ def test_a_request_the_worker_fails_on_its_last_frame_ends_once(tmp_path, async_
         assert isinstance(failed, MultimodalOutputError) and failed.request_id == f"{kind.name}-True"
         assert served[0] == "length" and served[1].equal(want)
     assert stats["late_outputs"] == 0 and stats["failed_by_worker"] == 3
+
+
+def test_every_output_of_a_talker_request_has_multimodal_output_an_aborted_whole_file_too(tmp_path):
+    """A whole-file (FINAL_ONLY) request aborted before its audio: its last output is still a
+    ``MultimodalCompletionOutput``, ``multimodal_output`` None, as the README's loop reads it."""
+    model = make_model_dir(tmp_path / "model")
+    args = talker_engine_args(model, device="cpu", max_num_seqs=4, args_cls=AsyncEngineArgs, disable_log_stats=True)
+
+    async def serve():
+        engine = OmniAsyncLLM.from_engine_args(args)
+        try:
+            params = SamplingParams(max_tokens=4000, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+            outs = []
+
+            async def whole():
+                async for out in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), params, request_id="w"):
+                    outs.append(out)
+
+            task = asyncio.create_task(whole())
+            t0 = time.time()
+            while not (await engine.collective_rpc("output_path_stats"))[0]["requests_held"]:
+                assert time.time() - t0 < 30
+                await asyncio.sleep(0.02)
+            await engine.abort("w")
+            await asyncio.wait_for(task, 30)
+            return outs
+        finally:
+            engine.shutdown()
+
+    outs = asyncio.run(serve())
+    assert outs and outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert all(isinstance(out.outputs[0], MultimodalCompletionOutput) for out in outs)
+    assert outs[-1].outputs[0].multimodal_output is None
 
 
 def test_an_output_memory_too_small_for_the_engines_streams_is_refused_at_start(tmp_path):

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="vLLM's async scheduling (default: on for a talker on CUDA, off on the CPU)")
     sim.add_argument("--in-process", action="store_true", help="the engine core in this process (default: its own)")
     sim.add_argument("--paths", default="worker,upstream", help="output paths to run: worker, upstream")
-    sim.add_argument("--out", default="out/simulate", help="where WAVs, summary.json and the PNG go")
+    sim.add_argument("--out", default="out/simulate", help="where summary.json, the PNG and wav/ go")
     sim.add_argument("--no-wavs", action="store_true", help="check every sample but write no WAV files")
     sim.add_argument("--bad-every", type=int, default=0,
                      help="every n-th request makes the talker emit a malformed output (worker path: a chunk of "
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, ratio in summary.get("ratios", {}).items():
         if ratio is not None:
             print(f"upstream-style / this package, {key}: {ratio:.3g}x")
-    print(f"{'' if args.no_wavs else 'WAVs, '}summary.json and simulate.png in {args.out}")
+    print(f"summary.json and simulate.png in {args.out}" + ("" if args.no_wavs else f", WAVs in {Path(args.out) / 'wav'}"))
     ok = all(s["finished_exact"] + s["aborted_checked"] + s["failed_as_expected"] == s["requests"]
              and s["slots_held_after"] == 0 for s in summary["paths"].values())
     return 0 if ok else 1

@@ -109,6 +109,8 @@ class OmniRequestState(RequestState):
     cumulative_sent: int = 0  # CUMULATIVE: output tokens at its last output (``stream_interval``)
     upstream: bool = False  # the upstream style: CUMULATIVE at vLLM's own cadence (an output every step),
     #                         everything so far concatenated from a list at each output
+    multimodal: bool = False  # the processor's output modality has multimodal output: every completion
+    #                           output is a MultimodalCompletionOutput (multimodal_output None until data)
 
     def add_multimodal_tensor(self, payload: Mapping[str, Any] | None) -> list[TensorAccumulationError]:
         """Accumulate one step's ``{key: value}`` for this request (the per-request form of what the
@@ -246,11 +248,11 @@ class OmniRequestState(RequestState):
         return MultimodalRequestOutput.adopt(super()._new_request_output(*args, **kwargs))
 
     def _new_completion_output(self, token_ids, finish_reason, stop_reason):
-        """vLLM's completion output; once the request has multimodal output, a
-        ``MultimodalCompletionOutput``, every one (an abort's and one with nothing new included:
-        ``multimodal_output`` None)."""
+        """vLLM's completion output; once the request has multimodal output, or from the start where
+        the processor's output modality has it, a ``MultimodalCompletionOutput``, every one (an
+        abort's and one with nothing new included: ``multimodal_output`` None)."""
         base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
-        if self.accumulator is None and self.arrived is None:
+        if self.accumulator is None and self.arrived is None and not self.multimodal:
             return base
         out = recast(base, MultimodalCompletionOutput)
         out.multimodal_output, exc = self._payload_or_failure(finish_reason is not None)
@@ -308,6 +310,7 @@ class MultimodalOutputProcessor(OutputProcessor):
             if not isinstance(state, OmniRequestState):
                 state = self.request_states[rid] = recast(state, OmniRequestState)
             state.upstream = self.upstream_style
+            state.multimodal = self.output_modality.has_multimodal
 
     # ------------------------------------------------------------------ the step
 

@@ -150,6 +150,15 @@ class OmniRequestOutput:
             return self.request_output.outputs[0].text
         return None
 
+    @property
+    def outputs(self) -> list:
+        """The wrapped output's completion outputs (``outputs[0].multimodal_output``, as vLLM's
+        ``RequestOutput`` has them; a pooling output's as a one-item list), or none."""
+        inner = self.request_output
+        if inner is None:
+            return []
+        return inner.outputs if isinstance(inner.outputs, list) else [inner.outputs]
+
 
 def wrap_output(engine_output: RequestOutput | PoolingRequestOutput | OmniRequestOutput, stage_id: int | None,
                 output_modality: OutputModality | str) -> OmniRequestOutput:
