@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, ratio in summary.get("ratios", {}).items():
         if ratio is not None:
             print(f"upstream-style / this package, {key}: {ratio:.3g}x")
-    print(f"summary.json and simulate.png in {args.out}" + ("" if args.no_wavs else f", WAVs in {Path(args.out) / 'wav'}"))
+    wavs = "" if args.no_wavs else f", WAVs in {Path(args.out) / 'wav'}"
+    print(f"summary.json and simulate.png in {args.out}{wavs}")
     ok = all(s["finished_exact"] + s["aborted_checked"] + s["failed_as_expected"] == s["requests"]
              and s["slots_held_after"] == 0 for s in summary["paths"].values())
     return 0 if ok else 1

@@ -19,8 +19,9 @@ def speech_server(model: str | Path, log: Path, *options: str, cwd: str | Path |
     """``python -m vllm_omni_kernels serve MODEL`` on a free port of 127.0.0.1 with ``options``, its
     output in ``log``, in a session of its own; yields its URL and process once it is ready
     (``wait_ready``). vLLM's platform is its CPU one (the talker picks its own device); no
-    Prometheus multiprocess directory is inherited; ``env``: variables set for it besides. On exit it gets SIGTERM, and its session
-    SIGKILL if it has not exited 60 s later (``subprocess.TimeoutExpired`` is raised then)."""
+    Prometheus multiprocess directory is inherited; ``env``: variables set for it besides. On exit
+    it gets SIGTERM, and its session SIGKILL if it has not exited 60 s later
+    (``subprocess.TimeoutExpired`` is raised then)."""
     with socket.socket() as s:  # a port nobody listens on now (another process may take it first)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

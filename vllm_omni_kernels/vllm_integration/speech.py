@@ -29,9 +29,9 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
 
 A stream that fails after its first bytes (a worker error for this request, or the engine aborting
 it) ends without the final chunk of the chunked encoding, so a client sees a truncated response,
-never a short one that looks complete. ``GET /v1/audio/speech/stats`` reports the requests in flight and how those that left
-ended (served, rejected, failed, cancelled: ``Admission``), the worker's pools, and
-where each streamed request's time to first audio went (``FirstAudio``).
+never a short one that looks complete. ``GET /v1/audio/speech/stats`` reports the requests in
+flight and how those that left ended (served, rejected, failed, cancelled: ``Admission``), the
+worker's pools, and where each streamed request's time to first audio went (``FirstAudio``).
 """
 
 from __future__ import annotations

@@ -200,8 +200,8 @@ class TalkerWorker:
         self._in_flight: deque[_StepOutput] = deque()  # step outputs handed to vLLM, not yet resolved
         self._discarded: dict[str, TensorAccumulationError] = {}  # failures for the next step output (_discard)
         # failures of a frame that may lie past a stop token not seen yet, until it is (_judge_held_failures):
-        # request -> (its error, the step whose append failed)
-        self._held_failures: dict[str, tuple[TensorAccumulationError, _StepOutput]] = {}
+        # request -> (its error, the step whose append failed, the failing frame's count of frames produced)
+        self._held_failures: dict[str, tuple[TensorAccumulationError, _StepOutput, int]] = {}
         self._keep_rows: set[str] = set()  # this step's closing requests that keep their rows (_update_requests)
         keys = talker_output_keys(self.options.cadence)
         self.acc = WorkerAccumulator(keys, self.device, budget_bytes=key_budgets(keys, self.options.pool_budget_bytes),
@@ -555,7 +555,7 @@ class TalkerWorker:
         step = _StepOutput(self, req_ids, sampling, opened, replayed, packed=packed, failed=failed, sampled=sampled,
                            stops=stops)
         for rid in held:
-            self._held_failures[rid] = (failed.pop(rid), step)
+            self._held_failures[rid] = (failed.pop(rid), step, int(produced[ids.index(rid)]))
         return step
 
     def _may_have_stopped(self, rid: str) -> bool:
@@ -627,11 +627,11 @@ class TalkerWorker:
         that a stop token ended before the failing frame closes there as any stopped request does
         (its data is held unread until then: ``collect``'s ``hold``), and the failure is void; any
         other fails now, with the next step output."""
-        for rid, (error, failing) in list(self._held_failures.items()):
+        for rid, (error, failing, frame) in list(self._held_failures.items()):
             if failing in self._in_flight and self._in_flight[0] is not failing:
                 continue  # an earlier step has not resolved: its token may end the request
             del self._held_failures[rid]
-            if rid in self._stopped or rid not in self.acc:
+            if rid not in self.acc or self._stopped.get(rid, frame) < frame:
                 continue  # ended on a stop token before the failing frame (or finished or aborted since)
             self._discard(rid, error)
 
