@@ -61,6 +61,13 @@ def expected(server, text: str, voice: str = "alloy", speed: float = 1.0) -> np.
     return tk.expected_audio(tk.rollout(tk.ToyTalker(0), ids, frames)).numpy()
 
 
+def s16(samples: np.ndarray) -> bytes:
+    """16-bit PCM by its definition, sample by sample: the oracle apart from ``serving.wav.pcm16``
+    (clipped to [-1, 1], times 32767, rounded half to even; NaN is 0)."""
+    values = [0.0 if math.isnan(v) else min(max(v, -1.0), 1.0) for v in np.asarray(samples, np.float64).tolist()]
+    return struct.pack(f"<{len(values)}h", *(round(v * 32767) for v in values))
+
+
 def stats(server) -> dict:
     return httpx.get(f"{server['url']}/v1/audio/speech/stats", headers=server["headers"], timeout=30).json()
 
@@ -151,7 +158,7 @@ def test_streamed_audio_is_the_talkers_samples(server, fmt, sample_format):
         samples, rate = read_wav(data)
         assert rate == tk.SAMPLE_RATE
         data = samples.tobytes()
-    assert data == (want.astype("<f4").tobytes() if sample_format == "f32" else pcm16(want))
+    assert data == (want.astype("<f4").tobytes() if sample_format == "f32" else s16(want))
 
 
 @pytest.mark.parametrize("fmt", ["wav", "pcm"])
@@ -180,7 +187,7 @@ def test_openai_client_streams_speech(server):
     with client.audio.speech.with_streaming_response.create(model=str(server["model"]), voice="sage", input=text,
                                                             response_format="pcm") as resp:
         data = b"".join(resp.iter_bytes())
-    assert data == pcm16(expected(server, text, "sage"))
+    assert data == s16(expected(server, text, "sage"))
 
 
 def sse_events(lines) -> list[dict]:
@@ -198,7 +205,7 @@ def test_openai_client_streams_speech_as_server_sent_events(server):
         events = sse_events(resp.iter_lines())
     *deltas, done = events
     assert deltas and {e["type"] for e in deltas} == {"speech.audio.delta"}
-    assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == pcm16(expected(server, text, "sage"))
+    assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == s16(expected(server, text, "sage"))
     prompt = 1 + len(server["tokenizer"](text, add_special_tokens=False)["input_ids"])
     frames = len(expected(server, text, "sage")) // tk.FRAME_SAMPLES
     assert done == {"type": "speech.audio.done",
@@ -486,6 +493,9 @@ def test_every_character_is_a_token_and_pcm16_clips_at_one(tmp_path):
         assert len(ids) == len(text) and ids.count(newline) == text.count("\n"), (text, ids)
     x = np.array([-np.inf, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, np.inf, np.nan])
     assert np.frombuffer(pcm16(x), "<i2").tolist() == [-32767] * 3 + [-16384, 0, 16384] + [32767] * 3 + [0]
+    halves = (np.arange(-40, 40) + 0.5) / 32767  # half a step between two values: rounded to the even one
+    noise = np.random.default_rng(0).uniform(-1.2, 1.2, 10_000).astype(np.float32)
+    assert pcm16(halves) == s16(halves) and pcm16(noise) == s16(noise)
 
 
 def test_unknown_model_is_404_and_non_json_is_400(server):

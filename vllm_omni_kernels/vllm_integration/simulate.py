@@ -117,7 +117,7 @@ class _Result:
     first_audio_wall: float | None = None  # time.time, to meet the worker's clock
     error: str | None = None
     aborted: bool = False  # the client aborted it before it finished
-    inconsistent: str | None = None  # a CUMULATIVE output that did not start with the one before it
+    inconsistent: str | None = None  # a CUMULATIVE output not starting with the one before, or not its tokens
 
 
 def _plans(cfg: SimConfig) -> list[_Plan]:
@@ -134,7 +134,9 @@ def _plans(cfg: SimConfig) -> list[_Plan]:
         frames = int(rng.integers(min(cfg.min_frames, cfg.max_frames), cfg.max_frames + 1))
         plan = _Plan(f"req-{i:04d}", prompt, frames, cfg.kinds[i % len(cfg.kinds)], abort, bad, t,
                      priority=cfg.priorities - 1 - i % cfg.priorities if cfg.priorities else 0)
-        if cfg.stop_every and i % cfg.stop_every == cfg.stop_every - 1 and not (bad or abort):
+        # one request in stop_every, at a place that moves along as the abort's does: every output kind stops
+        if cfg.stop_every and i % cfg.stop_every == (cfg.stop_every - 1 + i // cfg.stop_every) % cfg.stop_every \
+                and not (bad or abort):
             talker = talker or tk.ToyTalker(cfg.seed)
             tokens = (tk.rollout(talker, prompt, frames)[:, 0] + tk.TEXT_VOCAB).tolist()
             plan.stop = tokens[frames // 2]
@@ -438,12 +440,16 @@ def _take(res: _Result, out) -> None:
             res.audio.append(payload.tensors["audio"])
             res.codes.append(payload.tensors["codes"])
         else:  # CUMULATIVE: each output starts with a copy of the one before, taken as it came (the
-            # worker path's share one growing storage), so each was right when it came if the last is
+            # worker path's share one growing storage), so each was right when it came if the last is;
+            # and each holds the codes of every token it reports (a stale one would pass the first test)
             audio, codes = payload.tensors["audio"], payload.tensors["codes"]
             if res.audio and res.inconsistent is None and not (
                     torch.equal(audio[:res.audio[0].numel()], res.audio[0])
                     and torch.equal(codes[:res.codes[0].shape[0]], res.codes[0])):
                 res.inconsistent = f"output {res.payloads} does not start with the output before it"
+            if res.inconsistent is None and (codes[:, 0] + tk.TEXT_VOCAB).tolist() != res.tokens:
+                res.inconsistent = (f"output {res.payloads} holds {codes.shape[0]} frames of codes for its "
+                                    f"{len(res.tokens)} tokens")
             if res.plan.kind == "cumulative" and not out.finished:
                 audio, codes = audio.clone(), codes.clone()
             res.audio, res.codes = [audio], [codes]
