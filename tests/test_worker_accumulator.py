@@ -316,8 +316,9 @@ def test_a_malformed_chunk_fails_only_its_request():
 
 def test_a_failed_request_kept_by_the_caller_is_read_up_to_the_end_it_is_given():
     """``append(keep=)``: a request whose chunk fails keeps its slots and earlier data (the chunk's
-    other keys were appended); ``collect(hold=)`` reads none of it however due it is; a later
-    ``collect`` with its ``ends`` closes it at the frames before the failure, every key alike."""
+    other keys were appended); ``collect(hold=)`` reads none of it however due it is, finishing
+    too; a later ``collect`` with its ``ends`` closes it at the frames before the failure, every
+    key alike."""
     acc = WorkerAccumulator([OutputKey("audio", S.CONCAT_LAST, torch.float32, (), cadence=0),
                              OutputKey("codes", S.CONCAT_DIM0, torch.int64, (2,), cadence=None)], "cpu")
     for rid in "ab":
@@ -328,8 +329,9 @@ def test_a_failed_request_kept_by_the_caller_is_read_up_to_the_end_it_is_given()
     failed = acc.append(list("ab"), {"audio": [torch.full((3,), 2.0), torch.ones(3, dtype=torch.float64)],
                                      "codes": [codes[2], codes[2]]}, keep=lambda rid: True)
     assert list(failed) == ["b"] and "b" in acc
-    held = acc.collect(hold=["b"])
+    held = acc.collect(["b"], hold={"b"})  # held over finishing too: nothing read, the slots kept
     assert held.requests() == {"a"} and held.tensors("a")["audio"].tolist() == [0.0] * 3 + [1.0] * 3 + [2.0] * 3
+    assert "b" in acc and not held.final
     ends = [np.full(acc.rows, 1 << 40, np.int64) for _ in acc.keys]
     ends[0][acc.row_of("b")], ends[1][acc.row_of("b")] = 6, 2  # its two frames before the failing one
     closed = acc.collect(["b"], ends=ends)

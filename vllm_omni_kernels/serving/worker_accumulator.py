@@ -390,8 +390,8 @@ class WorkerAccumulator:
         ``keys`` order), by row, the frames each request's output ends at (int64; a request found
         to have ended steps ago: what it appended after that is never read, and goes with its
         slots); rows with no end hold any larger number. ``hold``: requests none of whose data is
-        read this step (whose end is not known yet). Returns None when nothing is due and there is
-        no head.
+        read this step, however due, finishing included (their end is not known yet); they keep
+        their slots. Returns None when nothing is due and there is no head.
         """
         with nvtx_range("worker.collect"):
             unreads = [pool.unread() for pool in self.pools]
@@ -407,7 +407,7 @@ class WorkerAccumulator:
             due = self._streaming & pending & paced  # (rows not held have nothing unread)
             if hold:
                 due[[self._row[r] for r in hold if r in self._row]] = False
-            ending = [r for r in dict.fromkeys(finishing) if r in self._row]
+            ending = [r for r in dict.fromkeys(finishing) if r in self._row and r not in hold]
             if ending:
                 due[[self._row[r] for r in ending]] = True  # everything left, whatever the output kind
             rows = np.flatnonzero(due)

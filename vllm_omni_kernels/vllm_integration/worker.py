@@ -545,8 +545,6 @@ class TalkerWorker:
                 chunks["audio"] = [audio[b].double() if b in bad else audio[b] for b in range(B)]
             failed = self.acc.append(ids, chunks, rows=state_rows, keep=self._may_have_stopped)
             held = [rid for rid in failed if rid in self.acc]  # (kept: judged once the earlier steps resolve)
-            if held:
-                finishing = [rid for rid in finishing if rid not in failed]
             packed = self._collect(finishing, flush, 8 * B, held)
         for rid in failed:  # the scheduler finishes it with the error; it samples no more
             self._done[self._row[rid]] = True
@@ -579,7 +577,7 @@ class TalkerWorker:
                 for rid, frames in flush.items():
                     end[self._row[rid]] = frames * _STEP_FRAMES[key.name]
         packed = self.acc.collect(finishing + list(flush), head_bytes=head_bytes, ends=ends,
-                                  hold=[*self._held_failures, *held])
+                                  hold={*self._held_failures, *held})
         for rid in flush:
             if rid not in self._keep_rows:
                 self._free_rows.append(self._row.pop(rid))
