@@ -93,9 +93,12 @@ class GrowingTensor:
 
     def _write(self, at: int, piece: torch.Tensor) -> None:
         k = piece.shape[self.axis]
-        if (self._np is not None and piece.is_cpu and piece.dtype == self._data.dtype and not piece.requires_grad
-                and not piece.is_conj() and not piece.is_neg()):  # (numpy would not take a lazy conjugate)
-            self._np[(*self._lead, slice(at, at + k))] = piece.numpy()
+        if (self._np is not None and piece.dtype == self._data.dtype and piece.is_cpu
+                and not (piece.requires_grad or piece.is_conj() or piece.is_neg())):  # (numpy takes no lazy conjugate)
+            if self.axis:
+                self._np[(*self._lead, slice(at, at + k))] = piece.numpy()
+            else:
+                self._np[at:at + k] = piece.numpy()
         else:
             self._data.narrow(self.axis, at, k).copy_(piece)
 

@@ -163,6 +163,10 @@ class OmniRequestState(RequestState):
 
     def _joined(self, arrived: list[dict[str, tuple[int, torch.Tensor]]]) -> MultimodalPayload:
         """DELTA and FINAL_ONLY: the deliveries since the last output, a key's pieces concatenated."""
+        if len(arrived) == 1:  # the common output: one delivery, its pieces as they are
+            pieces = arrived[0]
+            return MultimodalPayload({key: t for key, (_, t) in pieces.items()},
+                                     axes={key: axis for key, (axis, _) in pieces.items()})
         tensors, axes = {}, {}
         for key in dict.fromkeys(key for pieces in arrived for key in pieces):
             got = [pieces[key] for pieces in arrived if key in pieces]

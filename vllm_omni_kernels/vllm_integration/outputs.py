@@ -18,11 +18,11 @@ from ..serving.worker_accumulator import PackedStep
 
 
 def recast(base: Any, cls: type) -> Any:
-    """``base`` as an instance of its subclass ``cls``: the same field values (not copied), the
-    subclass's fields at their class defaults."""
-    out = cls.__new__(cls)
-    out.__dict__.update(base.__dict__)
-    return out
+    """``base`` itself, made an instance of its subclass ``cls`` (which adds only fields with class
+    defaults): every field keeps its value, the subclass's read their defaults, and whoever else holds
+    ``base`` sees the same object."""
+    base.__class__ = cls
+    return base
 
 
 @dataclass
