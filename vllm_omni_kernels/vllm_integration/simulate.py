@@ -118,6 +118,7 @@ class _Result:
     error: str | None = None
     aborted: bool = False  # the client aborted it before it finished
     inconsistent: str | None = None  # a CUMULATIVE output not starting with the one before, or not its tokens
+    seen: list | None = None  # CUMULATIVE: audio and codes as the outputs so far held them, and their lengths
 
 
 def _plans(cfg: SimConfig) -> list[_Plan]:
@@ -439,25 +440,47 @@ def _take(res: _Result, out) -> None:
         if res.plan.kind == "delta":
             res.audio.append(payload.tensors["audio"])
             res.codes.append(payload.tensors["codes"])
-        else:  # CUMULATIVE: each output starts with a copy of the one before, taken as it came (the
-            # worker path's share one growing storage), so each was right when it came if the last is;
-            # and each holds the codes of every token it reports (a stale one would pass the first test)
+        else:  # CUMULATIVE: each output starts with the one before as it came (the worker path's share
+            # one growing storage), so each was right when it came if the last is; and each holds the
+            # codes of every token it reports (a stale one would pass the first test)
             audio, codes = payload.tensors["audio"], payload.tensors["codes"]
-            if res.audio and res.inconsistent is None and not (
-                    torch.equal(audio[:res.audio[0].numel()], res.audio[0])
-                    and torch.equal(codes[:res.codes[0].shape[0]], res.codes[0])):
+            if res.plan.kind == "cumulative" and res.inconsistent is None and \
+                    not _follows(res, audio.numpy(), codes.numpy()):
                 res.inconsistent = f"output {res.payloads} does not start with the output before it"
             if res.inconsistent is None and (codes[:, 0] + tk.TEXT_VOCAB).tolist() != res.tokens:
                 res.inconsistent = (f"output {res.payloads} holds {codes.shape[0]} frames of codes for its "
                                     f"{len(res.tokens)} tokens")
-            if res.plan.kind == "cumulative" and not out.finished:
-                audio, codes = audio.clone(), codes.clone()
             res.audio, res.codes = [audio], [codes]
+
+
+def _follows(res: _Result, audio: np.ndarray, codes: np.ndarray) -> bool:
+    """Whether a CUMULATIVE output starts with what the request's outputs before it held when they
+    came (``res.seen``: a copy that each output extends by its new part, so the client copies every
+    sample once and compares without allocating a copy per output); then it extends the copy."""
+    seen = res.seen
+    if seen is None:
+        seen = res.seen = [np.empty(2 * len(audio), audio.dtype), np.empty((2 * len(codes), *codes.shape[1:]),
+                                                                           codes.dtype), 0, 0]
+    kept_audio, kept_codes, n, m = seen
+    if len(audio) < n or len(codes) < m or not (np.array_equal(audio[:n], kept_audio[:n])
+                                                and np.array_equal(codes[:m], kept_codes[:m])):
+        return False
+    if len(audio) > len(kept_audio):
+        seen[0] = np.concatenate((kept_audio[:n], np.empty(max(len(audio), 2 * len(kept_audio)) - n, audio.dtype)))
+    if len(codes) > len(kept_codes):
+        seen[1] = np.concatenate((kept_codes[:m], np.empty((max(len(codes), 2 * len(kept_codes)) - m,
+                                                            *codes.shape[1:]), codes.dtype)))
+    seen[0][n:len(audio)] = audio[n:]
+    seen[1][m:len(codes)] = codes[m:]
+    seen[2], seen[3] = len(audio), len(codes)
+    return True
 
 
 def _settle(res: _Result) -> None:
     """A finished request's DELTA pieces as one tensor per key: each piece is a view that keeps a
-    step's received buffer alive, and an object every full collection of the client walks."""
+    step's received buffer alive, and an object every full collection of the client walks. A
+    CUMULATIVE request's copy of its outputs goes (the last output is what is checked)."""
+    res.seen = None
     if len(res.audio) > 1:
         res.audio, res.codes = [torch.cat(res.audio)], [torch.cat(res.codes)]
 
