@@ -549,6 +549,55 @@ def test_limits_below_one_are_refused(tmp_path, option, value, capsys):
 
 
 
+def test_a_server_of_two_api_server_processes_drains_its_streams_on_sigterm(tmp_path):
+    """``--api-server-count 2 --shutdown-timeout 30``: SIGTERM while streams are in flight lets each
+    finish with every sample (vLLM's API server process would stop taking outputs at once, its
+    streams hanging until the process manager kills them at the timeout), a request that comes
+    meanwhile gets 503 with Retry-After, and the server exits well before the timeout."""
+    from transformers import AutoTokenizer
+
+    model = make_model_dir(tmp_path / "talker")
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    texts = [f"Stream {i} outlives the signal. " * 40 for i in range(BOUND - 1)]
+    with speech_server(model, tmp_path / "server.log", "--talker-device", "cpu", "--max-num-seqs", str(BOUND + 2),
+                       "--max-inflight", str(BOUND), "--max-input-chars", "3000", "--api-server-count", "2",
+                       "--shutdown-timeout", "30", cwd=ROOT) as (url, proc):
+
+        async def run() -> tuple[list[bytes], httpx.Response, float]:
+            started = [asyncio.Event() for _ in texts]
+
+            async def one(i: int) -> bytes:
+                body = {"input": texts[i], "voice": "alloy", "response_format": "pcm", "sample_format": "f32",
+                        "stream": True}
+                async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                    async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+                        assert r.status_code == 200, await r.aread()
+                        data = b""
+                        async for chunk in r.aiter_raw():
+                            data += chunk
+                            started[i].set()
+                        return data
+
+            streams = [asyncio.create_task(one(i)) for i in range(len(texts))]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            proc.terminate()
+            t0 = time.time()
+            await asyncio.sleep(0.3)  # the signal reaches both API server processes
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                late = await client.post("/v1/audio/speech", json={"input": "Too late.", "voice": "alloy",
+                                                                   "response_format": "pcm", "stream": True})
+            return await asyncio.gather(*streams), late, t0
+
+        got, late, t0 = asyncio.run(run())
+        assert late.status_code == 503 and late.headers.get("retry-after"), (late.status_code, late.text)
+        proc.wait(25)
+        assert time.time() - t0 < 25
+    for text, data in zip(texts, got):
+        ids = [VOICES["alloy"], *tokenizer(text, add_special_tokens=False)["input_ids"]]
+        want = tk.expected_audio(tk.rollout(tk.ToyTalker(0), ids, len(ids) - 1)).numpy()
+        assert data == want.astype("<f4").tobytes(), f"{len(data) // 4} of {want.size} samples"
+
+
 @pytest.mark.parametrize("argv", [["--headless"], ["--api-server-count", "0"]])
 def test_an_engine_without_api_servers_is_refused(tmp_path, argv):
     """vLLM's ``serve`` runs the engine alone for these; this server runs its engine with its API

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ from typing import Any
 import vllm.envs as envs
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
-from vllm.logger import configure_logging_if_needed
+from vllm.exceptions import RetryableRequestError
+from vllm.logger import configure_logging_if_needed, init_logger
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.profiler.wrapper import create_frontend_profiler
 from vllm.renderers import renderer_from_config
@@ -56,6 +58,8 @@ from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
 from .talker_model import ARCHITECTURE, OmniTalkerForTTS
 from .upstream_style import UpstreamStyleOutputProcessor
 from .worker import TalkerExecutor, WorkerOptions
+
+logger = init_logger("vllm.omni_kernels.llm")  # under "vllm.": vLLM's handler prints it
 
 
 class OmniInputProcessor(InputProcessor):
@@ -281,6 +285,22 @@ class OmniLLM(LLMEngine):
         return [final[rid] for rid in ids if rid in final]
 
 
+logger = init_logger("vllm.omni_kernels.llm")  # under "vllm.": vLLM's handler prints it
+
+class ShuttingDownError(RetryableRequestError):
+    """A request that came while the server lets its requests in flight finish before it stops
+    (``OmniAsyncLLM.shutdown``): vLLM's API server answers it with 503, so a client retries it on
+    another server."""
+
+
+def _on_running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class OmniAsyncLLM(AsyncLLM):
     """vLLM's ``AsyncLLM`` with the multimodal channel (module docstring); vLLM's API server, its
     ``generate`` and everything else work on it unchanged."""
@@ -320,6 +340,7 @@ class OmniAsyncLLM(AsyncLLM):
                                                     aggregate_engine_logging=aggregate_engine_logging)
             self.logger_manager.log_engine_initialized()
         self._client_count = client_count
+        self._draining = False  # shutdown lets the requests in flight finish: new ones are refused
         self.output_handler = None
         try:
             asyncio.get_running_loop()  # in the event loop: start the output handler now, as vLLM does
@@ -336,6 +357,37 @@ class OmniAsyncLLM(AsyncLLM):
             self._frontend_profiler_worker_name = f"{socket.gethostname()}_{os.getpid()}.async_llm"
             self.profiler = create_frontend_profiler(vllm_config.profiler_config,
                                                      worker_name=self._frontend_profiler_worker_name)
+
+    async def add_request(self, request_id: str, *args, **kwargs):
+        """vLLM's; refused with ``ShuttingDownError`` while ``shutdown`` lets the requests in flight
+        finish (as vLLM's engine core aborts one that comes while it drains)."""
+        if self._draining:
+            raise ShuttingDownError(f"request {request_id}: the server is shutting down; retry on another")
+        return await super().add_request(request_id, *args, **kwargs)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """vLLM's. With a ``timeout`` (``--shutdown-timeout``), a client that shares the engine with
+        other API server processes (``--api-server-count``) first lets its requests in flight finish,
+        for at most ``timeout`` seconds, refusing new ones: vLLM's engine core drains only when the
+        client that owns it shuts it down, and such a client would stop taking outputs at once,
+        leaving its streams to hang until vLLM's process manager kills the server. Called on the
+        event loop that serves the requests, it does not wait (they could not finish meanwhile)."""
+        if timeout and self._shares_engine() and not _on_running_loop():
+            self._draining = True
+            deadline = time.monotonic() + timeout
+            logger.info("[shutdown] OmniAsyncLLM: letting %d requests in flight finish (at most %s s)",
+                        self.output_processor.get_num_unfinished_requests(), timeout)
+            while self.output_processor.has_unfinished_requests() and time.monotonic() < deadline \
+                    and not self.errored:
+                time.sleep(0.01)
+        super().shutdown(timeout=timeout)
+
+    def _shares_engine(self) -> bool:
+        """Whether the engine core runs in other processes this client did not start (vLLM's API
+        server processes of ``--api-server-count``; a client that starts it shuts it down with a
+        drain of vLLM's own)."""
+        resources = getattr(getattr(self, "engine_core", None), "resources", None)
+        return resources is not None and resources.engine_manager is None and self.output_handler is not None
 
     @classmethod
     def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True,
