@@ -215,3 +215,41 @@ def test_a_cumulative_output_wrong_when_delivered_fails_even_when_its_storage_is
     _settle(res)
     with pytest.raises(AssertionError):
         _check([res], None, bad_error="dtype", talker=talker)
+
+
+@pytest.mark.vllm
+def test_an_aborted_cumulative_request_is_checked_as_its_last_output_came():
+    """The simulator aborts a CUMULATIVE request at its first audio: that output is all the check
+    sees of it, and is checked as it came, not as its storage holds it at the check (here frame 0
+    is wrong when delivered and set right in place after the abort)."""
+    pytest.importorskip("vllm")
+    import types
+
+    from vllm_omni_kernels.payload import GrowingTensor, MultimodalPayload
+    from vllm_omni_kernels.serving import talker as tk
+    from vllm_omni_kernels.vllm_integration.simulate import _abort_now, _check, _Plan, _Result, _settle, _take
+
+    talker = tk.ToyTalker(0)
+    codes = tk.rollout(talker, [5, 6, 7], 3)
+    audio = tk.expected_audio(codes)
+    F = tk.FRAME_SAMPLES
+    res = _Result(_Plan("req-c", [5, 6, 7], 3, "cumulative", True, False, 0.0))  # planned to be aborted
+    wrong = audio[:F].clone()
+    wrong[7] += 1.0
+    ga, gc = GrowingTensor(wrong, 0, 3 * F), GrowingTensor(codes[:1], 0, 3)
+    comp = types.SimpleNamespace(finish_reason=None, stop_reason=None, token_ids=(codes[:1, 0] + tk.TEXT_VOCAB).tolist(),
+                                 multimodal_output=MultimodalPayload({"audio": ga.view(), "codes": gc.view()}))
+    out = types.SimpleNamespace(outputs=[comp], finished=False)
+    _take(res, out)  # the client gets frame 0 wrong here
+    assert _abort_now(res, out)
+    res.aborted = True
+    _settle(res)
+    ga.view()[7] = audio[7]  # set right in place after the abort
+    with pytest.raises(AssertionError, match="audio differs"):
+        _check([res], None, bad_error="dtype", talker=talker)
+    right = _Result(_Plan("req-d", [5, 6, 7], 3, "cumulative", True, False, 0.0))
+    comp.multimodal_output = MultimodalPayload({"audio": audio[:F].clone(), "codes": codes[:1].clone()})
+    _take(right, out)
+    right.aborted = True
+    _settle(right)
+    assert _check([right], None, bad_error="dtype", talker=talker)["aborted_checked"] == 1

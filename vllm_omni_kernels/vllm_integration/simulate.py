@@ -479,8 +479,12 @@ def _follows(res: _Result, audio: np.ndarray, codes: np.ndarray) -> bool:
 def _settle(res: _Result) -> None:
     """A finished request's DELTA pieces as one tensor per key: each piece is a view that keeps a
     step's received buffer alive, and an object every full collection of the client walks. A
-    CUMULATIVE request's copy of its outputs goes (the last output is what is checked)."""
-    res.seen = None
+    CUMULATIVE request's last output is checked as it came: its copy (``_follows``) replaces the
+    output, which may have changed since (an aborted request's is checked by nothing else)."""
+    if res.seen is not None:
+        audio, codes, n, m = res.seen
+        res.audio, res.codes = [torch.from_numpy(audio[:n].copy())], [torch.from_numpy(codes[:m].copy())]
+        res.seen = None
     if len(res.audio) > 1:
         res.audio, res.codes = [torch.cat(res.audio)], [torch.cat(res.codes)]
 
