@@ -548,7 +548,6 @@ def test_limits_below_one_are_refused(tmp_path, option, value, capsys):
     assert "not at least 1" in capsys.readouterr().err
 
 
-
 def test_a_server_of_two_api_server_processes_drains_its_streams_on_sigterm(tmp_path):
     """``--api-server-count 2 --shutdown-timeout 30``: SIGTERM while streams are in flight lets each
     finish with every sample (vLLM's API server process would stop taking outputs at once, its

@@ -285,8 +285,6 @@ class OmniLLM(LLMEngine):
         return [final[rid] for rid in ids if rid in final]
 
 
-logger = init_logger("vllm.omni_kernels.llm")  # under "vllm.": vLLM's handler prints it
-
 class ShuttingDownError(RetryableRequestError):
     """A request that came while the server lets its requests in flight finish before it stops
     (``OmniAsyncLLM.shutdown``): vLLM's API server answers it with 503, so a client retries it on
