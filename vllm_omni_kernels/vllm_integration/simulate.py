@@ -46,6 +46,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.utils.gc_utils import freeze_gc_heap
 
 from ..errors import TensorAccumulationError
+from ..payload import GrowingTensor
 from ..serving import talker as tk
 from ..serving.wav import read_wav, write_wav_f32
 from .llm import OmniAsyncLLM, OmniLLM, talker_engine_args, talker_processor_options, warm_up, with_talker_options
@@ -118,7 +119,7 @@ class _Result:
     error: str | None = None
     aborted: bool = False  # the client aborted it before it finished
     inconsistent: str | None = None  # a CUMULATIVE output not starting with the one before, or not its tokens
-    seen: list | None = None  # CUMULATIVE: audio and codes as the outputs so far held them, and their lengths
+    seen: tuple | None = None  # CUMULATIVE: audio and codes as the outputs so far held them (GrowingTensors)
 
 
 def _plans(cfg: SimConfig) -> list[_Plan]:
@@ -444,8 +445,7 @@ def _take(res: _Result, out) -> None:
             # one growing storage), so each was right when it came if the last is; and each holds the
             # codes of every token it reports (a stale one would pass the first test)
             audio, codes = payload.tensors["audio"], payload.tensors["codes"]
-            if res.plan.kind == "cumulative" and res.inconsistent is None and \
-                    not _follows(res, audio.numpy(), codes.numpy()):
+            if res.plan.kind == "cumulative" and res.inconsistent is None and not _follows(res, audio, codes):
                 res.inconsistent = f"output {res.payloads} does not start with the output before it"
             if res.inconsistent is None and (codes[:, 0] + tk.TEXT_VOCAB).tolist() != res.tokens:
                 res.inconsistent = (f"output {res.payloads} holds {codes.shape[0]} frames of codes for its "
@@ -453,26 +453,20 @@ def _take(res: _Result, out) -> None:
             res.audio, res.codes = [audio], [codes]
 
 
-def _follows(res: _Result, audio: np.ndarray, codes: np.ndarray) -> bool:
+def _follows(res: _Result, audio: torch.Tensor, codes: torch.Tensor) -> bool:
     """Whether a CUMULATIVE output starts with what the request's outputs before it held when they
     came (``res.seen``: a copy that each output extends by its new part, so the client copies every
     sample once and compares without allocating a copy per output); then it extends the copy."""
-    seen = res.seen
-    if seen is None:
-        seen = res.seen = [np.empty(2 * len(audio), audio.dtype), np.empty((2 * len(codes), *codes.shape[1:]),
-                                                                           codes.dtype), 0, 0]
-    kept_audio, kept_codes, n, m = seen
-    if len(audio) < n or len(codes) < m or not (np.array_equal(audio[:n], kept_audio[:n])
-                                                and np.array_equal(codes[:m], kept_codes[:m])):
+    if res.seen is None:
+        res.seen = (GrowingTensor(audio, 0), GrowingTensor(codes, 0))
+        return True
+    kept_audio, kept_codes = (kept.view() for kept in res.seen)
+    n, m = len(kept_audio), len(kept_codes)
+    if len(audio) < n or len(codes) < m or not (np.array_equal(audio[:n].numpy(), kept_audio.numpy())
+                                                and np.array_equal(codes[:m].numpy(), kept_codes.numpy())):
         return False
-    if len(audio) > len(kept_audio):
-        seen[0] = np.concatenate((kept_audio[:n], np.empty(max(len(audio), 2 * len(kept_audio)) - n, audio.dtype)))
-    if len(codes) > len(kept_codes):
-        seen[1] = np.concatenate((kept_codes[:m], np.empty((max(len(codes), 2 * len(kept_codes)) - m,
-                                                            *codes.shape[1:]), codes.dtype)))
-    seen[0][n:len(audio)] = audio[n:]
-    seen[1][m:len(codes)] = codes[m:]
-    seen[2], seen[3] = len(audio), len(codes)
+    res.seen[0].append(audio[n:])
+    res.seen[1].append(codes[m:])
     return True
 
 
@@ -481,9 +475,8 @@ def _settle(res: _Result) -> None:
     step's received buffer alive, and an object every full collection of the client walks. A
     CUMULATIVE request's last output is checked as it came: its copy (``_follows``) replaces the
     output, which may have changed since (an aborted request's is checked by nothing else)."""
-    if res.seen is not None:
-        audio, codes, n, m = res.seen
-        res.audio, res.codes = [torch.from_numpy(audio[:n].copy())], [torch.from_numpy(codes[:m].copy())]
+    if res.seen is not None:  # (cloned: the copy's storage has room to grow)
+        res.audio, res.codes = ([kept.view().clone()] for kept in res.seen)
         res.seen = None
     if len(res.audio) > 1:
         res.audio, res.codes = [torch.cat(res.audio)], [torch.cat(res.codes)]
