@@ -6,6 +6,7 @@ vLLM's own routes stay vLLM's."""
 
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import struct
@@ -37,11 +38,11 @@ def running_server(tmp_path_factory, *options: str, env: dict[str, str] | None =
     log = tmp_path_factory.mktemp("log") / "server.log"
     with speech_server(model, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND + 2),
                        "--max-inflight", str(BOUND), "--max-input-chars", "3000", *options,
-                       *(("--api-key", api_key) if api_key else ()), cwd=ROOT, env=env) as (url, _):
+                       *(("--api-key", api_key) if api_key else ()), cwd=ROOT, env=env) as (url, proc):
         from transformers import AutoTokenizer
 
         yield {"url": url, "model": model, "tokenizer": AutoTokenizer.from_pretrained(str(model)), "log": log,
-               "headers": {"Authorization": f"Bearer {api_key}"} if api_key else None}
+               "headers": {"Authorization": f"Bearer {api_key}"} if api_key else None, "proc": proc}
 
 
 @pytest.fixture(scope="module")
@@ -548,19 +549,15 @@ def test_limits_below_one_are_refused(tmp_path, option, value, capsys):
     assert "not at least 1" in capsys.readouterr().err
 
 
-def test_a_server_of_two_api_server_processes_drains_its_streams_on_sigterm(tmp_path):
+def test_a_server_of_two_api_server_processes_drains_its_streams_on_sigterm(tmp_path_factory):
     """``--api-server-count 2 --shutdown-timeout 30``: SIGTERM while streams are in flight lets each
     finish with every sample (vLLM's API server process would stop taking outputs at once, its
     streams hanging until the process manager kills them at the timeout), a request that comes
     meanwhile gets 503 with Retry-After, and the server exits well before the timeout."""
-    from transformers import AutoTokenizer
-
-    model = make_model_dir(tmp_path / "talker")
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
     texts = [f"Stream {i} outlives the signal. " * 40 for i in range(BOUND - 1)]
-    with speech_server(model, tmp_path / "server.log", "--talker-device", "cpu", "--max-num-seqs", str(BOUND + 2),
-                       "--max-inflight", str(BOUND), "--max-input-chars", "3000", "--api-server-count", "2",
-                       "--shutdown-timeout", "30", cwd=ROOT) as (url, proc):
+    with contextlib.contextmanager(running_server)(tmp_path_factory, "--api-server-count", "2",
+                                                   "--shutdown-timeout", "30") as server:
+        url, proc = server["url"], server["proc"]
 
         async def run() -> tuple[list[bytes], httpx.Response, float]:
             started = [asyncio.Event() for _ in texts]
@@ -591,10 +588,9 @@ def test_a_server_of_two_api_server_processes_drains_its_streams_on_sigterm(tmp_
         assert late.status_code == 503 and late.headers.get("retry-after"), (late.status_code, late.text)
         proc.wait(25)
         assert time.time() - t0 < 25
-    for text, data in zip(texts, got):
-        ids = [VOICES["alloy"], *tokenizer(text, add_special_tokens=False)["input_ids"]]
-        want = tk.expected_audio(tk.rollout(tk.ToyTalker(0), ids, len(ids) - 1)).numpy()
-        assert data == want.astype("<f4").tobytes(), f"{len(data) // 4} of {want.size} samples"
+        for text, data in zip(texts, got):
+            want = expected(server, text)
+            assert data == want.astype("<f4").tobytes(), f"{len(data) // 4} of {want.size} samples"
 
 
 @pytest.mark.parametrize("argv", [["--headless"], ["--api-server-count", "0"]])
