@@ -469,8 +469,8 @@ def test_a_reset_that_drops_a_stop_token_loses_nothing(tmp_path, monkeypatch, ru
 def test_requests_the_output_memory_cannot_hold_fail_alone_and_the_engine_serves_on(tmp_path):
     """An audio arena of 9 MiB (``pool_budget_bytes``) holds nine whole-file requests of 69 frames
     (each reserves a 1 MiB region for all its audio at once); twelve arrive together over ZMQ. The
-    ones it cannot hold fail with an ``OutputMemoryError`` naming them (the engine core used to die
-    of it, taking every request with it); the rest get every sample; the memory is given back, and
+    ones it cannot hold fail with an ``OutputMemoryError`` naming them (the engine core stays up, and
+    no other request is touched); the rest get every sample; the memory is given back, and
     the same twelve served again afterwards fit as they arrive."""
     model = make_model_dir(tmp_path / "model")
     args = talker_engine_args(model, device="cpu", max_num_seqs=12, args_cls=AsyncEngineArgs, disable_log_stats=True,

@@ -343,7 +343,7 @@ def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audi
     """Twelve whole files at once: those the worker cannot hold (three, unless one has finished
     before the last arrives, as on a loaded host) are answered 503 with Retry-After (a retry
     succeeds once others finish), the others are exact, and the server serves on (the engine core
-    used to die of it, and every request with it)."""
+    survives it, and every other request with it)."""
     server = small_audio_memory
     text = "c" * 69
     body = {"input": text, "response_format": "pcm", "sample_format": "f32"}
