@@ -78,6 +78,38 @@ def test_info_reports_backends(capsys):
     assert main(["info"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["backends"]["cpu"]["ring_write"]["backend"] in ("torch", "triton")
+    assert info["versions"]["vllm-omni-kernels"] and info["versions"]["torch"]
+
+
+def test_output_kinds_and_paths_in_any_case_and_unknown_ones_are_usage_errors(capsys):
+    pytest.importorskip("vllm")
+    from vllm_omni_kernels.vllm_integration.simulate import SimConfig
+
+    cfg = SimConfig(kinds=("DELTA", " Final_Only"), paths=("Worker",))
+    assert cfg.kinds == ("delta", "final_only") and cfg.paths == ("worker",)
+    for argv, said in ((["--kinds", "delta,foo"], "unknown output kind 'foo'"), (["--paths", ","], "no path"),
+                       (["--device", "gpu"], "device 'gpu'")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["simulate", *argv])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_kinds_as_vllm_spells_them_and_a_summary_of_strict_json(tmp_path):
+    """``--kinds DELTA`` (vLLM's spelling) serves and checks as ``delta`` does; figures with no
+    sample (FINAL_ONLY times without FINAL_ONLY requests, the event loop of an in-process engine) are
+    null in ``summary.json``, which a strict JSON parser reads."""
+    pytest.importorskip("vllm")
+    assert main(["simulate", "--requests", "6", "--concurrency", "3", "--max-frames", "4", "--device", "cpu",
+                 "--in-process", "--paths", "worker", "--kinds", "DELTA", "--out", str(tmp_path), "--no-progress",
+                 "--no-wavs"]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"{constant} in summary.json")
+
+    s = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)["paths"]["worker"]
+    assert s["finished_exact"] + s["aborted_checked"] == 6
+    assert s["final_only_ms_p50"] is None and s["client_loop_lag_ms_p99"] is None
 
 
 def _result(kind: str = "delta", frames: int = 3, prompt=(5, 6, 7), **change):

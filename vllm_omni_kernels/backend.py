@@ -91,7 +91,8 @@ def _decide(raw: str | None, device_type: str) -> tuple[str, str]:
         if avail[name] is None:
             missing = ", ".join(f"{k}: {v}" for k, v in avail.items() if v and k != "torch")
             return name, f"auto: first available for CUDA ({missing or 'all available'})"
-    return "torch", f"auto: no kernel backend available ({avail})"
+    reasons = "; ".join(f"{k}: {v}" for k, v in avail.items() if v)
+    return "torch", f"auto: no kernel backend available ({reasons})"
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

@@ -5,6 +5,7 @@ directory), ``info`` (backends and versions)."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
@@ -63,14 +64,13 @@ def main(argv: list[str] | None = None) -> int:
 
         from . import backend
 
-        info = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-                "backends": backend.describe()}
-        try:
-            import triton
-
-            info["triton"] = triton.__version__
-        except ImportError:
-            info["triton"] = None
+        versions = {"python": sys.version.split()[0], "torch": torch.__version__}
+        for dist in ("vllm-omni-kernels", "vllm", "triton", "cupy-cuda13x", "cupy-cuda12x"):
+            try:
+                versions[dist] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                versions[dist] = None
+        info = {"versions": versions, "cuda_available": torch.cuda.is_available(), "backends": backend.describe()}
         print(json.dumps(info, indent=2))
         return 0
 
@@ -84,12 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from .vllm_integration.simulate import SimConfig, run
 
-    cfg = SimConfig(requests=args.requests, concurrency=args.concurrency, max_frames=args.max_frames,
-                    arrival_ms=args.arrival_ms, kinds=_names(args.kinds), sync_check=args.sync_check,
-                    cadence=SimConfig.cadence if args.cadence is None else args.cadence, device=args.device,
-                    async_scheduling=args.async_scheduling, in_process=args.in_process, paths=_names(args.paths),
-                    out_dir=args.out, seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
-                    bad_every=args.bad_every, stop_every=args.stop_every, priorities=args.priorities)
+    try:
+        cfg = SimConfig(requests=args.requests, concurrency=args.concurrency, max_frames=args.max_frames,
+                        arrival_ms=args.arrival_ms, kinds=_names(args.kinds), sync_check=args.sync_check,
+                        cadence=SimConfig.cadence if args.cadence is None else args.cadence, device=args.device,
+                        async_scheduling=args.async_scheduling, in_process=args.in_process, paths=_names(args.paths),
+                        out_dir=args.out, seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
+                        bad_every=args.bad_every, stop_every=args.stop_every, priorities=args.priorities)
+    except ValueError as exc:  # a usage error: --kinds, --paths or --device
+        sim.error(str(exc))
     summary = run(cfg)
     for path, s in summary["paths"].items():
         print(f"[{path}] {s['device']}: {s['finished_exact']} finished sample-exact, {s['aborted_checked']} aborted "

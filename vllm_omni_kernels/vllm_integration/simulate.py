@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import time
 from pathlib import Path
 
@@ -85,6 +86,21 @@ class SimConfig:
     progress: bool = True
     write_wavs: bool = True
     engine_args: dict = dataclasses.field(default_factory=dict)  # more of vLLM's engine arguments, over ours
+
+    def __post_init__(self):
+        """Output kinds and paths in any case (``DELTA`` as vLLM spells it); ValueError naming an
+        unknown one, or a CUDA device where there is none."""
+        self.kinds = tuple(k.strip().lower() for k in self.kinds)
+        self.paths = tuple(p.strip().lower() for p in self.paths)
+        for what, names, known in (("output kind", self.kinds, KINDS), ("path", self.paths, PATHS)):
+            unknown = [n for n in names if n not in known]
+            if unknown or not names:
+                got = f"unknown {what} {unknown[0]!r}" if unknown else f"no {what} given"
+                raise ValueError(f"{got} (one or more of {', '.join(known)})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: one of auto, cpu, cuda")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' but torch sees no CUDA device here (--device auto takes the CPU)")
 
 
 @dataclasses.dataclass
@@ -165,7 +181,7 @@ def run(cfg: SimConfig) -> dict:
                              ("frontend_multimodal_us_per_step",
                               "frontend_multimodal_us_per_audio_second", "d2h_copies_per_step",
                               "wire_bytes_per_step")}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(json.dumps(_without_nan(summary), indent=2, allow_nan=False))
     _plot(summary, out / "simulate.png")
     return summary
 
@@ -412,6 +428,18 @@ def _request(plan: _Plan):
     return tokens_input(plan.prompt + ([1] if plan.bad else [])), params
 
 
+def _without_nan(value):
+    """``value`` with every NaN (a figure with no sample: no FINAL_ONLY request, no event loop in
+    process) or infinity made None, so that ``summary.json`` is JSON (null), not Python's ``NaN``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _without_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_without_nan(v) for v in value]
+    return value
+
+
 def _kind(name: str) -> RequestOutputKind:
     return RequestOutputKind[name.upper()]
 
@@ -559,17 +587,30 @@ def _plot(summary: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [("audio_seconds_per_wall_second", "audio s / wall s"),
-               ("ttfa_ms_p99", "time to first audio p99, streaming (ms)"),
-               ("worker_output_path_us_median", "worker output path (us/step)"),
-               ("frontend_multimodal_us_per_step", "frontend multimodal (us/step)"),
-               ("d2h_copies_per_step", "device-to-host copies / step"), ("wire_bytes_per_step", "wire bytes / step")]
+    metrics = [(("audio_seconds_per_wall_second",), "audio s / wall s"),
+               (("ttfa_ms_p50", "ttfa_ms_p99"), "time to first audio, streaming, p50 / p99 (ms)"),
+               (("final_only_ms_p50", "final_only_ms_p99"), "FINAL_ONLY file, p50 / p99 (ms)"),
+               (("client_loop_lag_ms_p50", "client_loop_lag_ms_p99"), "client event loop late, p50 / p99 (ms)"),
+               (("worker_output_path_us_median",), "worker output path (us/step)"),
+               (("frontend_multimodal_us_per_step",), "frontend multimodal (us/step)"),
+               (("d2h_copies_per_step",), "device-to-host copies / step"),
+               (("wire_bytes_per_step",), "wire bytes / step")]
     paths = list(summary["paths"])
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
-    for ax, (key, title) in zip(axes.flat, metrics):
-        values = [summary["paths"][p][key] for p in paths]
-        ax.bar(paths, values, color=["tab:blue", "tab:gray"][:len(paths)])
+    colors = ["tab:blue", "tab:gray"]
+    fig, axes = plt.subplots(2, 4, figsize=(15, 6))
+    for ax, (keys, title) in zip(axes.flat, metrics):
+        width = 0.8 / len(keys)
+        for j, key in enumerate(keys):
+            values = [summary["paths"][p][key] for p in paths]
+            ax.bar([i + (j - (len(keys) - 1) / 2) * width for i in range(len(paths))], values, width,
+                   color=colors[:len(paths)], alpha=1.0 if j == len(keys) - 1 else 0.5)
+        ax.set_xticks(range(len(paths)), paths)
         ax.set_title(title, fontsize=9)
+        shown = [summary["paths"][p][key] for p in paths for key in keys]
+        empty = "no sample" if all(math.isnan(v) for v in shown) else None if any(shown) else "none on any path"
+        if empty:
+            ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", color="gray")
+            ax.set_yticks([])
     device = next(iter(summary["paths"].values()))["device"] if paths else ""
     fig.suptitle(f"TTS serving through a vLLM engine core, {summary['config']['requests']} requests, {device}")
     fig.tight_layout()
