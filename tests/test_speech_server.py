@@ -191,6 +191,18 @@ def test_openai_client_streams_speech(server):
     assert data == s16(expected(server, text, "sage"))
 
 
+def test_serve_without_a_talker_directory_says_how_to_make_one(tmp_path):
+    """No model directory (vLLM would take its default model from a hub) or one without a config:
+    the command stops at once and names ``make-model``."""
+    from vllm_omni_kernels.vllm_integration.server import main as serve
+
+    with pytest.raises(SystemExit, match="make-model MODEL_DIR"):
+        serve([])
+    for argv in ([str(tmp_path / "none")], ["--model", str(tmp_path)]):
+        with pytest.raises(SystemExit, match="no config.json there"):
+            serve(argv)
+
+
 def sse_events(lines) -> list[dict]:
     """The JSON of every ``data:`` line of a server-sent event stream."""
     return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]

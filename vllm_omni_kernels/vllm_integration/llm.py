@@ -360,7 +360,7 @@ class OmniAsyncLLM(AsyncLLM):
         """vLLM's; refused with ``ShuttingDownError`` while ``shutdown`` lets the requests in flight
         finish (as vLLM's engine core aborts one that comes while it drains)."""
         if self._draining:
-            raise ShuttingDownError(f"request {request_id}: the server is shutting down; retry on another")
+            raise ShuttingDownError(f"request {request_id}: this API server is shutting down")
         return await super().add_request(request_id, *args, **kwargs)
 
     def shutdown(self, timeout: float | None = None) -> None:

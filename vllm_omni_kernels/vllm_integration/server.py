@@ -18,6 +18,7 @@ import math
 import multiprocessing
 import signal
 import time
+from pathlib import Path
 
 import uvloop
 import vllm.envs as envs
@@ -41,7 +42,7 @@ from . import speech
 from .llm import (OmniAsyncLLM, omni_vllm_config, talker_processor_options, talker_stream_interval, warm_up,
                   with_talker_options)
 from .speech import Admission
-from .worker import TalkerExecutor
+from .worker import TalkerExecutor, WorkerOptions
 
 logger = init_logger("vllm.omni_kernels.server")
 
@@ -58,7 +59,7 @@ def make_parser() -> FlexibleArgumentParser:
     g.add_argument("--talker-device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="where the talker and the worker's rings run (auto: GPU if present)")
     g.add_argument("--talker-threads", type=int, default=None,
-                   help="torch threads of a talker on the CPU (default: half the cores, or OMP_NUM_THREADS)")
+                   help="torch threads of a talker on the CPU (unset: half the cores, or OMP_NUM_THREADS)")
     g.add_argument("--cadence", type=int, default=STREAM_CADENCE,
                    help="audio samples a streaming request receives at a time (its first chunk at once); "
                         "0: every engine step")
@@ -66,7 +67,7 @@ def make_parser() -> FlexibleArgumentParser:
                    help="worker: this package's accumulation in the engine core; upstream: per-request host "
                         "copies and per-step concatenation (for comparison)")
     g.add_argument("--max-inflight", type=_positive, default=None,
-                   help="speech requests in flight at most; more are answered 503 (default: --max-num-seqs)")
+                   help="speech requests in flight at most; more are answered 503 (unset: --max-num-seqs)")
     g.add_argument("--audio-memory-mib", type=_positive, default=1024,
                    help="the worker's audio ring arena on the talker's device (MiB, preallocated); a whole-file "
                         "request holds all its audio there until it finishes (about 8 MiB for 80 s), and one "
@@ -137,8 +138,8 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
         if (log_config := get_uvicorn_log_config(args)) is not None:
             kwargs["log_config"] = log_config
         logger.info("speech server on %s: talker on %s, %s output path, at most %d speech requests in flight "
-                    "(API server %d of %d)", listen_address, args.talker_device, args.output_path, limit,
-                    index + 1, count)
+                    "(API server %d of %d)", listen_address, WorkerOptions(args.talker_device).torch_device().type,
+                    args.output_path, limit, index + 1, count)
         shutdown = await serve_http(
             app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh, host=args.host, port=args.port,
             log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
@@ -206,10 +207,17 @@ def serve_multi(args, count: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    cli_env_setup()
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
     if args.model_tag is not None:  # what `vllm serve MODEL` does
         args.model = args.model_tag
+    elif args.model == parser.get_default("model"):  # (vLLM's default model is no talker; no hub is reached)
+        raise SystemExit("give the talker's model directory: serve MODEL_DIR (make one with "
+                         "`python -m vllm_omni_kernels make-model MODEL_DIR`)")
+    if not (Path(args.model) / "config.json").is_file():
+        raise SystemExit(f"{args.model}: no config.json there; a talker's model directory is made with "
+                         f"`python -m vllm_omni_kernels make-model {args.model}`")
+    cli_env_setup()
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
     if getattr(args, "headless", False) or (args.api_server_count is not None and args.api_server_count < 1):

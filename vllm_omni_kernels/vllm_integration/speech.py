@@ -241,7 +241,12 @@ class SpeechStream:
             self.finished = self.failed = True  # the engine has let the request go
             # (vLLM's RetryableRequestError, a paused engine's say, is a 503 as vLLM's routes answer it)
             self.turned_away = isinstance(exc, (OutputMemoryError, RetryableRequestError)) and not self.first_at
-            raise SpeechFailedError(f"request {self.request_id} failed in the engine: {exc}") from exc
+            detail = str(exc)
+            if isinstance(exc, MultimodalOutputError):  # its reason and key, without the request's name again
+                detail = exc.reason if exc.key is None else f"key {exc.key!r}: {exc.reason}"
+            named = f"request {self.request_id}"
+            raise SpeechFailedError(detail if detail.startswith(named) else f"{named} failed in the engine: {detail}") \
+                from exc
         except VLLMError:  # vLLM refused it (its client errors, a full queue): its handlers answer
             self.finished = True
             self.turned_away = not self.first_at
@@ -255,7 +260,8 @@ class SpeechStream:
             self.finished = self.failed = True
             self.turned_away = comp.finish_reason == "abort" and not self.first_at
             what = "was aborted by the engine" if comp.finish_reason == "abort" else "failed in the engine"
-            raise SpeechFailedError(f"request {self.request_id} {what}: {comp.stop_reason}")
+            why = "" if comp.stop_reason is None else f": {comp.stop_reason}"
+            raise SpeechFailedError(f"request {self.request_id} {what}{why}")
         payload = getattr(comp, "multimodal_output", None)
         audio = None if payload is None else payload.tensors.get("audio")
         self.finished = out.finished
