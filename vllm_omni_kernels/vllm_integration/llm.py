@@ -41,6 +41,7 @@ from vllm.tracing import init_tracer
 from vllm.transformers_utils.config import maybe_register_config_serialize_by_value
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils import random_uuid
+from vllm.utils.async_utils import cancel_task_threadsafe
 from vllm.v1.engine.admission_control import SharedAdmissionStats
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.input_processor import InputProcessor
@@ -364,13 +365,20 @@ class OmniAsyncLLM(AsyncLLM):
         return await super().add_request(request_id, *args, **kwargs)
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """vLLM's. With a ``timeout`` (``--shutdown-timeout``), a client that shares the engine with
-        other API server processes (``--api-server-count``) first lets its requests in flight finish,
-        for at most ``timeout`` seconds, refusing new ones: vLLM's engine core drains only when the
-        client that owns it shuts it down, and such a client would stop taking outputs at once,
-        leaving its streams to hang until vLLM's process manager kills the server. Called on the
-        event loop that serves the requests, it does not wait (they could not finish meanwhile)."""
-        if timeout and self._shares_engine() and not _on_running_loop():
+        """vLLM's, after a drain of this client's own. With a ``timeout`` (``--shutdown-timeout``)
+        and off the event loop that serves the requests (vLLM's API server calls it from a worker
+        thread on SIGTERM), it first lets this client's requests in flight finish, for at most
+        ``timeout`` seconds, refusing new ones with ``ShuttingDownError`` (a 503 with Retry-After on
+        every route); vLLM's shutdown then gets what is left of the timeout (at least a second, for
+        the engine core's own drain). In vLLM's order a client would shut its tokenizer's pool
+        before the drain (a request that comes meanwhile is a 500 on vLLM's routes) and report the
+        engine core's exit as a failure of its output handler; and a client that shares the engine
+        with other API server processes (``--api-server-count``) would not drain at all: vLLM's
+        engine core drains only when the client that owns it shuts it down, and the others stop
+        taking outputs at once, their streams hanging until vLLM's process manager kills them. On
+        the serving loop it does not wait (the requests could not finish meanwhile)."""
+        handler = getattr(self, "output_handler", None)
+        if timeout and handler is not None and not _on_running_loop():
             self._draining = True
             deadline = time.monotonic() + timeout
             logger.info("[shutdown] OmniAsyncLLM: letting %d requests in flight finish (at most %s s)",
@@ -378,14 +386,10 @@ class OmniAsyncLLM(AsyncLLM):
             while self.output_processor.has_unfinished_requests() and time.monotonic() < deadline \
                     and not self.errored:
                 time.sleep(0.01)
+            if not self.output_processor.has_unfinished_requests():  # nothing left to take
+                cancel_task_threadsafe(handler)
+            timeout = max(deadline - time.monotonic(), 1.0)
         super().shutdown(timeout=timeout)
-
-    def _shares_engine(self) -> bool:
-        """Whether the engine core runs in other processes this client did not start (vLLM's API
-        server processes of ``--api-server-count``; a client that starts it shuts it down with a
-        drain of vLLM's own)."""
-        resources = getattr(getattr(self, "engine_core", None), "resources", None)
-        return resources is not None and resources.engine_manager is None and self.output_handler is not None
 
     @classmethod
     def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True,

@@ -209,6 +209,9 @@ def serve_multi(args, count: int) -> None:
 def main(argv: list[str]) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "headless", False) or (args.api_server_count is not None and args.api_server_count < 1):
+        raise SystemExit("the speech server runs its engine with its API servers: --headless and an "
+                         "--api-server-count below 1 (an engine alone) are not supported")
     if args.model_tag is not None:  # what `vllm serve MODEL` does
         args.model = args.model_tag
     elif args.model == parser.get_default("model"):  # (vLLM's default model is no talker; no hub is reached)
@@ -220,9 +223,6 @@ def main(argv: list[str]) -> None:
     cli_env_setup()
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    if getattr(args, "headless", False) or (args.api_server_count is not None and args.api_server_count < 1):
-        raise SystemExit("the speech server runs its engine with its API servers: --headless and an "
-                         "--api-server-count below 1 (an engine alone) are not supported")
     count = args.api_server_count or 1
     if count > 1:
         serve_multi(args, count)
