@@ -302,7 +302,8 @@ def test_requests_that_end_on_a_stop_token_get_all_their_audio_in_process(tmp_pa
                     in_process=True, paths=("worker",), out_dir=str(tmp_path), progress=False, write_wavs=False,
                     engine_args={"max_num_seqs": 4})  # requests wait for seats: a freed one is taken at once
     s = run(cfg)["paths"]["worker"]
-    assert all_checked(s, cfg) and s["requests_stopped"] == sum(p.stop is not None for p in _plans(cfg))
+    planned = sum(p.stop is not None for p in _plans(cfg))
+    assert all_checked(s, cfg) and s["requests_stopped"] == s["worker_stops_seen"] == planned
     assert s["slots_held_after"] == 0
 
 

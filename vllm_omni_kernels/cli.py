@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, s in summary["paths"].items():
         print(f"[{path}] {s['device']}: {s['finished_exact']} finished sample-exact, {s['aborted_checked']} aborted "
               f"(checked up to the abort), {s['failed_as_expected']} failed as planned, of {s['requests']}; "
-              f"{s['requests_stopped']} ended on a stop token the worker saw, {s['resumptions']} resumed after "
+              f"{s['requests_stopped']} ended on their stop token, {s['resumptions']} resumed after "
               "preemption")
         print(f"  {s['audio_seconds']:.1f} s of audio in {s['wall_seconds']:.2f} s: "
               f"{s['audio_seconds_per_wall_second']:.1f} audio s / wall s; streaming: time to first audio p50 "

@@ -21,7 +21,8 @@ step (this package's appends and collect, whose copy lands off the step, against
 style's blocking ``.cpu()`` copies, which also wait for the forward on a GPU: unlike spans, so no
 ratio of them is given; ``profiling/bench_output_path.py`` times both to the data in hand); the
 frontend's multimodal time per step; device-to-host copies and bytes on the wire per step; the
-requests that ended on a stop token (``requests_stopped``); and vLLM's resumptions of preempted
+requests that ended on their stop token (``requests_stopped``; ``worker_stops_seen``: those the
+worker path's worker saw end, with which it closes their output); and vLLM's resumptions of preempted
 requests (``resumptions``: e.g. with ``engine_args={"num_gpu_blocks_override": 16}``; their audio
 goes on where it stopped).
 """
@@ -239,7 +240,8 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "wire_bytes_per_step": client["bytes"] / messages,
         "streams_per_step": engine_stats["samples"] / tk.FRAME_SAMPLES / max(engine_stats["steps"], 1),
         "engine_steps": engine_stats["steps"], "resumptions": engine_stats["resumed"],
-        "requests_stopped": engine_stats["stopped"], "worker_rows": engine_stats["rows"],
+        "requests_stopped": sum(r.finish_reason == "stop" for r in results),  # (checked: _check)
+        "worker_stops_seen": engine_stats["stopped"], "worker_rows": engine_stats["rows"],
         "pools_after": engine_stats["accumulator"]["pools"],
         "host_buffers_allocated": engine_stats["accumulator"]["pinned_allocations"],
         "slots_held_after": sum(p["slots_used"] for p in engine_stats["accumulator"]["pools"].values()),
