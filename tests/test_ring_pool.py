@@ -38,7 +38,7 @@ def test_append_drain_consolidate_with_wrap_and_zero_lengths(backend, strategy, 
     for r in ids:
         pool.alloc(r)
     g = torch.Generator().manual_seed(1)
-    kept, streamed = [], []
+    kept = []
     # b drains every step with lengths that wrap its 8-frame ring many times; a keeps everything.
     for step in range(10):
         lens = [step % 2, [0, 3, 5, 7][step % 4]]

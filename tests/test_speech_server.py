@@ -650,6 +650,7 @@ def test_parser_plugins_are_imported_as_vllms_server_imports_them(tmp_path, monk
         signal.signal(signal.SIGTERM, sigterm)
     assert marker.exists()
 
+
 def test_what_additional_config_says_of_the_talker_wins_over_talker_engine_args_keywords(tmp_path):
     """As in the server: the keywords' defaults (device, output path) do not overwrite what the
     caller wrote, and vLLM's stream_interval follows the cadence the worker will use."""
@@ -658,6 +659,7 @@ def test_what_additional_config_says_of_the_talker_wins_over_talker_engine_args_
     omni = {"device": "cpu", "output_path": "upstream", "cadence": tk.FRAME_SAMPLES}
     args = talker_engine_args(tmp_path, additional_config={"omni": omni})
     assert args.additional_config["omni"] == omni and args.stream_interval == 1
+
 
 def test_what_additional_config_says_of_the_talker_wins_over_the_servers_options(tmp_path):
     from vllm_omni_kernels.vllm_integration.server import engine_args_from, make_parser

@@ -204,11 +204,13 @@ class TalkerWorker:
         self._held_failures: dict[str, tuple[TensorAccumulationError, _StepOutput, int]] = {}
         self._keep_rows: set[str] = set()  # this step's closing requests that keep their rows (_update_requests)
         keys = talker_output_keys(self.options.cadence)
-        self.acc = WorkerAccumulator(keys, self.device, budget_bytes=key_budgets(keys, self.options.pool_budget_bytes),
-                                     max_requests=self.max_requests)
+        # (the upstream path keeps no audio in the worker: its arenas are the least there is)
+        worker_path = self.options.output_path == "worker"
+        self.acc = WorkerAccumulator(keys, self.device, max_requests=self.max_requests, budget_bytes=key_budgets(
+            keys, self.options.pool_budget_bytes if worker_path else 1 << 20))
         audio = self.acc.pools[0]  # every stream takes its smallest region at once (the server's warm-up does)
         floor = int(sched.max_num_seqs) * audio.allocator.min_frames * audio.frame_bytes
-        if self.options.pool_budget_bytes < floor:
+        if worker_path and self.options.pool_budget_bytes < floor:
             raise ValueError(f"pool_budget_bytes {self.options.pool_budget_bytes} cannot hold the first slots of "
                              f"max_num_seqs ({sched.max_num_seqs}) streams: {floor} bytes at least "
                              f"(serve --audio-memory-mib {-(-floor >> 20)})")
