@@ -6,6 +6,9 @@
 # run the kernels).
 #
 #   bash scripts/gpu_host.sh BUNDLE command [args ...]     e.g. ... python3 -m pytest -m gpu tests
+#
+# `serve` and profiling/load_speech.py need the API server's wheels in the bundle too
+# (scripts/server_wheels.sh BUNDLE, where pip reaches an index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:?usage: gpu_host.sh BUNDLE command [args ...]}
