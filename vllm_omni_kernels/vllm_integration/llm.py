@@ -292,12 +292,14 @@ class ShuttingDownError(RetryableRequestError):
     another server."""
 
 
-def _on_running_loop() -> bool:
+_ENGINE_STOP_S = 5.0  # what OmniAsyncLLM.shutdown leaves the engine core at least to stop (it takes about 2 s)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
-        asyncio.get_running_loop()
+        return asyncio.get_running_loop()
     except RuntimeError:
-        return False
-    return True
+        return None
 
 
 class OmniAsyncLLM(AsyncLLM):
@@ -340,6 +342,7 @@ class OmniAsyncLLM(AsyncLLM):
             self.logger_manager.log_engine_initialized()
         self._client_count = client_count
         self._draining = False  # shutdown lets the requests in flight finish: new ones are refused
+        self._adding = 0  # add_request calls past the refusal, not yet registered (shutdown waits for them)
         self.output_handler = None
         try:
             asyncio.get_running_loop()  # in the event loop: start the output handler now, as vLLM does
@@ -360,35 +363,45 @@ class OmniAsyncLLM(AsyncLLM):
     async def add_request(self, request_id: str, *args, **kwargs):
         """vLLM's; refused with ``ShuttingDownError`` while ``shutdown`` lets the requests in flight
         finish (as vLLM's engine core aborts one that comes while it drains)."""
-        if self._draining:
-            raise ShuttingDownError(f"request {request_id}: this API server is shutting down")
-        return await super().add_request(request_id, *args, **kwargs)
+        self._adding += 1  # (before the check: a drain that began meanwhile sees it and waits for it)
+        try:
+            if self._draining:
+                raise ShuttingDownError(f"request {request_id}: this API server is shutting down")
+            return await super().add_request(request_id, *args, **kwargs)
+        finally:
+            self._adding -= 1
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """vLLM's, after a drain of this client's own. With a ``timeout`` (``--shutdown-timeout``)
-        and off the event loop that serves the requests (vLLM's API server calls it from a worker
-        thread on SIGTERM), it first lets this client's requests in flight finish, for at most
-        ``timeout`` seconds, refusing new ones with ``ShuttingDownError`` (a 503 with Retry-After on
-        every route); vLLM's shutdown then gets what is left of the timeout (at least a second, for
-        the engine core's own drain). In vLLM's order a client would shut its tokenizer's pool
-        before the drain (a request that comes meanwhile is a 500 on vLLM's routes) and report the
-        engine core's exit as a failure of its output handler; and a client that shares the engine
-        with other API server processes (``--api-server-count``) would not drain at all: vLLM's
-        engine core drains only when the client that owns it shuts it down, and the others stop
-        taking outputs at once, their streams hanging until vLLM's process manager kills them. On
-        the serving loop it does not wait (the requests could not finish meanwhile)."""
+        """vLLM's, after a drain of this client's own. With a ``timeout`` (``--shutdown-timeout``),
+        called off the running event loop that serves the requests (vLLM's API server calls it from
+        a worker thread on SIGTERM), it first lets this client's requests in flight finish, those
+        still being added included, for at most ``timeout`` seconds, refusing new ones with
+        ``ShuttingDownError`` (a 503 on every route); once none is left it stops its output handler
+        (nothing more can come), and vLLM's shutdown gets what is left of the timeout, at least
+        ``_ENGINE_STOP_S`` for the engine core to stop. In vLLM's order a client would shut its
+        tokenizer's pool before the drain (a request that came meanwhile was a 500 on vLLM's routes)
+        and log the engine core's exit as its output handler's failure; and a client that shares
+        the engine with other API server processes (``--api-server-count``) would not drain at all:
+        vLLM's engine core drains only when the client that owns it shuts it down, and the others
+        stop taking outputs at once, their streams hanging until vLLM's process manager kills them.
+        On the serving loop, or with that loop stopped, it does not wait: nothing could finish."""
         handler = getattr(self, "output_handler", None)
-        if timeout and handler is not None and not _on_running_loop():
+        loop = handler.get_loop() if handler is not None and not handler.done() else None
+        if timeout and loop is not None and loop.is_running() and _running_loop() is not loop:
             self._draining = True
             deadline = time.monotonic() + timeout
             logger.info("[shutdown] OmniAsyncLLM: letting %d requests in flight finish (at most %s s)",
                         self.output_processor.get_num_unfinished_requests(), timeout)
-            while self.output_processor.has_unfinished_requests() and time.monotonic() < deadline \
-                    and not self.errored:
+            while (self._adding or self.output_processor.has_unfinished_requests()) \
+                    and time.monotonic() < deadline and not self.errored:
                 time.sleep(0.01)
-            if not self.output_processor.has_unfinished_requests():  # nothing left to take
+            if not (self._adding or self.output_processor.has_unfinished_requests()):
+                # Stopped now, the engine core's exit is no failure of it. (Left None, vLLM's
+                # ``errored`` follows the engine alone: its API server's watchdog, which stops the
+                # server when a client has errored, lets the shutdown finish.)
+                self.output_handler = None
                 cancel_task_threadsafe(handler)
-            timeout = max(deadline - time.monotonic(), 1.0)
+            timeout = max(deadline - time.monotonic(), _ENGINE_STOP_S)
         super().shutdown(timeout=timeout)
 
     @classmethod

@@ -98,10 +98,11 @@ class SimConfig:
             if unknown or not names:
                 got = f"unknown {what} {unknown[0]!r}" if unknown else f"no {what} given"
                 raise ValueError(f"{got} (one or more of {', '.join(known)})")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device {self.device!r}: one of auto, cpu, cuda")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' but torch sees no CUDA device here (--device auto takes the CPU)")
+        kind, _, index = self.device.partition(":")
+        if kind not in ("auto", "cpu", "cuda") or index and not (kind == "cuda" and index.isdigit()):
+            raise ValueError(f"device {self.device!r}: one of auto, cpu, cuda, cuda:N")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} but torch sees no CUDA device here (--device auto takes the CPU)")
 
 
 @dataclasses.dataclass
