@@ -574,7 +574,7 @@ def test_a_server_drains_its_streams_on_sigterm(tmp_path_factory, api_servers):
                                                    "--shutdown-timeout", "30") as server:
         url, proc = server["url"], server["proc"]
 
-        async def run() -> tuple[list[bytes], httpx.Response, float]:
+        async def run() -> tuple[list[bytes], list[httpx.Response], float]:
             started = [asyncio.Event() for _ in texts]
 
             async def one(i: int) -> bytes:
@@ -593,7 +593,7 @@ def test_a_server_drains_its_streams_on_sigterm(tmp_path_factory, api_servers):
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             proc.terminate()
             t0 = time.time()
-            await asyncio.sleep(0.3)  # the signal reaches both API server processes
+            await asyncio.sleep(0.3)  # the signal reaches every API server process
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 late = [await client.post("/v1/audio/speech", json={"input": "Too late.", "voice": "alloy",
                                                                     "response_format": "pcm", "stream": True}),

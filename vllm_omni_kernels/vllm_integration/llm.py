@@ -392,13 +392,13 @@ class OmniAsyncLLM(AsyncLLM):
             deadline = time.monotonic() + timeout
             logger.info("[shutdown] OmniAsyncLLM: letting %d requests in flight finish (at most %s s)",
                         self.output_processor.get_num_unfinished_requests(), timeout)
-            while (self._adding or self.output_processor.has_unfinished_requests()) \
-                    and time.monotonic() < deadline and not self.errored:
+            while self._adding or self.output_processor.has_unfinished_requests():
+                if time.monotonic() >= deadline or self.errored:
+                    break  # requests are left: the handler takes their outputs until vLLM's shutdown stops it
                 time.sleep(0.01)
-            if not (self._adding or self.output_processor.has_unfinished_requests()):
-                # Stopped now, the engine core's exit is no failure of it. (Left None, vLLM's
-                # ``errored`` follows the engine alone: its API server's watchdog, which stops the
-                # server when a client has errored, lets the shutdown finish.)
+            else:  # none left: stopped now, the engine core's exit is no failure of it. (Left None,
+                # vLLM's ``errored`` follows the engine alone: its API server's watchdog, which stops
+                # the server when a client has errored, lets the shutdown finish.)
                 self.output_handler = None
                 cancel_task_threadsafe(handler)
             timeout = max(deadline - time.monotonic(), _ENGINE_STOP_S)
