@@ -24,6 +24,10 @@ def test_main_job_serves_both_paths_sample_exact(tmp_path, capsys):
         # time to first audio counts the streaming requests; a FINAL_ONLY request's file is its own figure
         assert all(np.isfinite(s[k]) for k in ("ttfa_ms_p99", "first_chunk_delay_ms_p99", "final_only_ms_p99",
                                                   "client_loop_lag_ms_p99"))
+        # the first chunk's delay by stage: every streaming request's four stamps were found, in order
+        stages = [s[f"first_chunk_{stage}_ms_{q}"] for stage in ("engine_core", "to_decoder", "to_processor",
+                                                                  "to_client") for q in ("p50", "p99")]
+        assert all(np.isfinite(v) and v >= 0 for v in stages), stages
     assert len(list((tmp_path / "wav").glob("*.wav"))) == summary["paths"]["worker"]["finished_exact"]
     assert (tmp_path / "simulate.png").stat().st_size > 10_000
     assert "audio s / wall s" in capsys.readouterr().out

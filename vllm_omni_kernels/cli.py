@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
               f"client event loop late p50 {s['client_loop_lag_ms_p50']:.1f} ms, "
               f"p99 {s['client_loop_lag_ms_p99']:.1f}, max {s['client_loop_lag_ms_max']:.1f} ms, "
               f"longest garbage collection {s['client_gc_ms_max']:.1f} ms")
+        print("  first chunk by stage, p50 / p99 ms: " + ", ".join(
+            f"{stage.replace('_', ' ')} {s[f'first_chunk_{stage}_ms_p50']:.1f} / {s[f'first_chunk_{stage}_ms_p99']:.1f}"
+            for stage in ("engine_core", "to_decoder", "to_processor", "to_client")))
         print(f"  engine step {s['step_ms_median']:.2f} ms, {s['streams_per_step']:.0f} streams/step, async scheduling "
               f"{'on' if s['async_scheduling'] else 'off'}")
         print(f"  output path: worker {s['worker_output_path_us_median']:.1f} us/step (p99 "

@@ -304,6 +304,11 @@ class MultimodalOutputProcessor(OutputProcessor):
         self.consolidation_errors = 0
         self.late_outputs = 0  # multimodal outputs that arrived after their request finished or was aborted
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()  # recently, bounded
+        # request id (the caller's) -> (the engine core's timestamp of the message that brought the
+        # request's first multimodal data, when this process began to process it), time.monotonic
+        # (one clock for every process of a host); the newest _GONE_KEPT requests
+        self.first_data_at: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+        self._message_times: tuple[float | None, float] = (None, 0.0)
 
     def add_request(self, request, prompt, parent_req=None, request_index: int = 0, queue=None) -> None:
         rid = request.request_id
@@ -320,6 +325,7 @@ class MultimodalOutputProcessor(OutputProcessor):
 
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput], engine_core_timestamp=None,
                         iteration_stats=None, weight_version: str | None = None) -> OutputProcessorOutput:
+        self._message_times = (engine_core_timestamp, time.monotonic())  # (first_data_at)
         with self.stopwatch, nvtx_range("frontend.multimodal"):
             self._accumulate(engine_core_outputs)
         result = super().process_outputs(engine_core_outputs, engine_core_timestamp, iteration_stats, weight_version)
@@ -452,11 +458,19 @@ class MultimodalOutputProcessor(OutputProcessor):
         token-id-only detokenizer, so that its outputs are completion outputs carrying the payload."""
         state.stopwatch = self.stopwatch
         state.failures = self._failures
+        self._note_first_data(state)
         if state.detokenizer is None and eco.pooling_output is None:
             state.detokenizer = IncrementalDetokenizer()
             state.logprobs_processor = LogprobsProcessor(tokenizer=None, logprobs=None, prompt_logprobs=None,
                                                          cumulative_logprob=None, num_logprobs=None,
                                                          num_prompt_logprobs=None)
+
+    def _note_first_data(self, state: OmniRequestState) -> None:
+        """``first_data_at`` for a request whose first multimodal data is in the message at hand."""
+        if self._message_times[0] is not None:
+            self.first_data_at[state.external_req_id] = self._message_times
+            if len(self.first_data_at) > _GONE_KEPT:
+                self.first_data_at.popitem(last=False)
 
     def _fail_visibly(self, result: OutputProcessorOutput) -> None:
         """Requests whose output failed in this step (a consolidation here, or the worker's

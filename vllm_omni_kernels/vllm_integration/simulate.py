@@ -15,8 +15,8 @@ reason; the worker path writes each finished request's WAV under ``out_dir`` and
 Reported per path (``summary.json``, one PNG): audio seconds per wall second; time to first audio
 (p50/p99, from when the client sends the request, which first waits for one of ``concurrency``
 senders) and the first chunk's delay from its production in the worker to the client, both over
-the streaming requests; the time to a FINAL_ONLY request's file; how late the client's event loop
-runs and its longest garbage collection; engine step time; the worker's output-path host time per
+the streaming requests, and that delay by stage (``_STAGES``); the time to a FINAL_ONLY request's
+file; how late the client's event loop runs and its longest garbage collection; engine step time; the worker's output-path host time per
 step (this package's appends and collect, whose copy lands off the step, against the upstream
 style's blocking ``.cpu()`` copies, which also wait for the forward on a GPU: unlike spans, so no
 ratio of them is given; ``profiling/bench_output_path.py`` times both to the data in hand); the
@@ -55,6 +55,10 @@ from .llm import OmniAsyncLLM, OmniLLM, talker_engine_args, talker_processor_opt
 
 KINDS = ("delta", "cumulative", "final_only")
 PATHS = ("worker", "upstream")
+# the first chunk's way, by stage (``first_chunk_<stage>_ms_p50``/``_p99``): the worker's step to the engine
+# core's output message; on to this process decoding the message (the output socket's reader task: ZMQ and
+# the event loop); on to the output handler processing it (its queue); on to the client holding the audio
+_STAGES = ("engine_core", "to_decoder", "to_processor", "to_client")
 # The async client freezes its heap (``gc.freeze``) each time this many more requests have finished:
 # it holds every finished request's data for the check after the run, and a full collection (which
 # stops the event loop that delivers every stream's output) then costs what the requests in flight
@@ -133,7 +137,7 @@ class _Result:
     start: float = 0.0
     finish_reason: str | None = None
     first_audio: float | None = None  # perf_counter
-    first_audio_wall: float | None = None  # time.time, to meet the worker's clock
+    first_audio_at: float | None = None  # time.monotonic, to meet the worker's and the frontend's stamps
     error: str | None = None
     aborted: bool = False  # the client aborted it before it finished
     inconsistent: str | None = None  # a CUMULATIVE output not starting with the one before, or not its tokens
@@ -218,8 +222,16 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
     ttfa = [r.first_audio - r.start for r in streaming]
     whole = [r.first_audio - r.start for r in results
              if r.plan.kind == "final_only" and r.first_audio is not None]
-    first_chunk = engine_stats.pop("first_chunk_at", {})
-    delays = [r.first_audio_wall - first_chunk[r.plan.rid] for r in streaming if r.plan.rid in first_chunk]
+    first_chunk, first_data = engine_stats.pop("first_chunk_at", {}), client.pop("first_data_at")
+    delays = [r.first_audio_at - first_chunk[r.plan.rid] for r in streaming if r.plan.rid in first_chunk]
+    decoded = client.pop("decoded_at")  # engine core timestamp -> when this process decoded that message
+    stages = []  # (_STAGES) per streaming request; in process (decoded None) the second stage is 0
+    for r in streaming:
+        core, processed = first_data.get(r.plan.rid, (None, None))
+        got = core if decoded is None else decoded.get(core)  # (None: a message older than the decoder keeps)
+        if r.plan.rid in first_chunk and got is not None:
+            stages.append((core - first_chunk[r.plan.rid], got - core, processed - got, r.first_audio_at - processed))
+    stages = np.array(stages).reshape(-1, len(_STAGES))
     steps = max(engine_stats["output_steps"], 1)
     messages = max(client["messages"], 1)
     return {
@@ -228,6 +240,8 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "audio_seconds": audio_seconds, "wall_seconds": wall, "audio_seconds_per_wall_second": audio_seconds / wall,
         "ttfa_ms_p50": _ms(ttfa, 50), "ttfa_ms_p99": _ms(ttfa, 99),
         "first_chunk_delay_ms_p50": _ms(delays, 50), "first_chunk_delay_ms_p99": _ms(delays, 99),
+        **{f"first_chunk_{stage}_ms_{q}": _ms(stages[:, i].tolist(), int(q[1:]))
+           for i, stage in enumerate(_STAGES) for q in ("p50", "p99")},
         "final_only_ms_p50": _ms(whole, 50), "final_only_ms_p99": _ms(whole, 99),
         "client_loop_lag_ms_p50": client["loop_lag_ms_p50"], "client_loop_lag_ms_p99": client["loop_lag_ms_p99"],
         "client_loop_lag_ms_max": client["loop_lag_ms_max"], "client_gc_ms_max": client["gc_ms_max"],
@@ -315,7 +329,8 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
                   "decode_seconds": decoder.seconds - d0[2],
                   "multimodal_seconds": processor.stopwatch.seconds + decoder.multimodal_seconds - d0[3],
                   "loop_lag_ms_p50": _ms(lags, 50), "loop_lag_ms_p99": _ms(lags, 99),
-                  "loop_lag_ms_max": _ms(lags, 100), "gc_ms_max": max(pauses, default=0.0) * 1e3}
+                  "loop_lag_ms_max": _ms(lags, 100), "gc_ms_max": max(pauses, default=0.0) * 1e3,
+                  "first_data_at": dict(processor.first_data_at), "decoded_at": dict(decoder.decoded_at)}
         return results, stats, client, wall
     finally:
         if note_pause in gc.callbacks:
@@ -416,7 +431,8 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
         client = {"messages": stats["steps"], "bytes": 0, "decode_seconds": 0.0,
                   "multimodal_seconds": processor.stopwatch.seconds,
                   "loop_lag_ms_p50": float("nan"), "loop_lag_ms_p99": float("nan"),
-                  "loop_lag_ms_max": float("nan"), "gc_ms_max": float("nan")}  # no event loop
+                  "loop_lag_ms_max": float("nan"), "gc_ms_max": float("nan"),  # no event loop
+                  "first_data_at": dict(processor.first_data_at), "decoded_at": None}
         return sorted(results, key=lambda r: r.plan.rid), stats, client, wall
     finally:
         engine.engine_core.shutdown()
@@ -468,7 +484,7 @@ def _take(res: _Result, out) -> None:
     if payload is not None and "audio" in payload.tensors:
         res.payloads += 1
         if res.first_audio is None and payload.tensors["audio"].numel():
-            res.first_audio, res.first_audio_wall = time.perf_counter(), time.time()
+            res.first_audio, res.first_audio_at = time.perf_counter(), time.monotonic()
         if res.plan.kind == "delta":
             res.audio.append(payload.tensors["audio"])
             res.codes.append(payload.tensors["codes"])

@@ -34,6 +34,8 @@ class UpstreamStyleOutputProcessor(MultimodalOutputProcessor):
             state = self.request_states.get(eco.request_id)
             if not isinstance(state, OmniRequestState):
                 continue
+            if state.arrived is None:
+                self._note_first_data(state)
             state.stopwatch = self.stopwatch
             state.deliver({key: (-1 if strategies.get(key) is Strategy.CONCAT_LAST else 0, value)
                            for key, value in eco.multimodal_output.items()})

@@ -28,6 +28,7 @@ tensor decodes as a tensor and the key order (``primary_tensor``) is kept.
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Sequence
@@ -175,6 +176,7 @@ _DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtyp
 # Values carried as they are: these types exactly (np.float64, a float subclass, is refused by the
 # encoder; an int past 64 bits by ``_check_encodes`` before the walk looks at types).
 _PLAIN = frozenset((type(None), bool, int, float, str, bytes))
+_DECODED_KEPT = 65536  # messages whose decoding time the decoder keeps (the newest)
 _MAX_DEPTH = 512  # containers within containers that ``tensor_paths`` looks into (a value holding itself stops)
 
 
@@ -263,7 +265,8 @@ def _is_tensor_triple(value: Any) -> bool:
 class OmniMsgpackDecoder(MsgpackDecoder):
     """vLLM's ``MsgpackDecoder`` for ``OmniEngineCoreOutputs`` that restores multimodal tensors and
     resolves regions (module docstring). Counts the messages decoded, their bytes (every frame), the
-    decoding time and the multimodal channel's share of it."""
+    decoding time and the multimodal channel's share of it; ``decoded_at`` holds the newest
+    messages' (engine core timestamp, ``time.monotonic()`` when decoding began)."""
 
     def __init__(self):
         super().__init__(OmniEngineCoreOutputs)
@@ -271,6 +274,7 @@ class OmniMsgpackDecoder(MsgpackDecoder):
         self.bytes = 0
         self.seconds = 0.0
         self.multimodal_seconds = 0.0
+        self.decoded_at: collections.deque[tuple[float, float]] = collections.deque(maxlen=_DECODED_KEPT)
 
     def decode(self, bufs: bytestr | Sequence[bytestr]) -> Any:
         t0 = time.perf_counter()
@@ -280,9 +284,11 @@ class OmniMsgpackDecoder(MsgpackDecoder):
         self.bytes += sum(memoryview(b).nbytes for b in bufs)
         self.aux_buffers = bufs
         try:
+            decoding = time.monotonic()
             out = self.decoder.decode(bufs[0])
             t1 = time.perf_counter()
             if isinstance(out, OmniEngineCoreOutputs):
+                self.decoded_at.append((out.timestamp, decoding))
                 with nvtx_range("frontend.decode_multimodal"):
                     for eco in out.outputs:
                         if eco.multimodal_tensors and eco.multimodal_output is not None:

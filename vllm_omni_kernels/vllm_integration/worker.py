@@ -221,7 +221,7 @@ class TalkerWorker:
         self._upstream_copies = 0
         self._output_path_us: deque[float] = deque(maxlen=_HISTORY)  # the latest steps: a server runs for long
         self._step_starts: deque[float] = deque(maxlen=_HISTORY)
-        self.first_chunk_at: dict[str, float] = {}  # request id (without vLLM's suffix) -> time.time()
+        self.first_chunk_at: dict[str, float] = {}  # request id (without vLLM's suffix) -> time.monotonic()
 
     # ------------------------------------------------------------------ vLLM's worker RPCs
 
@@ -497,7 +497,7 @@ class TalkerWorker:
         """The step: a frame of each request at ``state_rows`` (``req_ids[sampling]``), and its output."""
         B = len(state_rows)
         self.stats["steps"] += 1
-        now = time.time()
+        now = time.monotonic()
         self._step_starts.append(now)
         if B == 0:
             packed = self._collect([], flush, 0) if flush else None
