@@ -616,7 +616,7 @@ def _plot(summary: dict, png: Path) -> None:
                (("wire_bytes_per_step",), "wire bytes / step")]
     paths = list(summary["paths"])
     colors = ["tab:blue", "tab:gray"]
-    fig, axes = plt.subplots(2, 4, figsize=(15, 6))
+    fig, axes = plt.subplots(3, 3, figsize=(15, 9))
     for ax, (keys, title) in zip(axes.flat, metrics):
         width = 0.8 / len(keys)
         for j, key in enumerate(keys):
@@ -630,6 +630,17 @@ def _plot(summary: dict, png: Path) -> None:
         if empty:
             ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", color="gray")
             ax.set_yticks([])
+    ax = axes.flat[-1]  # the first chunk's delay by stage: bars p99, ticks p50, per path
+    width = 0.8 / max(len(paths), 1)
+    for j, p in enumerate(paths):
+        x = [i + (j - (len(paths) - 1) / 2) * width for i in range(len(_STAGES))]
+        ax.bar(x, [summary["paths"][p][f"first_chunk_{stage}_ms_p99"] for stage in _STAGES], width,
+               color=colors[j % len(colors)], label=p)
+        ax.scatter(x, [summary["paths"][p][f"first_chunk_{stage}_ms_p50"] for stage in _STAGES], marker="_",
+                   color="black", s=200, zorder=3)
+    ax.set_xticks(range(len(_STAGES)), [stage.replace("_", " ") for stage in _STAGES], fontsize=8)
+    ax.set_title("first chunk's delay by stage, p99 (bars) / p50 (ticks) (ms)", fontsize=9)
+    ax.legend(fontsize=8)
     device = next(iter(summary["paths"].values()))["device"] if paths else ""
     fig.suptitle(f"TTS serving through a vLLM engine core, {summary['config']['requests']} requests, {device}")
     fig.tight_layout()
