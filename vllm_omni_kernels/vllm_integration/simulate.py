@@ -521,12 +521,17 @@ def _settle(res: _Result) -> None:
     """A finished request's DELTA pieces as one tensor per key: each piece is a view that keeps a
     step's received buffer alive, and an object every full collection of the client walks. A
     CUMULATIVE request's last output is checked as it came: its copy (``_follows``) replaces the
-    output, which may have changed since (an aborted request's is checked by nothing else)."""
-    if res.seen is not None:  # (cloned: the copy's storage has room to grow)
-        res.audio, res.codes = ([kept.view().clone()] for kept in res.seen)
+    output, which may have changed since (an aborted request's is checked by nothing else).
+
+    The copies go through numpy: this runs on the event loop that delivers every stream's output,
+    and torch's copies of this size start its intra-op threads, which wait for cores the engine core
+    keeps busy (milliseconds a request, every other stream's first audio waiting behind them)."""
+    if res.seen is not None:  # (copied: the copy's storage has room to grow)
+        res.audio, res.codes = ([torch.from_numpy(kept.view().numpy().copy())] for kept in res.seen)
         res.seen = None
     if len(res.audio) > 1:
-        res.audio, res.codes = [torch.cat(res.audio)], [torch.cat(res.codes)]
+        res.audio, res.codes = ([torch.from_numpy(np.concatenate([p.numpy() for p in pieces]))]
+                                for pieces in (res.audio, res.codes))
 
 
 def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
