@@ -123,7 +123,7 @@ def test_payload_merge_is_torch_cat_for_pieces_of_other_dtypes_and_conjugate_vie
 def test_growing_tensor_equals_one_concatenation(dtype, capacity):
     """Every view of a ``GrowingTensor`` is the concatenation of the pieces so far, whatever the
     capacity it was sized for (too small: it grows; too large: it is not filled) and whether numpy
-    or torch copies the dtype; earlier views stay as they were."""
+    copies the dtype or its bits (bfloat16); earlier views stay as they were."""
     gen = torch.Generator().manual_seed(1)
     for shape, axis in (((0,), 0), ((2, 0), -1), ((0, 3), 0), ((2, 0, 3), 1)):
         pieces = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -73,8 +74,10 @@ class GrowingTensor:
     and unchanged: growth moves the data to new storage, appends write past every earlier view.
 
     ``capacity``: the length to allocate at once when the caller can tell (fresh memory costs more
-    on the host than the copies). CPU data of a dtype numpy has is copied through numpy views (a
-    torch copy costs several microseconds of dispatch, numpy's one)."""
+    on the host than the copies). CPU data is copied through numpy views, of its bits where numpy
+    lacks the dtype (bfloat16, float8): a torch copy costs several microseconds of dispatch, numpy's
+    one, and a large one starts torch's intra-op threads, which on a host whose cores the engine
+    keeps busy wait milliseconds, holding up the frontend's event loop."""
 
     def __init__(self, first: torch.Tensor, axis: int, capacity: int = 0):
         self.axis = axis % first.dim()
@@ -89,16 +92,16 @@ class GrowingTensor:
     def _allocate(self, data: torch.Tensor) -> None:
         self._data = data
         self._cap = data.shape[self.axis]
-        self._np = data.numpy() if data.is_cpu and data.dtype in _NUMPY_DTYPES else None
+        self._np = _numpy(data) if data.is_cpu else None
 
     def _write(self, at: int, piece: torch.Tensor) -> None:
         k = piece.shape[self.axis]
         if (self._np is not None and piece.dtype == self._data.dtype and piece.is_cpu
                 and not (piece.requires_grad or piece.is_conj() or piece.is_neg())):  # (numpy takes no lazy conjugate)
             if self.axis:
-                self._np[(*self._lead, slice(at, at + k))] = piece.numpy()
+                self._np[(*self._lead, slice(at, at + k))] = _numpy(piece)
             else:
-                self._np[at:at + k] = piece.numpy()
+                self._np[at:at + k] = _numpy(piece)
         else:
             self._data.narrow(self.axis, at, k).copy_(piece)
 
@@ -137,3 +140,13 @@ class GrowingTensor:
 
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
                  torch.uint8, torch.bool, torch.complex64, torch.complex128}
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype numpy lacks, as its bits
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of CPU tensor ``t`` (of its bits for a dtype numpy lacks; None for one that has no
+    such view)."""
+    if t.dtype in _NUMPY_DTYPES:
+        return t.numpy()
+    bits = _BITS.get(t.dtype.itemsize)
+    return None if bits is None or t.dtype.is_complex or t.is_quantized else t.view(bits).numpy()
