@@ -16,11 +16,11 @@ Reported per path (``summary.json``, one PNG): audio seconds per wall second; ti
 (p50/p99, from when the client sends the request, which first waits for one of ``concurrency``
 senders) and the first chunk's delay from its production in the worker to the client, both over
 the streaming requests, and that delay by stage (``_STAGES``); the time to a FINAL_ONLY request's
-file; how late the client's event loop runs and its longest garbage collection; engine step time; the worker's output-path host time per
-step (this package's appends and collect, whose copy lands off the step, against the upstream
-style's blocking ``.cpu()`` copies, which also wait for the forward on a GPU: unlike spans, so no
-ratio of them is given; ``profiling/bench_output_path.py`` times both to the data in hand); the
-frontend's multimodal time per step; device-to-host copies and bytes on the wire per step; the
+file; how late the client's event loop runs and its longest garbage collection; engine step time;
+the worker's output-path host time per step (this package's appends and collect, whose copy lands
+off the step, against the upstream style's blocking ``.cpu()`` copies, which also wait for the
+forward on a GPU: unlike spans, so no ratio of them is given; ``profiling/bench_output_path.py``
+times both to the data in hand); the frontend's multimodal time per step; device-to-host copies and bytes on the wire per step; the
 requests that ended on their stop token (``requests_stopped``; ``worker_stops_seen``: those the
 worker path's worker saw end, with which it closes their output); and vLLM's resumptions of preempted
 requests (``resumptions``: e.g. with ``engine_args={"num_gpu_blocks_override": 16}``; their audio
