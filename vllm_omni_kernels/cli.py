@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # vLLM's own platform: the talker's executor puts the model and the rings on --device itself.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from .vllm_integration.simulate import SimConfig, run
+    from .vllm_integration.simulate import STAGES, SimConfig, run
 
     try:
         cfg = SimConfig(requests=args.requests, concurrency=args.concurrency, max_frames=args.max_frames,
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
               f"longest garbage collection {s['client_gc_ms_max']:.1f} ms")
         print("  first chunk by stage, p50 / p99 ms: " + ", ".join(
             f"{stage.replace('_', ' ')} {s[f'first_chunk_{stage}_ms_p50']:.1f} / {s[f'first_chunk_{stage}_ms_p99']:.1f}"
-            for stage in ("engine_core", "to_decoder", "to_processor", "to_client")))
+            for stage in STAGES))
         print(f"  engine step {s['step_ms_median']:.2f} ms, {s['streams_per_step']:.0f} streams/step, async scheduling "
               f"{'on' if s['async_scheduling'] else 'off'}")
         print(f"  output path: worker {s['worker_output_path_us_median']:.1f} us/step (p99 "

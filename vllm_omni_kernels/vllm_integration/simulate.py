@@ -15,16 +15,16 @@ reason; the worker path writes each finished request's WAV under ``out_dir`` and
 Reported per path (``summary.json``, one PNG): audio seconds per wall second; time to first audio
 (p50/p99, from when the client sends the request, which first waits for one of ``concurrency``
 senders) and the first chunk's delay from its production in the worker to the client, both over
-the streaming requests, and that delay by stage (``_STAGES``); the time to a FINAL_ONLY request's
+the streaming requests, and that delay by stage (``STAGES``); the time to a FINAL_ONLY request's
 file; how late the client's event loop runs and its longest garbage collection; engine step time;
 the worker's output-path host time per step (this package's appends and collect, whose copy lands
 off the step, against the upstream style's blocking ``.cpu()`` copies, which also wait for the
 forward on a GPU: unlike spans, so no ratio of them is given; ``profiling/bench_output_path.py``
-times both to the data in hand); the frontend's multimodal time per step; device-to-host copies and bytes on the wire per step; the
-requests that ended on their stop token (``requests_stopped``; ``worker_stops_seen``: those the
-worker path's worker saw end, with which it closes their output); and vLLM's resumptions of preempted
-requests (``resumptions``: e.g. with ``engine_args={"num_gpu_blocks_override": 16}``; their audio
-goes on where it stopped).
+times both to the data in hand); the frontend's multimodal time per step; device-to-host copies
+and bytes on the wire per step; the requests that ended on their stop token (``requests_stopped``;
+``worker_stops_seen``: those the worker path's worker saw end, with which it closes their output);
+and vLLM's resumptions of preempted requests (``resumptions``: e.g. with
+``engine_args={"num_gpu_blocks_override": 16}``; their audio goes on where it stopped).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ PATHS = ("worker", "upstream")
 # the first chunk's way, by stage (``first_chunk_<stage>_ms_p50``/``_p99``): the worker's step to the engine
 # core's output message; on to this process decoding the message (the output socket's reader task: ZMQ and
 # the event loop); on to the output handler processing it (its queue); on to the client holding the audio
-_STAGES = ("engine_core", "to_decoder", "to_processor", "to_client")
+STAGES = ("engine_core", "to_decoder", "to_processor", "to_client")
 # The async client freezes its heap (``gc.freeze``) each time this many more requests have finished:
 # it holds every finished request's data for the check after the run, and a full collection (which
 # stops the event loop that delivers every stream's output) then costs what the requests in flight
@@ -225,13 +225,13 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
     first_chunk, first_data = engine_stats.pop("first_chunk_at", {}), client.pop("first_data_at")
     delays = [r.first_audio_at - first_chunk[r.plan.rid] for r in streaming if r.plan.rid in first_chunk]
     decoded = client.pop("decoded_at")  # engine core timestamp -> when this process decoded that message
-    stages = []  # (_STAGES) per streaming request; in process (decoded None) the second stage is 0
+    stages = []  # (STAGES) per streaming request; in process (decoded None) the second stage is 0
     for r in streaming:
         core, processed = first_data.get(r.plan.rid, (None, None))
         got = core if decoded is None else decoded.get(core)  # (None: a message older than the decoder keeps)
         if r.plan.rid in first_chunk and got is not None:
             stages.append((core - first_chunk[r.plan.rid], got - core, processed - got, r.first_audio_at - processed))
-    stages = np.array(stages).reshape(-1, len(_STAGES))
+    stages = np.array(stages).reshape(-1, len(STAGES))
     steps = max(engine_stats["output_steps"], 1)
     messages = max(client["messages"], 1)
     return {
@@ -241,7 +241,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "ttfa_ms_p50": _ms(ttfa, 50), "ttfa_ms_p99": _ms(ttfa, 99),
         "first_chunk_delay_ms_p50": _ms(delays, 50), "first_chunk_delay_ms_p99": _ms(delays, 99),
         **{f"first_chunk_{stage}_ms_{q}": _ms(stages[:, i].tolist(), int(q[1:]))
-           for i, stage in enumerate(_STAGES) for q in ("p50", "p99")},
+           for i, stage in enumerate(STAGES) for q in ("p50", "p99")},
         "final_only_ms_p50": _ms(whole, 50), "final_only_ms_p99": _ms(whole, 99),
         "client_loop_lag_ms_p50": client["loop_lag_ms_p50"], "client_loop_lag_ms_p99": client["loop_lag_ms_p99"],
         "client_loop_lag_ms_max": client["loop_lag_ms_max"], "client_gc_ms_max": client["gc_ms_max"],
@@ -638,12 +638,12 @@ def _plot(summary: dict, png: Path) -> None:
     ax = axes.flat[-1]  # the first chunk's delay by stage: bars p99, ticks p50, per path
     width = 0.8 / max(len(paths), 1)
     for j, p in enumerate(paths):
-        x = [i + (j - (len(paths) - 1) / 2) * width for i in range(len(_STAGES))]
-        ax.bar(x, [summary["paths"][p][f"first_chunk_{stage}_ms_p99"] for stage in _STAGES], width,
+        x = [i + (j - (len(paths) - 1) / 2) * width for i in range(len(STAGES))]
+        ax.bar(x, [summary["paths"][p][f"first_chunk_{stage}_ms_p99"] for stage in STAGES], width,
                color=colors[j % len(colors)], label=p)
-        ax.scatter(x, [summary["paths"][p][f"first_chunk_{stage}_ms_p50"] for stage in _STAGES], marker="_",
+        ax.scatter(x, [summary["paths"][p][f"first_chunk_{stage}_ms_p50"] for stage in STAGES], marker="_",
                    color="black", s=200, zorder=3)
-    ax.set_xticks(range(len(_STAGES)), [stage.replace("_", " ") for stage in _STAGES], fontsize=8)
+    ax.set_xticks(range(len(STAGES)), [stage.replace("_", " ") for stage in STAGES], fontsize=8)
     ax.set_title("first chunk's delay by stage, p99 (bars) / p50 (ticks) (ms)", fontsize=9)
     ax.legend(fontsize=8)
     device = next(iter(summary["paths"].values()))["device"] if paths else ""
