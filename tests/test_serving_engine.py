@@ -28,7 +28,7 @@ from vllm_omni_kernels.vllm_integration.llm import (  # noqa: E402
     OmniAsyncLLM, OmniLLM, omni_vllm_config, talker_engine_args, talker_processor_options)
 from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput  # noqa: E402
 from vllm_omni_kernels.vllm_integration.scheduler import OmniAsyncScheduler, OmniScheduler  # noqa: E402
-from vllm_omni_kernels.vllm_integration.simulate import SimConfig, _plans, run  # noqa: E402
+from vllm_omni_kernels.vllm_integration.simulate import STAGES, SimConfig, _plans, run  # noqa: E402
 from vllm_omni_kernels.vllm_integration.talker_model import make_model_dir  # noqa: E402
 from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder  # noqa: E402
 from vllm_omni_kernels.accumulator import EmitPolicy  # noqa: E402
@@ -81,6 +81,22 @@ def test_two_hundred_streams_over_zmq_every_sample_exact(tmp_path):
     # otherwise): 25 of them end on a stop token, most of those before their last frame
     assert s["requests"] == 200 and all_checked(s, cfg, failed=4) and s["requests_stopped"] >= 15
     assert s["slots_held_after"] == 0 and s["engine_steps"] > 0
+
+
+def test_client_processes_share_one_engine_core_every_sample_exact(tmp_path):
+    """``clients=2``: two ``OmniAsyncLLM`` processes on one engine core that vLLM's launcher started,
+    as ``vllm serve --api-server-count 2`` runs them (the engine core answers each over its own
+    sockets); each serves its share of the requests, every sample is checked, the worker's
+    statistics come from the first, and the first chunk's stages are found for every streaming
+    request of both."""
+    cfg = SimConfig(requests=96, concurrency=16, clients=2, min_frames=2, max_frames=9, abort_every=8,
+                    cadence=2 * tk.FRAME_SAMPLES, device="cpu", paths=("worker",), out_dir=str(tmp_path),
+                    progress=False, write_wavs=False)
+    s = run(cfg)["paths"]["worker"]
+    assert s["client_processes"] == 2 and s["requests"] == 96 and all_checked(s, cfg)
+    assert s["slots_held_after"] == 0 and s["engine_steps"] > 0 and s["d2h_copies_per_step"] == 0  # (CPU)
+    assert s["stage_split_requests"] == s["streaming_requests"] > 0
+    assert all(s[f"first_chunk_{stage}_ms_p99"] >= 0 for stage in STAGES)
 
 
 @pytest.mark.parametrize("device, wanted, on", [("cpu", None, False), ("cpu", True, True), ("cuda", None, True),

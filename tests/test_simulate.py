@@ -28,6 +28,7 @@ def test_main_job_serves_both_paths_sample_exact(tmp_path, capsys):
         stages = [s[f"first_chunk_{stage}_ms_{q}"] for stage in ("engine_core", "to_decoder", "to_processor",
                                                                   "to_client") for q in ("p50", "p99")]
         assert all(np.isfinite(v) and v >= 0 for v in stages), stages
+        assert s["stage_split_requests"] == s["streaming_requests"] > 0
     assert len(list((tmp_path / "wav").glob("*.wav"))) == summary["paths"]["worker"]["finished_exact"]
     assert (tmp_path / "simulate.png").stat().st_size > 10_000
     assert "audio s / wall s" in capsys.readouterr().out
@@ -92,7 +93,9 @@ def test_output_kinds_and_paths_in_any_case_and_unknown_ones_are_usage_errors(ca
     cfg = SimConfig(kinds=("DELTA", " Final_Only"), paths=("Worker",))
     assert cfg.kinds == ("delta", "final_only") and cfg.paths == ("worker",)
     for argv, said in ((["--kinds", "delta,foo"], "unknown output kind 'foo'"), (["--paths", ","], "no path"),
-                       (["--device", "gpu"], "device 'gpu'")):
+                       (["--device", "gpu"], "device 'gpu'"), (["--clients", "0"], "clients 0"),
+                       (["--clients", "2", "--in-process"], "1 with the engine core in process"),
+                       (["--clients", "9", "--concurrency", "8"], "more than the 8 requests in flight")):
         with pytest.raises(SystemExit) as exit_:
             main(["simulate", *argv])
         assert exit_.value.code == 2 and said in capsys.readouterr().err

@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="vLLM's async scheduling (default: on for a talker on CUDA, off on the CPU)")
     sim.add_argument("--in-process", action="store_true", help="the engine core in this process (default: its own)")
+    sim.add_argument("--clients", type=int, default=1,
+                     help="client processes sharing the engine core, as vLLM's API server processes do "
+                          "(--api-server-count); the requests in flight are split among them")
     sim.add_argument("--paths", default="worker,upstream", help="output paths to run: worker, upstream")
     sim.add_argument("--out", default="out/simulate", help="where summary.json, the PNG and wav/ go")
     sim.add_argument("--no-wavs", action="store_true", help="check every sample but write no WAV files")
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SimConfig(requests=args.requests, concurrency=args.concurrency, max_frames=args.max_frames,
                         arrival_ms=args.arrival_ms, kinds=_names(args.kinds), sync_check=args.sync_check,
                         cadence=SimConfig.cadence if args.cadence is None else args.cadence, device=args.device,
-                        async_scheduling=args.async_scheduling, in_process=args.in_process, paths=_names(args.paths),
+                        async_scheduling=args.async_scheduling, in_process=args.in_process, clients=args.clients,
+                        paths=_names(args.paths),
                         out_dir=args.out, seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
                         bad_every=args.bad_every, stop_every=args.stop_every, priorities=args.priorities)
     except ValueError as exc:  # a usage error: --kinds, --paths or --device
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{stage.replace('_', ' ')} {s[f'first_chunk_{stage}_ms_p50']:.1f} / {s[f'first_chunk_{stage}_ms_p99']:.1f}"
             for stage in STAGES))
         print(f"  engine step {s['step_ms_median']:.2f} ms, {s['streams_per_step']:.0f} streams/step, async scheduling "
-              f"{'on' if s['async_scheduling'] else 'off'}")
+              f"{'on' if s['async_scheduling'] else 'off'}, {s['client_processes']} client process(es)")
         print(f"  output path: worker {s['worker_output_path_us_median']:.1f} us/step (p99 "
               f"{s['worker_output_path_us_p99']:.1f}), frontend {s['frontend_multimodal_us_per_step']:.1f} us/step, "
               f"{s['d2h_copies_per_step']:.2f} device-to-host copies/step, {s['wire_bytes_per_step'] / 1024:.1f} KiB "

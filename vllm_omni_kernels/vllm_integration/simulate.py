@@ -2,8 +2,9 @@
 upstream-style one, with the same requests.
 
 Per path an engine core runs in its own process (ZMQ + msgpack; ``in_process``: in this one) and
-serves the talker (``talker_model``); ``requests`` requests arrive staggered, at most
-``concurrency`` at a time, in DELTA, CUMULATIVE and FINAL_ONLY output kinds in turn. One in
+serves the talker (``talker_model``) to this process, or to ``clients`` client processes that share
+it as vLLM's API server processes do (``_serve_clients``); ``requests`` requests arrive staggered,
+at most ``concurrency`` at a time, in DELTA, CUMULATIVE and FINAL_ONLY output kinds in turn. One in
 ``abort_every`` is aborted (a streaming one after its first audio, a FINAL_ONLY one a while after it
 starts; one that finishes first is checked whole; the output kinds take their turn), and every
 ``stop_every``-th one ends on a codec token its talker emits half-way (``stop_token_ids``); with
@@ -35,8 +36,12 @@ import dataclasses
 import gc
 import json
 import math
+import multiprocessing
+import pickle
 import time
+import traceback
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 import torch
@@ -45,13 +50,17 @@ from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import RequestOutputKind
+from vllm.usage.usage_lib import UsageContext
 from vllm.utils.gc_utils import freeze_gc_heap
+from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
+from vllm.v1.executor import Executor
 
 from ..errors import TensorAccumulationError
 from ..payload import GrowingTensor
 from ..serving import talker as tk
 from ..serving.wav import read_wav, write_wav_f32
-from .llm import OmniAsyncLLM, OmniLLM, talker_engine_args, talker_processor_options, warm_up, with_talker_options
+from .llm import (OmniAsyncLLM, OmniLLM, omni_vllm_config, talker_engine_args, talker_processor_options, warm_up,
+                  with_talker_options)
 
 KINDS = ("delta", "cumulative", "final_only")
 PATHS = ("worker", "upstream")
@@ -65,6 +74,7 @@ STAGES = ("engine_core", "to_decoder", "to_processor", "to_client")
 # cost, not what the run has served so far. The heap is unfrozen after the run.
 _FREEZE_EVERY = 256
 _FINAL_ONLY_ABORT_S = 0.05  # a FINAL_ONLY request planned to be aborted is aborted this long after it starts
+_CLIENT_WAIT_S = 600.0  # the longest a client process waits for the others (start, end), and is waited for
 
 
 @dataclasses.dataclass
@@ -85,6 +95,7 @@ class SimConfig:
     device: str = "auto"
     async_scheduling: bool | None = None  # None: on for a talker on CUDA, off on the CPU (llm.py)
     in_process: bool = False
+    clients: int = 1  # client processes, each an OmniAsyncLLM on the one engine core (``_serve_clients``)
     paths: tuple[str, ...] = PATHS
     out_dir: str = "out/simulate"
     seed: int = 0
@@ -102,6 +113,10 @@ class SimConfig:
             if unknown or not names:
                 got = f"unknown {what} {unknown[0]!r}" if unknown else f"no {what} given"
                 raise ValueError(f"{got} (one or more of {', '.join(known)})")
+        if self.clients < 1 or self.clients > 1 and self.in_process:
+            raise ValueError(f"clients {self.clients}: at least 1, and 1 with the engine core in process")
+        if self.clients > self.concurrency:
+            raise ValueError(f"clients {self.clients}: more than the {self.concurrency} requests in flight")
         kind, _, index = self.device.partition(":")
         if kind not in ("auto", "cpu", "cuda") or index and not (kind == "cuda" and index.isdigit()):
             raise ValueError(f"device {self.device!r}: one of auto, cpu, cuda, cuda:N")
@@ -142,6 +157,10 @@ class _Result:
     aborted: bool = False  # the client aborted it before it finished
     inconsistent: str | None = None  # a CUMULATIVE output not starting with the one before, or not its tokens
     seen: tuple | None = None  # CUMULATIVE: audio and codes as the outputs so far held them (GrowingTensors)
+    # the message that brought its first data: (the engine core's timestamp, when its client process
+    # decoded it, when the output handler began processing it), time.monotonic (``STAGES``)
+    first_data: tuple[float, float, float] | None = None
+    samples: int = 0  # audio samples it got (``_settle``; the audio itself may be dropped once checked)
 
 
 def _plans(cfg: SimConfig) -> list[_Plan]:
@@ -210,34 +229,33 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
     t_start = time.perf_counter()
     if cfg.in_process:
         results, engine_stats, client, wall = _serve_in_process(cfg, path, model, plans)
+    elif cfg.clients > 1:
+        results, engine_stats, client, wall = _serve_clients(cfg, path, model, plans)
     else:
-        results, engine_stats, client, wall = asyncio.run(_serve_async(cfg, path, model, plans))
+        results, engine_stats, client, (t0, t1) = asyncio.run(_serve_async(cfg, path, model, plans))
+        wall = t1 - t0
         gc.collect()  # the shut-down engine, if a cycle holds it, goes while the interpreter is whole
     checked = _check(results, out / "wav" if (path == "worker" and cfg.write_wavs) else None,
                      bad_error=_BAD_ERRORS[path], talker=tk.ToyTalker(cfg.seed))
-    audio_seconds = sum(sum(a.numel() for a in r.audio) for r in results) / tk.SAMPLE_RATE
+    audio_seconds = sum(r.samples for r in results) / tk.SAMPLE_RATE
     # A streaming request's first audio is its first chunk; a FINAL_ONLY one's is its whole file, at
     # its end: that is its own figure, never mixed into the time to first audio.
     streaming = [r for r in results if r.plan.kind != "final_only" and r.first_audio is not None]
     ttfa = [r.first_audio - r.start for r in streaming]
     whole = [r.first_audio - r.start for r in results
              if r.plan.kind == "final_only" and r.first_audio is not None]
-    first_chunk, first_data = engine_stats.pop("first_chunk_at", {}), client.pop("first_data_at")
+    first_chunk = engine_stats.pop("first_chunk_at", {})
     delays = [r.first_audio_at - first_chunk[r.plan.rid] for r in streaming if r.plan.rid in first_chunk]
-    decoded = client.pop("decoded_at")  # engine core timestamp -> when this process decoded that message
-    stages = []  # (STAGES) per streaming request; in process (decoded None) the second stage is 0
-    for r in streaming:
-        core, processed = first_data.get(r.plan.rid, (None, None))
-        got = core if decoded is None else decoded.get(core)  # (None: a message older than the decoder keeps)
-        if r.plan.rid in first_chunk and got is not None:
-            stages.append((core - first_chunk[r.plan.rid], got - core, processed - got, r.first_audio_at - processed))
+    stages = [(core - first_chunk[r.plan.rid], decoded - core, processed - decoded, r.first_audio_at - processed)
+              for r in streaming if r.plan.rid in first_chunk and r.first_data is not None
+              for core, decoded, processed in (r.first_data,)]  # (STAGES)
     stages = np.array(stages).reshape(-1, len(STAGES))
-    steps = max(engine_stats["output_steps"], 1)
-    messages = max(client["messages"], 1)
+    steps = max(engine_stats["output_steps"], 1)  # (a message to each client process with outputs)
     return {
         "path": path, "device": engine_stats["device"], "async_scheduling": engine_stats["async_scheduling"],
         "requests": len(results), **checked,
         "audio_seconds": audio_seconds, "wall_seconds": wall, "audio_seconds_per_wall_second": audio_seconds / wall,
+        "streaming_requests": len(streaming), "stage_split_requests": len(stages),  # (every one of them, if all's well)
         "ttfa_ms_p50": _ms(ttfa, 50), "ttfa_ms_p99": _ms(ttfa, 99),
         "first_chunk_delay_ms_p50": _ms(delays, 50), "first_chunk_delay_ms_p99": _ms(delays, 99),
         **{f"first_chunk_{stage}_ms_{q}": _ms(stages[:, i].tolist(), int(q[1:]))
@@ -248,11 +266,11 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "step_ms_median": engine_stats["step_us_median"] / 1e3,
         "worker_output_path_us_median": engine_stats["output_path_us_median"],
         "worker_output_path_us_p99": engine_stats["output_path_us_p99"],
-        "frontend_multimodal_us_per_step": client["multimodal_seconds"] / messages * 1e6,
-        "frontend_decode_us_per_step": client["decode_seconds"] / messages * 1e6,
+        "frontend_multimodal_us_per_step": client["multimodal_seconds"] / steps * 1e6,
+        "frontend_decode_us_per_step": client["decode_seconds"] / steps * 1e6,
         "frontend_multimodal_us_per_audio_second": client["multimodal_seconds"] / max(audio_seconds, 1e-9) * 1e6,
         "d2h_copies_per_step": engine_stats["copies"] / steps,
-        "wire_bytes_per_step": client["bytes"] / messages,
+        "wire_bytes_per_step": client["bytes"] / steps, "client_processes": cfg.clients,
         "streams_per_step": engine_stats["samples"] / tk.FRAME_SAMPLES / max(engine_stats["steps"], 1),
         "engine_steps": engine_stats["steps"], "resumptions": engine_stats["resumed"],
         "requests_stopped": sum(r.finish_reason == "stop" for r in results),  # (checked: _check)
@@ -269,14 +287,31 @@ def _ms(seconds: list[float], q: float) -> float:
     return float(np.percentile(seconds, q)) * 1e3 if seconds else float("nan")
 
 
-async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
-    engine = OmniAsyncLLM.from_engine_args(_engine_args(cfg, path, model),
-                                           processor_options=talker_processor_options(path))
+async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], share: _Share | None = None):
+    """Serve ``plans`` through an ``OmniAsyncLLM`` in this process: its own engine core, or with
+    ``share`` one of several clients of one (``_serve_clients``). Returns the results, the worker's
+    statistics (None for a client other than the first of several), the client's figures and the
+    run's (start, end) in ``time.perf_counter``."""
+    if share is None:
+        engine = OmniAsyncLLM.from_engine_args(_engine_args(cfg, path, model),
+                                               processor_options=talker_processor_options(path))
+    else:
+        config = _shared_engine_config(cfg, path, model, share.count, share.index)
+        engine = OmniAsyncLLM(config, Executor.get_class(config), log_stats=False,
+                              client_addresses=share.addresses, client_count=share.count, client_index=share.index,
+                              processor_options=talker_processor_options(path))
+    first = share is None or share.index == 0
     pauses: list[float] = []
     note_pause = _gc_pauses(pauses)
     try:
-        await warm_up(engine)
-        await engine.collective_rpc("reset_output_path_stats")
+        # (several clients: each warms its share of a full batch, together one; then all start at once)
+        await warm_up(engine, math.ceil(engine.vllm_config.scheduler_config.max_num_seqs / cfg.clients))
+        if share is not None:
+            await asyncio.to_thread(share.barrier.wait)
+        if first:
+            await engine.collective_rpc("reset_output_path_stats")
+        if share is not None:
+            await asyncio.to_thread(share.barrier.wait)
         freeze_gc_heap()  # as vLLM's API server does once it is up: no collection walks the static heap
         gc.callbacks.append(note_pause)
         decoder, processor = engine.engine_core.decoder, engine.output_processor
@@ -319,25 +354,125 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
             bar.update(1)
             return res
 
-        results = await _send(plans, one, cfg.concurrency)
-        wall = time.perf_counter() - t0
+        concurrency = cfg.concurrency if share is None else \
+            cfg.concurrency // share.count + (share.index < cfg.concurrency % share.count)
+        results = await _send(plans, one, concurrency)
+        t1 = time.perf_counter()
         ticker.cancel()
         bar.close()
-        await asyncio.sleep(0.2)  # aborts reach the engine core
-        stats = (await engine.collective_rpc("output_path_stats"))[0]
+        _note_first_data(results, processor.first_data_at, dict(decoder.decoded_at))
+        if share is not None:
+            await asyncio.to_thread(share.barrier.wait)  # every client is done
+        stats = None
+        if first:
+            await asyncio.sleep(0.2)  # aborts reach the engine core
+            stats = (await engine.collective_rpc("output_path_stats"))[0]
         client = {"messages": decoder.messages - d0[0], "bytes": decoder.bytes - d0[1],
                   "decode_seconds": decoder.seconds - d0[2],
                   "multimodal_seconds": processor.stopwatch.seconds + decoder.multimodal_seconds - d0[3],
                   "loop_lag_ms_p50": _ms(lags, 50), "loop_lag_ms_p99": _ms(lags, 99),
-                  "loop_lag_ms_max": _ms(lags, 100), "gc_ms_max": max(pauses, default=0.0) * 1e3,
-                  "first_data_at": dict(processor.first_data_at), "decoded_at": dict(decoder.decoded_at)}
-        return results, stats, client, wall
+                  "loop_lag_ms_max": _ms(lags, 100), "gc_ms_max": max(pauses, default=0.0) * 1e3}
+        return results, stats, client, (t0, t1)
     finally:
         if note_pause in gc.callbacks:
             gc.callbacks.remove(note_pause)
         engine.shutdown()
         engine = None  # nothing that keeps this frame (a traceback) keeps the engine past its run
         gc.unfreeze()
+
+
+@dataclasses.dataclass
+class _Share:
+    """A client process's place among ``count`` clients of one engine core: its index, vLLM's client
+    addresses (its engine sockets), and the barrier at which they all start and end."""
+
+    index: int
+    count: int
+    addresses: dict
+    barrier: object  # a multiprocessing Barrier of the spawn context
+
+
+def _shared_engine_config(cfg: SimConfig, path: str, model: Path, count: int, rank: int):
+    """vLLM's config of an engine core that ``count`` client processes share (``rank`` -1: the
+    launcher's), as ``vllm serve --api-server-count`` makes it."""
+    engine_args = _engine_args(cfg, path, model)
+    engine_args._api_process_count, engine_args._api_process_rank = count, rank
+    return omni_vllm_config(engine_args, UsageContext.ENGINE_CONTEXT)
+
+
+def _serve_clients(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
+    """``_serve_async`` in ``cfg.clients`` processes of their own, on one engine core that vLLM's
+    launcher starts, as ``vllm serve --api-server-count N`` spreads a server's streams over N event
+    loops (and so does ``serve``): the plans are dealt round robin, and the requests in flight split
+    evenly. Returns what ``_serve_async`` returns, the clients' figures summed (their event loops':
+    the latest) and the worker's statistics from the first client."""
+    n = cfg.clients
+    config = _shared_engine_config(cfg, path, model, n, -1)
+    listeners = bind_engine_zmq_listeners(config, n)
+    ctx = multiprocessing.get_context("spawn")  # (as vLLM starts its API server processes)
+    queue, barrier = ctx.Queue(), ctx.Barrier(n, timeout=_CLIENT_WAIT_S)
+    procs = []
+    quiet = dataclasses.replace(cfg, progress=False)
+    with launch_core_engines(config, Executor.get_class(config), False, listeners.addresses) as launch:
+        for i, (inp, outp) in enumerate(zip(listeners.inputs, listeners.outputs)):
+            addresses = {"input_address": inp.address, "output_address": outp.address,
+                         "input_listener": inp.socket, "output_listener": outp.socket}
+            proc = ctx.Process(target=_client_process, name=f"SimulateClient_{i}",
+                               args=(quiet, path, model, plans[i::n], i, n, addresses, barrier, queue))
+            proc.start()
+            procs.append(proc)
+            inp.close()
+            outp.close()
+        launch.watched_frontend_processes = procs
+    try:
+        done = {}
+        while len(done) < n:
+            try:
+                index, payload = queue.get(timeout=1.0)
+            except Empty:
+                dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"client processes {dead} exited without their results") from None
+                continue
+            if isinstance(payload, str):
+                raise RuntimeError(f"client process {index} failed:\n{payload}")
+            done[index] = pickle.loads(payload)
+    finally:
+        for proc in procs:
+            proc.join(timeout=_CLIENT_WAIT_S if not proc.exitcode else 0)
+            if proc.is_alive():
+                proc.kill()
+        launch.engine_manager.shutdown()
+    parts = [done[i] for i in range(n)]
+    results = sorted((r for part in parts for r in part[0]), key=lambda r: r.plan.rid)
+    clients = [part[2] for part in parts]
+    client = {key: (max if key.startswith(("loop_", "gc_")) else sum)(c[key] for c in clients) for key in clients[0]}
+    wall = max(part[3][1] for part in parts) - min(part[3][0] for part in parts)
+    return results, parts[0][1], client, wall
+
+
+def _client_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], index: int, count: int,
+                    addresses: dict, barrier, queue) -> None:
+    """One client process of ``_serve_clients``: its share of the plans through ``_serve_async``;
+    puts (index, its return value pickled) on ``queue``, or (index, the traceback) if it failed."""
+    try:
+        got = asyncio.run(_serve_async(cfg, path, model, plans, _Share(index, count, addresses, barrier)))
+        payload = pickle.dumps(got)  # (pickled here: tensors through the queue itself would go as shared memory)
+    except BaseException:  # it goes to the parent, which raises it: nothing is swallowed
+        barrier.abort()  # the other clients stop waiting for this one
+        queue.put((index, traceback.format_exc()))
+        raise
+    queue.put((index, payload))
+
+
+def _note_first_data(results: list[_Result], first_data_at: dict, decoded_at: dict | None) -> None:
+    """Each result's ``first_data`` from its client's processor and decoder (in process, where
+    nothing is decoded, the message's own timestamp stands for its decoding)."""
+    for r in results:
+        core, processed = first_data_at.get(r.plan.rid, (None, None))
+        got = core if decoded_at is None else decoded_at.get(core)  # (None: a message older than the decoder keeps)
+        if core is not None and got is not None:
+            r.first_data = (core, got, processed)
 
 
 async def _send(plans: list[_Plan], one, concurrency: int) -> list[_Result]:
@@ -431,8 +566,8 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
         client = {"messages": stats["steps"], "bytes": 0, "decode_seconds": 0.0,
                   "multimodal_seconds": processor.stopwatch.seconds,
                   "loop_lag_ms_p50": float("nan"), "loop_lag_ms_p99": float("nan"),
-                  "loop_lag_ms_max": float("nan"), "gc_ms_max": float("nan"),  # no event loop
-                  "first_data_at": dict(processor.first_data_at), "decoded_at": None}
+                  "loop_lag_ms_max": float("nan"), "gc_ms_max": float("nan")}  # no event loop
+        _note_first_data(results, processor.first_data_at, None)
         return sorted(results, key=lambda r: r.plan.rid), stats, client, wall
     finally:
         engine.engine_core.shutdown()
@@ -502,15 +637,18 @@ def _take(res: _Result, out) -> None:
 
 def _follows(res: _Result, audio: torch.Tensor, codes: torch.Tensor) -> bool:
     """Whether a CUMULATIVE output starts with what the request's outputs before it held when they
-    came (``res.seen``: a copy that each output extends by its new part, so the client copies every
-    sample once and compares without allocating a copy per output); then it extends the copy."""
+    came (``res.seen``: a copy that each output extends by its new part, sized for the request's
+    frames at its first output, so the client copies every sample once, and compares without
+    allocating a copy per output); then it extends the copy."""
     if res.seen is None:
-        res.seen = (GrowingTensor(audio, 0), GrowingTensor(codes, 0))
+        frames = res.plan.frames
+        res.seen = (GrowingTensor(audio, 0, frames * tk.FRAME_SAMPLES), GrowingTensor(codes, 0, frames))
         return True
-    kept_audio, kept_codes = (kept.view() for kept in res.seen)
+    kept_audio, kept_codes = (kept.view().numpy() for kept in res.seen)
+    got_audio, got_codes = audio.numpy(), codes.numpy()
     n, m = len(kept_audio), len(kept_codes)
-    if len(audio) < n or len(codes) < m or not (np.array_equal(audio[:n].numpy(), kept_audio.numpy())
-                                                and np.array_equal(codes[:m].numpy(), kept_codes.numpy())):
+    if len(got_audio) < n or len(got_codes) < m or not (np.array_equal(got_audio[:n], kept_audio)
+                                                        and np.array_equal(got_codes[:m], kept_codes)):
         return False
     res.seen[0].append(audio[n:])
     res.seen[1].append(codes[m:])
@@ -532,6 +670,7 @@ def _settle(res: _Result) -> None:
     if len(res.audio) > 1:
         res.audio, res.codes = ([torch.from_numpy(np.concatenate([p.numpy() for p in pieces]))]
                                 for pieces in (res.audio, res.codes))
+    res.samples = sum(a.numel() for a in res.audio)
 
 
 def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
