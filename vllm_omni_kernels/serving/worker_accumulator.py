@@ -148,6 +148,32 @@ class PackedStep:
         self.regions = regions
         self._requests = None
 
+    def only(self, request_ids: Collection[str]) -> PackedStep:
+        """The data of ``request_ids`` alone (of those with data here), copied back to back into a
+        buffer of its own (each key's region on a 16-byte boundary; no head), with its regions and
+        the requests among them whose output this step closed: the message to one of several
+        clients (vLLM's API server processes), which would otherwise each receive every client's
+        data. Waits for the step's copy (``wait``: done already once the step's output resolved)."""
+        host = self.wait().numpy()
+        parts: list[np.ndarray] = []
+        regions, size = [], 0
+        for r in self.regions:
+            take = np.fromiter((rid in request_ids for rid in r.request_ids), bool, len(r.request_ids))
+            if not take.any():
+                continue
+            per = math.prod(r.frame) * r.dtype.itemsize
+            ends = r.offset + np.cumsum(r.frames) * per
+            start = _aligned(size)
+            if start > size:
+                parts.append(np.zeros(start - size, np.uint8))
+            frames = r.frames[take]
+            parts += [host[end - n * per:end] for end, n in zip(ends[take].tolist(), frames.tolist())]
+            regions.append(replace(r, offset=start, request_ids=[rid for rid, t in zip(r.request_ids, take) if t],
+                                   frames=frames))
+            size = start + int(frames.sum()) * per
+        buffer = torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.uint8)
+        return PackedStep(host=buffer, regions=regions, final={rid for rid in self.final if rid in request_ids})
+
     def tensors(self, request_id: str) -> dict[str, torch.Tensor]:
         """The request's data as views into ``host`` (after ``wait``)."""
         out = {}

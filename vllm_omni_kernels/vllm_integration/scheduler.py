@@ -7,8 +7,10 @@ only, so vLLM's ``update_from_output`` runs unchanged; ``MultimodalChannel`` the
 multimodal channel into the step's outputs:
 
 * plain per-step values (``multimodal_outputs``) go on their request's output; the worker's data due
-  this step (``packed``: one host buffer and its regions) goes on the message of every client with a
-  request in it, nothing built per request;
+  this step (``packed``: one host buffer and its regions) goes on the message of the client whose
+  requests it holds, nothing built per request; when the step's data is for several clients
+  (vLLM's API server processes), each message carries a copy of its own requests' data alone
+  (``PackedStep.only``: one host copy in all, instead of every client receiving every client's);
 * a request the worker failed (``multimodal_errors``), or whose plain values vLLM's wire would not
   carry as they are (``wire.tensor_paths``: the encoder would fail the step, or the client's decoder
   the whole message), is finished with ``FINISHED_ERROR``, its output carrying the error, which the
@@ -114,6 +116,10 @@ class MultimodalChannel:
                 multimodal_tensors=tensors.get(rid)))
             if rid in delivered:
                 outputs[client] = _with_outputs(batch, batch.outputs, packed)
+        sharing = [batch for batch in outputs.values() if getattr(batch, "multimodal_buffer", None) is not None]
+        if len(sharing) > 1:  # several clients: each message carries its own requests' data alone
+            for batch in sharing:
+                _set_data(batch, packed.only({eco.request_id for eco in batch.outputs}))
         return outputs
 
     def _await_worker(self, client: int, ecos: list) -> list:
@@ -267,17 +273,20 @@ def outputs_with_channel(batch: EngineCoreOutputs, packed: PackedStep | None, pl
 def _with_outputs(batch: EngineCoreOutputs, outputs: list, packed: PackedStep | None) -> OmniEngineCoreOutputs:
     """``batch`` as ``OmniEngineCoreOutputs`` with ``outputs``, and the step's buffer and regions
     when some of them have data there."""
-    regions = None if packed is None else [
-        MultimodalRegion(r.key, str(r.dtype).removeprefix("torch."), list(r.frame), r.axis, r.offset,
-                         r.request_ids, r.frames.tolist()) for r in packed.regions]
-    if isinstance(batch, OmniEngineCoreOutputs):
-        batch.outputs = outputs
-        if packed is not None:
-            batch.multimodal_buffer, batch.multimodal_regions = packed.host, regions
-        return batch
-    fields = {name: getattr(batch, name) for name in batch.__struct_fields__ if name != "outputs"}
-    return OmniEngineCoreOutputs(**fields, outputs=outputs, multimodal_buffer=None if packed is None else packed.host,
-                                 multimodal_regions=regions)
+    if not isinstance(batch, OmniEngineCoreOutputs):
+        fields = {name: getattr(batch, name) for name in batch.__struct_fields__ if name != "outputs"}
+        batch = OmniEngineCoreOutputs(**fields)
+    batch.outputs = outputs
+    if packed is not None:
+        _set_data(batch, packed)
+    return batch
+
+
+def _set_data(batch: OmniEngineCoreOutputs, packed: PackedStep) -> None:
+    """The message carries ``packed``'s buffer and regions."""
+    batch.multimodal_buffer = packed.host
+    batch.multimodal_regions = [MultimodalRegion(r.key, str(r.dtype).removeprefix("torch."), list(r.frame), r.axis,
+                                                 r.offset, r.request_ids, r.frames.tolist()) for r in packed.regions]
 
 
 class OmniScheduler(MultimodalChannel, Scheduler):
