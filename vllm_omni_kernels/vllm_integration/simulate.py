@@ -404,8 +404,9 @@ def _serve_clients(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
     """``_serve_async`` in ``cfg.clients`` processes of their own, on one engine core that vLLM's
     launcher starts, as ``vllm serve --api-server-count N`` spreads a server's streams over N event
     loops (and so does ``serve``): the plans are dealt round robin, and the requests in flight split
-    evenly. Returns what ``_serve_async`` returns, the clients' figures summed (their event loops':
-    the latest) and the worker's statistics from the first client."""
+    evenly. Returns the results, the worker's statistics (from the first client), the clients'
+    figures (summed; their event loops': the worst) and the wall time from the first start to the
+    last end."""
     n = cfg.clients
     config = _shared_engine_config(cfg, path, model, n, -1)
     listeners = bind_engine_zmq_listeners(config, n)
@@ -424,6 +425,7 @@ def _serve_clients(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
             inp.close()
             outp.close()
         launch.watched_frontend_processes = procs
+    failed = True
     try:
         done = {}
         while len(done) < n:
@@ -437,9 +439,10 @@ def _serve_clients(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
             if isinstance(payload, str):
                 raise RuntimeError(f"client process {index} failed:\n{payload}")
             done[index] = pickle.loads(payload)
+        failed = False
     finally:
-        for proc in procs:
-            proc.join(timeout=_CLIENT_WAIT_S if not proc.exitcode else 0)
+        for proc in procs:  # (after a failure the others are stopped at once)
+            proc.join(timeout=0 if failed else _CLIENT_WAIT_S)
             if proc.is_alive():
                 proc.kill()
         launch.engine_manager.shutdown()
