@@ -137,18 +137,21 @@ def talker_processor_options(output_path: str = "worker") -> ProcessorOptions:
     return ProcessorOptions("audio", strategies, processor_cls=cls)
 
 
-async def warm_up(engine: AsyncLLM, requests: int | None = None) -> None:
+async def warm_up(engine: AsyncLLM, requests: int | None = None, share: tuple[int, int] = (0, 1)) -> None:
     """Streamed requests through ``engine`` before serving, as many at once as the engine schedules
     (``max_num_seqs`` by default), request i producing i + 2 tokens: the batch shrinks by one each
     step, so every batch size a server will see has run once (kernels load and pick their variants
     per shape on first use) and the device and pinned host buffers have grown to a full batch's
-    size before the first client arrives."""
+    size before the first client arrives. ``share``: (index, count) of this client among the
+    clients of one engine core that warm it together, each its share of the requests (request i of
+    client k producing i * count + k + 2 tokens: together, still one fewer each step)."""
     if requests is None:
         requests = engine.vllm_config.scheduler_config.max_num_seqs
     longest = max(2, engine.vllm_config.model_config.max_model_len - 4)
+    index, count = share
 
     async def one(i: int) -> None:
-        params = SamplingParams(max_tokens=min(i + 2, longest), output_kind=RequestOutputKind.DELTA,
+        params = SamplingParams(max_tokens=min(i * count + index + 2, longest), output_kind=RequestOutputKind.DELTA,
                                 detokenize=False)
         async for _ in engine.generate(tokens_input([5, 6, 7 + i % 64]), params,
                                        request_id=f"warm-up-{i}"):

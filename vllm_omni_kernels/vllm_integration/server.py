@@ -122,7 +122,7 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
                           processor_options=talker_processor_options(args.output_path))
     try:
         # every process warms its share of a full batch: together they run one
-        await warm_up(engine, math.ceil(config.scheduler_config.max_num_seqs / count))
+        await warm_up(engine, math.ceil(config.scheduler_config.max_num_seqs / count), share=(index, count))
         if index == 0:
             await engine.collective_rpc("reset_output_path_stats")
         tasks = await engine.get_supported_tasks()

@@ -250,7 +250,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
               for r in streaming if r.plan.rid in first_chunk and r.first_data is not None
               for core, decoded, processed in (r.first_data,)]  # (STAGES)
     stages = np.array(stages).reshape(-1, len(STAGES))
-    steps = max(engine_stats["output_steps"], 1)  # (a message to each client process with outputs)
+    steps = max(engine_stats["output_steps"], 1)  # the worker's steps with requests (the frontend's: all clients')
     return {
         "path": path, "device": engine_stats["device"], "async_scheduling": engine_stats["async_scheduling"],
         "requests": len(results), **checked,
@@ -305,7 +305,8 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
     note_pause = _gc_pauses(pauses)
     try:
         # (several clients: each warms its share of a full batch, together one; then all start at once)
-        await warm_up(engine, math.ceil(engine.vllm_config.scheduler_config.max_num_seqs / cfg.clients))
+        await warm_up(engine, math.ceil(engine.vllm_config.scheduler_config.max_num_seqs / cfg.clients),
+                      share=(0, 1) if share is None else (share.index, share.count))
         if share is not None:
             await asyncio.to_thread(share.barrier.wait)
         if first:
@@ -412,30 +413,31 @@ def _serve_clients(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
     listeners = bind_engine_zmq_listeners(config, n)
     ctx = multiprocessing.get_context("spawn")  # (as vLLM starts its API server processes)
     queue, barrier = ctx.Queue(), ctx.Barrier(n, timeout=_CLIENT_WAIT_S)
-    procs = []
+    procs, launch, failed, done = [], None, True, {}
     quiet = dataclasses.replace(cfg, progress=False)
-    with launch_core_engines(config, Executor.get_class(config), False, listeners.addresses) as launch:
-        for i, (inp, outp) in enumerate(zip(listeners.inputs, listeners.outputs)):
-            addresses = {"input_address": inp.address, "output_address": outp.address,
-                         "input_listener": inp.socket, "output_listener": outp.socket}
-            proc = ctx.Process(target=_client_process, name=f"SimulateClient_{i}",
-                               args=(quiet, path, model, plans[i::n], i, n, addresses, barrier, queue))
-            proc.start()
-            procs.append(proc)
-            inp.close()
-            outp.close()
-        launch.watched_frontend_processes = procs
-    failed = True
-    try:
-        done = {}
+    try:  # (the start-up too: the engine's or a client's failure there stops the others at once)
+        with launch_core_engines(config, Executor.get_class(config), False, listeners.addresses) as launch:
+            for i, (inp, outp) in enumerate(zip(listeners.inputs, listeners.outputs)):
+                addresses = {"input_address": inp.address, "output_address": outp.address,
+                             "input_listener": inp.socket, "output_listener": outp.socket}
+                proc = ctx.Process(target=_client_process, name=f"SimulateClient_{i}",
+                                   args=(quiet, path, model, plans[i::n], i, n, addresses, barrier, queue))
+                proc.start()
+                procs.append(proc)
+                inp.close()
+                outp.close()
+            launch.watched_frontend_processes = procs
         while len(done) < n:
             try:
                 index, payload = queue.get(timeout=1.0)
             except Empty:
                 dead = [p.name for p in procs if p.exitcode not in (None, 0)]
-                if dead:
+                if not dead:
+                    continue
+                try:  # a failed client's traceback may have come meanwhile: it says more
+                    index, payload = queue.get(timeout=1.0)
+                except Empty:
                     raise RuntimeError(f"client processes {dead} exited without their results") from None
-                continue
             if isinstance(payload, str):
                 raise RuntimeError(f"client process {index} failed:\n{payload}")
             done[index] = pickle.loads(payload)
@@ -445,7 +447,8 @@ def _serve_clients(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
             proc.join(timeout=0 if failed else _CLIENT_WAIT_S)
             if proc.is_alive():
                 proc.kill()
-        launch.engine_manager.shutdown()
+        if launch is not None and launch.engine_manager is not None:
+            launch.engine_manager.shutdown()
     parts = [done[i] for i in range(n)]
     results = sorted((r for part in parts for r in part[0]), key=lambda r: r.plan.rid)
     clients = [part[2] for part in parts]
