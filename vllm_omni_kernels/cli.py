@@ -92,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                         arrival_ms=args.arrival_ms, kinds=_names(args.kinds), sync_check=args.sync_check,
                         cadence=SimConfig.cadence if args.cadence is None else args.cadence, device=args.device,
                         async_scheduling=args.async_scheduling, in_process=args.in_process, clients=args.clients,
-                        paths=_names(args.paths),
-                        out_dir=args.out, seed=args.seed, progress=not args.no_progress, write_wavs=not args.no_wavs,
-                        bad_every=args.bad_every, stop_every=args.stop_every, priorities=args.priorities)
-    except ValueError as exc:  # a usage error: --kinds, --paths or --device
+                        paths=_names(args.paths), out_dir=args.out, seed=args.seed, progress=not args.no_progress,
+                        write_wavs=not args.no_wavs, bad_every=args.bad_every, stop_every=args.stop_every,
+                        priorities=args.priorities)
+    except ValueError as exc:  # a usage error: --kinds, --paths, --device or --clients
         sim.error(str(exc))
     summary = run(cfg)
     for path, s in summary["paths"].items():
