@@ -174,28 +174,32 @@ def test_a_request_whose_every_frame_is_left_out_leaves_the_step():
     assert torch.equal(got["audio"], torch.full((2,), 2.0)) and torch.equal(got["codes"], codes[1])
 
 
-def test_one_clients_share_of_a_step_holds_its_requests_data_alone():
-    """``PackedStep.only``: the message to one of several clients carries a copy of its own
+def test_each_clients_share_of_a_step_holds_its_requests_data_alone():
+    """``PackedStep.split``: the message to each of several clients carries a copy of its own
     requests' data, each key's region on a 16-byte boundary, the same pieces as the whole step's,
-    and the closing requests among them; a stereo CONCAT_LAST key's pieces stay whole."""
+    and the closing requests among them; a stereo CONCAT_LAST key's pieces stay whole; a request
+    no client owns goes nowhere."""
     keys = [*KEYS, OutputKey("stereo", S.CONCAT_LAST, torch.float32, (2,), cadence=None)]
     acc = WorkerAccumulator(keys, "cpu")
-    ids = list("abc")
+    ids = list("abcd")
     for rid in ids:
         acc.add_request(rid, EmitPolicy.DELTA)
     gen = torch.Generator().manual_seed(0)
-    acc.append(ids, {"audio": [torch.randn(n, generator=gen) for n in (3, 5, 2)],
-                     "codes": [torch.randint(0, 9, (n, 3), generator=gen) for n in (1, 0, 2)],
-                     "stereo": [torch.randn(2, n, generator=gen) for n in (1, 3, 1)]})
+    acc.append(ids, {"audio": [torch.randn(n, generator=gen) for n in (3, 5, 2, 4)],
+                     "codes": [torch.randint(0, 9, (n, 3), generator=gen) for n in (1, 0, 2, 1)],
+                     "stereo": [torch.randn(2, n, generator=gen) for n in (1, 3, 1, 2)]})
     packed = acc.collect(["c"], head_bytes=24)
-    share = packed.only({"a", "c", "x"})  # (a request with no data here is no matter)
-    assert share.requests() == {"a", "c"} and share.final == {"c"} and share.head_bytes == 0
-    assert all(r.offset % 16 == 0 for r in share.regions)
-    assert share.host.numel() < packed.host.numel() - 24
-    for rid in "ac":
-        whole, mine = packed.tensors(rid), share.tensors(rid)
-        assert mine.keys() == whole.keys() and all(torch.equal(mine[k], whole[k]) for k in whole)
-    assert packed.only({"b"}).tensors("b")["audio"].numel() == 5 and packed.only(set()).regions == []
+    shares = packed.split({"a": 0, "c": 0, "b": 1, "x": 2})  # (an owner with no data here gets nothing)
+    assert set(shares) == {0, 1}
+    assert shares[0].requests() == {"a", "c"} and shares[0].final == {"c"} and shares[0].head_bytes == 0
+    assert shares[1].requests() == {"b"} and shares[1].final == set()
+    for share in shares.values():
+        assert all(r.offset % 16 == 0 for r in share.regions)
+        for rid in share.requests():
+            whole, mine = packed.tensors(rid), share.tensors(rid)
+            assert mine.keys() == whole.keys() and all(torch.equal(mine[k], whole[k]) for k in whole)
+    assert sum(s.host.numel() for s in shares.values()) < packed.host.numel() - 24  # ("d" went nowhere)
+    assert packed.split({}) == {}
 
 
 def test_nothing_due_means_no_step_and_no_copy():

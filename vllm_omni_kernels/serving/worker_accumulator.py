@@ -24,7 +24,7 @@ import logging
 import math
 import queue
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 
@@ -148,31 +148,40 @@ class PackedStep:
         self.regions = regions
         self._requests = None
 
-    def only(self, request_ids: Collection[str]) -> PackedStep:
-        """The data of ``request_ids`` alone (of those with data here), copied back to back into a
-        buffer of its own (each key's region on a 16-byte boundary; no head), with its regions and
-        the requests among them whose output this step closed: the message to one of several
-        clients (vLLM's API server processes), which would otherwise each receive every client's
-        data. Waits for the step's copy (``wait``: done already once the step's output resolved)."""
+    def split(self, owner: Mapping[str, Hashable]) -> dict[Hashable, PackedStep]:
+        """The step's data by owner (``owner``: request id -> its owner; requests it does not name
+        are left out), each owner's copied back to back into a buffer of its own (each key's region
+        on a 16-byte boundary; no head), with its regions and the requests among them whose output
+        this step closed: the messages to several clients (vLLM's API server processes), which
+        would otherwise each receive every client's data. One pass over the requests, whatever the
+        number of owners. Waits for the step's copy (``wait``: done already once the step's output
+        resolved)."""
         host = self.wait().numpy()
-        parts: list[np.ndarray] = []
-        regions, size = [], 0
+        parts: dict[Hashable, list[np.ndarray]] = {}
+        regions: dict[Hashable, list[Region]] = {}
+        sizes: dict[Hashable, int] = {}
         for r in self.regions:
-            take = np.fromiter((rid in request_ids for rid in r.request_ids), bool, len(r.request_ids))
-            if not take.any():
-                continue
             per = math.prod(r.frame) * r.dtype.itemsize
-            ends = r.offset + np.cumsum(r.frames) * per
-            start = _aligned(size)
-            if start > size:
-                parts.append(np.zeros(start - size, np.uint8))
-            frames = r.frames[take]
-            parts += [host[end - n * per:end] for end, n in zip(ends[take].tolist(), frames.tolist())]
-            regions.append(replace(r, offset=start, request_ids=[rid for rid, t in zip(r.request_ids, take) if t],
-                                   frames=frames))
-            size = start + int(frames.sum()) * per
-        buffer = torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.uint8)
-        return PackedStep(host=buffer, regions=regions, final={rid for rid in self.final if rid in request_ids})
+            ends, frames = (r.offset + np.cumsum(r.frames) * per).tolist(), r.frames.tolist()
+            rows: dict[Hashable, list[int]] = {}
+            for i, rid in enumerate(r.request_ids):
+                who = owner.get(rid)
+                if who is not None:
+                    rows.setdefault(who, []).append(i)
+            for who, rows_of in rows.items():
+                size = sizes.get(who, 0)
+                start = _aligned(size)
+                mine = parts.setdefault(who, [])
+                if start > size:
+                    mine.append(np.zeros(start - size, np.uint8))
+                mine += [host[ends[i] - frames[i] * per:ends[i]] for i in rows_of]
+                counts = r.frames[rows_of]
+                regions.setdefault(who, []).append(
+                    replace(r, offset=start, request_ids=[r.request_ids[i] for i in rows_of], frames=counts))
+                sizes[who] = start + int(counts.sum()) * per
+        return {who: PackedStep(host=torch.from_numpy(np.concatenate(mine)), regions=regions[who],
+                                final={rid for rid in self.final if owner.get(rid) == who})
+                for who, mine in parts.items()}
 
     def tensors(self, request_id: str) -> dict[str, torch.Tensor]:
         """The request's data as views into ``host`` (after ``wait``)."""

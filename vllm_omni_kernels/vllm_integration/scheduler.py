@@ -10,7 +10,7 @@ multimodal channel into the step's outputs:
   this step (``packed``: one host buffer and its regions) goes on the message of the client whose
   requests it holds, nothing built per request; when the step's data is for several clients
   (vLLM's API server processes), each message carries a copy of its own requests' data alone
-  (``PackedStep.only``: one host copy in all, instead of every client receiving every client's);
+  (``PackedStep.split``: one host copy in all, instead of every client receiving every client's);
 * a request the worker failed (``multimodal_errors``), or whose plain values vLLM's wire would not
   carry as they are (``wire.tensor_paths``: the encoder would fail the step, or the client's decoder
   the whole message), is finished with ``FINISHED_ERROR``, its output carrying the error, which the
@@ -116,10 +116,13 @@ class MultimodalChannel:
                 multimodal_tensors=tensors.get(rid)))
             if rid in delivered:
                 outputs[client] = _with_outputs(batch, batch.outputs, packed)
-        sharing = [batch for batch in outputs.values() if getattr(batch, "multimodal_buffer", None) is not None]
+        sharing = {client: batch for client, batch in outputs.items()
+                   if getattr(batch, "multimodal_buffer", None) is not None}
         if len(sharing) > 1:  # several clients: each message carries its own requests' data alone
-            for batch in sharing:
-                _set_data(batch, packed.only({eco.request_id for eco in batch.outputs}))
+            owner = {eco.request_id: client for client, batch in sharing.items() for eco in batch.outputs}
+            shares = packed.split(owner)
+            for client, batch in sharing.items():
+                _set_data(batch, shares.get(client) or PackedStep(host=packed.host[:0]))
         return outputs
 
     def _await_worker(self, client: int, ecos: list) -> list:
