@@ -160,7 +160,6 @@ class _Result:
     # the message that brought its first data: (the engine core's timestamp, when its client process
     # decoded it, when the output handler began processing it), time.monotonic (``STAGES``)
     first_data: tuple[float, float, float] | None = None
-    samples: int = 0  # audio samples it got (``_settle``; the audio itself may be dropped once checked)
 
 
 def _plans(cfg: SimConfig) -> list[_Plan]:
@@ -237,7 +236,7 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         gc.collect()  # the shut-down engine, if a cycle holds it, goes while the interpreter is whole
     checked = _check(results, out / "wav" if (path == "worker" and cfg.write_wavs) else None,
                      bad_error=_BAD_ERRORS[path], talker=tk.ToyTalker(cfg.seed))
-    audio_seconds = sum(r.samples for r in results) / tk.SAMPLE_RATE
+    audio_seconds = sum(sum(a.numel() for a in r.audio) for r in results) / tk.SAMPLE_RATE
     # A streaming request's first audio is its first chunk; a FINAL_ONLY one's is its whole file, at
     # its end: that is its own figure, never mixed into the time to first audio.
     streaming = [r for r in results if r.plan.kind != "final_only" and r.first_audio is not None]
@@ -316,7 +315,7 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         freeze_gc_heap()  # as vLLM's API server does once it is up: no collection walks the static heap
         gc.callbacks.append(note_pause)
         decoder, processor = engine.engine_core.decoder, engine.output_processor
-        d0 = (decoder.messages, decoder.bytes, decoder.seconds, decoder.multimodal_seconds)
+        d0 = (decoder.bytes, decoder.seconds, decoder.multimodal_seconds)
         processor.stopwatch.seconds = 0.0
         bar = _bar(cfg, path)
         lags: list[float] = []
@@ -368,9 +367,8 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         if first:
             await asyncio.sleep(0.2)  # aborts reach the engine core
             stats = (await engine.collective_rpc("output_path_stats"))[0]
-        client = {"messages": decoder.messages - d0[0], "bytes": decoder.bytes - d0[1],
-                  "decode_seconds": decoder.seconds - d0[2],
-                  "multimodal_seconds": processor.stopwatch.seconds + decoder.multimodal_seconds - d0[3],
+        client = {"bytes": decoder.bytes - d0[0], "decode_seconds": decoder.seconds - d0[1],
+                  "multimodal_seconds": processor.stopwatch.seconds + decoder.multimodal_seconds - d0[2],
                   "loop_lag_ms_p50": _ms(lags, 50), "loop_lag_ms_p99": _ms(lags, 99),
                   "loop_lag_ms_max": _ms(lags, 100), "gc_ms_max": max(pauses, default=0.0) * 1e3}
         return results, stats, client, (t0, t1)
@@ -569,7 +567,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
         wall = time.perf_counter() - t0
         bar.close()
         stats = engine.collective_rpc("output_path_stats")[0]
-        client = {"messages": stats["steps"], "bytes": 0, "decode_seconds": 0.0,
+        client = {"bytes": 0, "decode_seconds": 0.0,
                   "multimodal_seconds": processor.stopwatch.seconds,
                   "loop_lag_ms_p50": float("nan"), "loop_lag_ms_p99": float("nan"),
                   "loop_lag_ms_max": float("nan"), "gc_ms_max": float("nan")}  # no event loop
@@ -676,7 +674,6 @@ def _settle(res: _Result) -> None:
     if len(res.audio) > 1:
         res.audio, res.codes = ([torch.from_numpy(np.concatenate([p.numpy() for p in pieces]))]
                                 for pieces in (res.audio, res.codes))
-    res.samples = sum(a.numel() for a in res.audio)
 
 
 def _difference(got: torch.Tensor, want: torch.Tensor) -> str:
