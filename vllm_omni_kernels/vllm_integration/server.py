@@ -112,9 +112,8 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
     count, index = client.pop("client_count", 1), client.pop("client_index", 0)
     loads = client.pop("api_server_loads", None)
     engine_args = engine_args_from(args)
-    if client_config is not None:
-        engine_args._api_process_count, engine_args._api_process_rank = count, index
-    config = omni_vllm_config(engine_args, UsageContext.OPENAI_API_SERVER)
+    config = omni_vllm_config(engine_args, UsageContext.OPENAI_API_SERVER,
+                              api_process=None if client_config is None else (count, index))
     engine = OmniAsyncLLM(config, Executor.get_class(config), log_stats=not engine_args.disable_log_stats,
                           usage_context=UsageContext.OPENAI_API_SERVER, log_requests=engine_args.enable_log_requests,
                           aggregate_engine_logging=engine_args.aggregate_engine_logging,
@@ -180,8 +179,7 @@ def serve_multi(args, count: int) -> None:
     listen_address, sock = setup_server(args, reuse_port=True)
     args.omni_speech_counts = multiprocessing.get_context("spawn").Array("q", 1 + len(Admission.OUTCOMES))
     engine_args = engine_args_from(args)
-    engine_args._api_process_count, engine_args._api_process_rank = count, -1
-    config = omni_vllm_config(engine_args, UsageContext.OPENAI_API_SERVER)
+    config = omni_vllm_config(engine_args, UsageContext.OPENAI_API_SERVER, api_process=(count, -1))
     listeners = bind_engine_zmq_listeners(config, count)
     with launch_core_engines(config, Executor.get_class(config), not engine_args.disable_log_stats,
                              listeners.addresses) as launch:

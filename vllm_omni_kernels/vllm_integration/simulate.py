@@ -295,7 +295,8 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         engine = OmniAsyncLLM.from_engine_args(_engine_args(cfg, path, model),
                                                processor_options=talker_processor_options(path))
     else:
-        config = _shared_engine_config(cfg, path, model, share.count, share.index)
+        config = omni_vllm_config(_engine_args(cfg, path, model), UsageContext.ENGINE_CONTEXT,
+                                  api_process=(share.count, share.index))
         engine = OmniAsyncLLM(config, Executor.get_class(config), log_stats=False,
                               client_addresses=share.addresses, client_count=share.count, client_index=share.index,
                               processor_options=talker_processor_options(path))
@@ -391,14 +392,6 @@ class _Share:
     barrier: object  # a multiprocessing Barrier of the spawn context
 
 
-def _shared_engine_config(cfg: SimConfig, path: str, model: Path, count: int, rank: int):
-    """vLLM's config of an engine core that ``count`` client processes share (``rank`` -1: the
-    launcher's), as ``vllm serve --api-server-count`` makes it."""
-    engine_args = _engine_args(cfg, path, model)
-    engine_args._api_process_count, engine_args._api_process_rank = count, rank
-    return omni_vllm_config(engine_args, UsageContext.ENGINE_CONTEXT)
-
-
 def _serve_clients(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
     """``_serve_async`` in ``cfg.clients`` processes of their own, on one engine core that vLLM's
     launcher starts, as ``vllm serve --api-server-count N`` spreads a server's streams over N event
@@ -407,7 +400,7 @@ def _serve_clients(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]):
     figures (summed; their event loops': the worst) and the wall time from the first start to the
     last end."""
     n = cfg.clients
-    config = _shared_engine_config(cfg, path, model, n, -1)
+    config = omni_vllm_config(_engine_args(cfg, path, model), UsageContext.ENGINE_CONTEXT, api_process=(n, -1))
     listeners = bind_engine_zmq_listeners(config, n)
     ctx = multiprocessing.get_context("spawn")  # (as vLLM starts its API server processes)
     queue, barrier = ctx.Queue(), ctx.Barrier(n, timeout=_CLIENT_WAIT_S)
