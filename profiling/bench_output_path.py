@@ -7,7 +7,9 @@ step.
 Per step and path it times, on the host:
 
 * worker: this package's ``WorkerAccumulator.append`` + ``collect`` (one launch per key, what is due
-  packed, one asynchronous copy), or the upstream style's per-key ``.cpu()`` and per-request slices;
+  packed, one asynchronous copy) and the wait for that copy, or the upstream style's per-key
+  ``.cpu()`` and per-request slices: the step's output in hand; and its host part alone (until
+  ``collect`` returns; the upstream style's blocking copies are all host time);
 * wire: the scheduler's message (this package's: ``HeldTokens.thin`` and
   ``scheduler.outputs_with_channel``) and vLLM's ``MsgpackEncoder`` (the engine core's side);
 * floor (CUDA): the step's launches and copy alone, from resident metadata (``launch_floor_us``);
@@ -105,7 +107,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
         start()
         live[-1].produced = live[-1].first = live[-1].frames - 1 - (k * frames) // B
     gen = torch.Generator(device=device).manual_seed(0)
-    times = {"worker": [], "wire": [], "frontend": [], "frontend_multimodal": []}
+    times = {"worker": [], "worker_host": [], "wire": [], "frontend": [], "frontend_multimodal": []}
     wire_bytes = []
     for step in range(steps + 20):
         n = len(live)
@@ -126,10 +128,12 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
             acc.append(ids, {"audio": PaddedBatch(audio, np.full(n, tk.FRAME_SAMPLES, np.int64)),
                              "codes": PaddedBatch(codes.unsqueeze(1), np.ones(n, np.int64))}, rows)
             packed, plain = acc.collect(finishing, head_bytes=8 * n), {}
+            t_host = time.perf_counter()  # the step's copy is on its way: the host's part ends here
             sampled = packed.wait()[:8 * n].view(torch.int64).tolist()
         else:
             packed, plain = None, upstream_worker_outputs(ids, {"audio": audio, "codes": codes.unsqueeze(1)})
             sampled = codes[:, 0].cpu().tolist()
+            t_host = None  # (blocking copies: its host time is all of it)
         t1 = time.perf_counter()
         if profile is not None:
             profile.disable()
@@ -162,6 +166,7 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
                     s.audio, s.codes = [payload.tensors["audio"].clone()], [payload.tensors["codes"].clone()]
         if step >= 20:
             times["worker"].append(t1 - t0)
+            times["worker_host"].append((t1 if t_host is None else t_host) - t0)
             times["wire"].append(t2 - t1)
             times["frontend"].append(t3 - t2)
             times["frontend_multimodal"].append(mm1 - mm0)
@@ -278,7 +283,7 @@ def main() -> None:
             r = pair[path] = bench(path, B, args.frames, args.steps, torch.device(args.device), args.cadence,
                                    kinds=kinds)
             results.append(r)
-            print(f"{path:>8} B={B}: worker {r['worker_us_median']:.0f} us, wire {r['wire_us_median']:.0f} us, "
+            print(f"{path:>8} B={B}: worker {r['worker_us_median']:.0f} us (host {r['worker_host_us_median']:.0f}), wire {r['wire_us_median']:.0f} us, "
                   f"frontend {r['frontend_us_median']:.0f} us (multimodal {r['frontend_multimodal_us_median']:.0f}), "
                   f"{r['wire_bytes_per_step'] / 1024:.0f} KiB on the wire per step; {r['checked_exact']} streams exact",
                   flush=True)
