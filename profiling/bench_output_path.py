@@ -283,7 +283,8 @@ def main() -> None:
             r = pair[path] = bench(path, B, args.frames, args.steps, torch.device(args.device), args.cadence,
                                    kinds=kinds)
             results.append(r)
-            print(f"{path:>8} B={B}: worker {r['worker_us_median']:.0f} us (host {r['worker_host_us_median']:.0f}), wire {r['wire_us_median']:.0f} us, "
+            print(f"{path:>8} B={B}: worker {r['worker_us_median']:.0f} us (host {r['worker_host_us_median']:.0f}), "
+                  f"wire {r['wire_us_median']:.0f} us, "
                   f"frontend {r['frontend_us_median']:.0f} us (multimodal {r['frontend_multimodal_us_median']:.0f}), "
                   f"{r['wire_bytes_per_step'] / 1024:.0f} KiB on the wire per step; {r['checked_exact']} streams exact",
                   flush=True)
