@@ -529,6 +529,25 @@ def test_staging_uploads_into_another_tensor_at_the_same_address_by_its_own_layo
     assert narrow[:2, :8].flatten().tolist() == list(range(1, 17))
 
 
+def test_staging_uploads_of_any_row_count_share_a_few_views():
+    """Each upload copies at least its rows and columns, whatever their count, through views made
+    for the next power of two of each: the views made once serve the steps after (every step's
+    count of due requests differs). The upload path runs here on host tensors."""
+    from vllm_omni_kernels.ring.staging import PinnedStaging
+
+    staging = PinnedStaging(16, 8, torch.device("cpu"))
+    staging.pinned = True  # (the device path)
+    dst = torch.zeros(16, 8, dtype=torch.int64)
+    for rows, cols in [(3, None), (5, None), (6, None), (7, None), (16, None), (1, 3), (2, 4), (12, 8)]:
+        i, host = staging.host()
+        host[:] = torch.randint(0, 1 << 40, (16, 8)).numpy()
+        dst.fill_(-1)
+        staging.upload(i, rows, dst, cols=cols)
+        width = 8 if cols is None else cols
+        assert torch.equal(dst[:rows, :width], torch.from_numpy(host[:rows, :width]))
+    assert sorted(k[1:] for k in staging._views) == [(1, 4), (2, 4), (4, 8), (8, 8), (16, 8)]
+
+
 def test_a_list_append_that_fills_a_slot_exactly_needs_no_growth(backend):
     """A chunk that fills the slot to its last frame fits: it is written without growing (with
     growth off, without an error), and reads back whole."""

@@ -104,22 +104,29 @@ class PinnedStaging:
 
     def upload(self, i: int, rows: int, dst: torch.Tensor, cols: int | None = None) -> torch.Tensor:
         """Copy the first ``rows`` rows (and ``cols`` columns) of host buffer ``i`` into ``dst`` (device).
+        The copy spans the next power of two of each (within both tensors): what lies past ``rows``
+        and ``cols`` in ``dst`` is left undefined, and a few views serve every step's count.
 
         Returns ``dst``, or on a CPU device the host buffer itself.
         """
         if not self.pinned:
             self._queued()
             return self._host[i]
-        key = (i, rows, self.cols if cols is None else cols)
+        cols = self.cols if cols is None else cols
+        key = (i, min(_pow2(rows), self.rows, dst.shape[0]), min(_pow2(cols), self.cols, dst.shape[1]))
         views = self._views.get(key)
         if views is None or views[0].data_ptr() != dst.data_ptr() or views[0].dtype != dst.dtype \
                 or views[0].stride() != dst.stride():  # another tensor at the same address
             if len(self._views) > 4096:
                 self._views.clear()
-            views = self._views[key] = (dst[:rows, :key[2]], self._host[i][:rows, :key[2]])
+            views = self._views[key] = (dst[:key[1], :key[2]], self._host[i][:key[1], :key[2]])
         views[0].copy_(views[1], non_blocking=True)
         self._queued()
         return dst
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _free_after(events: list, last_use: int):
