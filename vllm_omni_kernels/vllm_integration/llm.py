@@ -18,6 +18,7 @@ platform decides for vLLM's own worker, not for where ``TalkerExecutor`` puts th
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import time
@@ -143,12 +144,13 @@ async def warm_up(engine: AsyncLLM, requests: int | None = None, share: tuple[in
     step, so every batch size a server will see has run once (kernels load and pick their variants
     per shape on first use) and the device and pinned host buffers have grown to a full batch's
     size before the first client arrives. ``share``: (index, count) of this client among the
-    clients of one engine core that warm it together, each its share of the requests (request i of
-    client k producing i * count + k + 2 tokens: together, still one fewer each step)."""
-    if requests is None:
-        requests = engine.vllm_config.scheduler_config.max_num_seqs
-    longest = max(2, engine.vllm_config.model_config.max_model_len - 4)
+    clients of one engine core that warm it together, each its share of the requests (by default
+    ``max_num_seqs / count``, rounded up; request i of client k producing i * count + k + 2 tokens:
+    together, still one fewer each step)."""
     index, count = share
+    if requests is None:
+        requests = math.ceil(engine.vllm_config.scheduler_config.max_num_seqs / count)
+    longest = max(2, engine.vllm_config.model_config.max_model_len - 4)
 
     async def one(i: int) -> None:
         params = SamplingParams(max_tokens=min(i * count + index + 2, longest), output_kind=RequestOutputKind.DELTA,

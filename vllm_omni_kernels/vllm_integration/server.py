@@ -14,7 +14,6 @@ the speech requests in flight are counted across them (one shared counter).
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing
 import signal
 import time
@@ -121,7 +120,7 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
                           processor_options=talker_processor_options(args.output_path))
     try:
         # every process warms its share of a full batch: together they run one
-        await warm_up(engine, math.ceil(config.scheduler_config.max_num_seqs / count), share=(index, count))
+        await warm_up(engine, share=(index, count))
         if index == 0:
             await engine.collective_rpc("reset_output_path_stats")
         tasks = await engine.get_supported_tasks()

@@ -305,8 +305,7 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
     note_pause = _gc_pauses(pauses)
     try:
         # (several clients: each warms its share of a full batch, together one; then all start at once)
-        await warm_up(engine, math.ceil(engine.vllm_config.scheduler_config.max_num_seqs / cfg.clients),
-                      share=(0, 1) if share is None else (share.index, share.count))
+        await warm_up(engine, share=(0, 1) if share is None else (share.index, share.count))
         if share is not None:
             await asyncio.to_thread(share.barrier.wait)
         if first:
