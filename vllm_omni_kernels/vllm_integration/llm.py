@@ -154,7 +154,7 @@ async def warm_up(engine: AsyncLLM, requests: int | None = None, share: tuple[in
 
     async def one(i: int) -> None:
         params = SamplingParams(max_tokens=min(i * count + index + 2, longest), output_kind=RequestOutputKind.DELTA,
-                                detokenize=False)
+                                detokenize=False, skip_clone=True)
         async for _ in engine.generate(tokens_input([5, 6, 7 + i % 64]), params,
                                        request_id=f"warm-up-{i}"):
             pass

@@ -574,7 +574,7 @@ def _request(plan: _Plan):
     """The prompt and sampling parameters of a planned request (a malformed one ends its prompt with
     token 1, the worker's cue)."""
     params = SamplingParams(max_tokens=plan.frames, output_kind=_kind(plan.kind), detokenize=False,
-                            stop_token_ids=None if plan.stop is None else [plan.stop])
+                            stop_token_ids=None if plan.stop is None else [plan.stop], skip_clone=True)
     return tokens_input(plan.prompt + ([1] if plan.bad else [])), params
 
 

@@ -410,7 +410,8 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
                             "retry later", limits)
     request_id = f"speech-{random_uuid()}"
     kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
-    params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False)
+    # made for this request alone, so vLLM's engine need not deep-copy it (as its chat route does)
+    params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False, skip_clone=True)
     stream = SpeechStream(engine, admission, request_id,
                           engine.generate(tokens_input(prompt), params, request_id=request_id),
                           request.sample_format, received)
