@@ -326,6 +326,50 @@ def test_requests_that_end_on_a_stop_token_get_all_their_audio_in_process(tmp_pa
     assert s["slots_held_after"] == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_each_output_carries_the_tokens_its_audio_belongs_to_at_a_stop_and_at_a_failure(tmp_path, async_scheduling):
+    """Over ZMQ (``OmniLLM``, its engine core in its own process), step by step. A request that
+    stops on its first token has that frame's audio due at once (a stream's first data), while its
+    finish waits for the worker's rest: the audio goes with its token, the finish after it; so does
+    a stop at the fourth token with the audio due every step (cadence 0 in the second engine).
+    Every output's frames are its tokens' frames. A request the worker fails at its fourth frame,
+    two of whose tokens the scheduler holds back for its pace then (the default cadence: four
+    frames), gets every token on its outputs, the error's last."""
+    model = make_model_dir(tmp_path / "model")
+    prompt = [5, 17, 33, 44, 61, 70]
+    tokens = (tk.rollout(tk.ToyTalker(0), prompt, 12)[:, 0] + tk.TEXT_VOCAB).tolist()
+    bad_prompt = [5] + [BAD] * 3 + [7]  # its chunk of frame 3 is malformed
+    bad_tokens = (tk.rollout(tk.ToyTalker(0), bad_prompt, 4)[:, 0] + tk.TEXT_VOCAB).tolist()
+    for cadence, stop_at in ((None, 0), (0, 3)):
+        engine = OmniLLM.from_engine_args(talker_engine_args(
+            model, max_num_seqs=4, disable_log_stats=True, async_scheduling=async_scheduling, cadence=cadence,
+            additional_config={"omni": {"bad_prompt_token": BAD}}))
+        try:
+            for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+                engine.add_request(f"stop-{kind.name}", TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+                    max_tokens=12, output_kind=kind, detokenize=False, stop_token_ids=[tokens[stop_at]]))
+                engine.add_request(f"bad-{kind.name}", TokensPrompt(prompt_token_ids=bad_prompt), SamplingParams(
+                    max_tokens=12, output_kind=kind, detokenize=False))
+            outs: dict[str, list] = {}  # request -> (token ids, frames of codes, finish, stop) of each output
+            while engine.has_unfinished_requests():
+                for out in engine.step():  # (a CUMULATIVE output's token list grows after it came)
+                    comp = out.outputs[0]
+                    frames = 0 if comp.multimodal_output is None else comp.multimodal_output.tensors["codes"].shape[0]
+                    outs.setdefault(out.request_id, []).append(
+                        (list(comp.token_ids), frames, comp.finish_reason, str(comp.stop_reason)))
+        finally:
+            engine.engine_core.shutdown()
+        for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+            delta = kind == RequestOutputKind.DELTA
+            got = outs[f"stop-{kind.name}"]
+            assert got[-1][2] == "stop"
+            assert all(frames == len(ids) for ids, frames, _, _ in got), (kind, cadence, got)
+            assert ([t for ids, *_ in got for t in ids] if delta else got[-1][0]) == tokens[:stop_at + 1]
+            failed = outs[f"bad-{kind.name}"]
+            assert failed[-1][2] == "error" and "dtype" in failed[-1][3]
+            assert ([t for ids, *_ in failed for t in ids] if delta else failed[-1][0]) == bad_tokens, (kind, cadence)
+
+
 # vLLM's model runner: V2, its default where Triton runs on a GPU, hands the worker a resumed
 # request as a new one; async scheduling is the default there too
 RUNNERS = pytest.mark.parametrize("async_scheduling, runner", [(False, "v1"), (True, "v1"), (True, "v2")])

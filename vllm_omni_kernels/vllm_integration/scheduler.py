@@ -17,7 +17,8 @@ multimodal channel into the step's outputs:
   frontend raises to its caller; in process as over ZMQ;
 * a request vLLM finishes while the worker still holds its output (opened in ``multimodal_opened``,
   not closed in ``packed.final``: a stop token, which the worker sees only when vLLM does) keeps its
-  final output as vLLM made it until the worker's rest arrives a step or two later; data arriving
+  finish until the worker's rest arrives a step or two later; its tokens go at once when the step
+  has data of the request (the data belongs to them), else with the finish, and data arriving
   meanwhile goes on outputs of its own. After ``_AWAITED_STEPS`` steps (a finish the worker cannot
   tell, such as vLLM's repetition detection) the request finishes with an error, so the loss is
   visible.
@@ -31,6 +32,7 @@ stream once per span instead of once per step, and every token arrives, in order
 
 from __future__ import annotations
 
+import msgspec
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -42,6 +44,8 @@ from ..errors import TensorAccumulationError
 from .wire import MultimodalError, MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs, tensor_paths
 
 _AWAITED_STEPS = 8  # a finished request's finish waits this many steps at most for the worker's rest
+# The fields of vLLM's output that go with a request's finish, not with its last tokens
+_FINISH_FIELDS = ("finish_reason", "stop_reason", "kv_transfer_params", "ec_transfer_params", "spec_decode_metrics")
 
 
 class MultimodalChannel:
@@ -50,6 +54,7 @@ class MultimodalChannel:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._worker_open: set[str] = set()  # requests whose output the worker holds
+        self._text_stop: set[str] = set()  # those whose text leaves a stop token out (``_await_worker``)
         self._awaiting: dict[str, list] = {}  # finished request -> [client, its final output, steps waited]
         self.held = HeldTokens()
 
@@ -62,6 +67,7 @@ class MultimodalChannel:
         finished = super().finish_requests(request_ids, finished_status)
         for request in finished:
             self._worker_open.discard(request.request_id)
+            self._text_stop.discard(request.request_id)
             self.held.drop(request.request_id)
         return finished
 
@@ -69,6 +75,7 @@ class MultimodalChannel:
         # The requests the worker opened in this step that are still known (one aborted since the step
         # ran would be held open for ever), taken before vLLM's update finishes those that end in it.
         opened = [rid for rid in getattr(model_runner_output, "multimodal_opened", None) or () if rid in self.requests]
+        self._text_stop.update(rid for rid in opened if _text_leaves_stop_out(self.requests[rid]))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         out = model_runner_output
         if not isinstance(out, OmniModelRunnerOutput):
@@ -83,7 +90,10 @@ class MultimodalChannel:
         plain, tensors = _carried(out.multimodal_outputs or {}, errors)
         failed_clients = {rid: self.requests[rid].client_index for rid in errors if rid in self.requests}
         if errors:
+            # (their held tokens go on their error outputs: finish_requests forgets what it holds)
+            held = {rid: self.held.take(rid) for rid in errors}
             self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)  # (which forgets them)
+            self.held.restore(held)
             # One that vLLM finished in this very step: its final output goes now, with the error,
             # instead of waiting for a rest the worker will never send.
             self._worker_open.difference_update(errors)
@@ -96,7 +106,7 @@ class MultimodalChannel:
         for client, batch in list(outputs.items()):
             batch.outputs = self.held.thin(batch.outputs, self._worker_open, delivered)
             if self._worker_open:
-                batch.outputs = self._await_worker(client, batch.outputs)
+                batch.outputs = self._await_worker(client, batch.outputs, delivered)
             outputs[client] = outputs_with_channel(batch, packed, plain, errors, self._worker_open, emitted, tensors)
         for rid in (set(plain) | delivered | set(errors)) - emitted:
             awaiting = self._awaiting.get(rid)
@@ -110,12 +120,15 @@ class MultimodalChannel:
             else:
                 client = request.client_index
             batch = outputs.setdefault(client, OmniEngineCoreOutputs())
+            tokens, events = self.held.take(rid) if rid in errors else ([], None)
             batch.outputs.append(OmniEngineCoreOutput(
-                request_id=rid, new_token_ids=[], multimodal_output=plain.get(rid) or None,
+                request_id=rid, new_token_ids=tokens, events=events or None, multimodal_output=plain.get(rid) or None,
                 multimodal_error=errors.get(rid), finish_reason=FinishReason.ERROR if rid in errors else None,
                 multimodal_tensors=tensors.get(rid)))
             if rid in delivered:
                 outputs[client] = _with_outputs(batch, batch.outputs, packed)
+        if self._text_stop:
+            self._text_stop.intersection_update(self._worker_open)
         sharing = {client: batch for client, batch in outputs.items()
                    if getattr(batch, "multimodal_buffer", None) is not None}
         if len(sharing) > 1:  # several clients: each message carries its own requests' data alone
@@ -125,14 +138,21 @@ class MultimodalChannel:
                 _set_data(batch, shares.get(client) or PackedStep(host=packed.host[:0]))
         return outputs
 
-    def _await_worker(self, client: int, ecos: list) -> list:
-        """``ecos`` without the final outputs of requests whose output the worker still holds: those
-        wait for its rest (``_awaiting``); an error finish goes as it is."""
+    def _await_worker(self, client: int, ecos: list, delivered) -> list:
+        """``ecos`` without the finishes of requests whose output the worker still holds: those wait
+        for its rest (``_awaiting``). A request with data in this step (``delivered``) keeps the rest
+        of its output here, its tokens among it, so that its data goes with the tokens it belongs
+        to; the finish waits alone (unless its text leaves a stop token out, which vLLM's frontend
+        does only for the tokens that come with the finish). An error finish goes as it is."""
         kept = []
         for eco in ecos:
             rid = eco.request_id
             if eco.finish_reason is not None and eco.finish_reason != FinishReason.ERROR and rid in self._worker_open:
                 self._worker_open.discard(rid)
+                if rid in delivered and rid not in self._text_stop:
+                    kept.append(msgspec.structs.replace(eco, **dict.fromkeys(_FINISH_FIELDS)))
+                    eco = EngineCoreOutput(request_id=rid, new_token_ids=[],
+                                           **{name: getattr(eco, name) for name in _FINISH_FIELDS})
                 self._awaiting[rid] = [client, eco, 0]
             else:
                 kept.append(eco)
@@ -153,6 +173,12 @@ class MultimodalChannel:
                                               "it is lost")
             del self._awaiting[rid]
             outputs.setdefault(client, OmniEngineCoreOutputs()).outputs.append(eco)
+
+
+def _text_leaves_stop_out(request) -> bool:
+    """Whether vLLM's frontend leaves a stop token that ends the request out of its text."""
+    params = request.sampling_params
+    return params is not None and params.detokenize and not params.include_stop_str_in_output
 
 
 class HeldTokens:
@@ -176,6 +202,17 @@ class HeldTokens:
     def drop(self, request_id: str) -> None:
         self._held.pop(request_id, None)
         self._started.discard(request_id)
+
+    def take(self, request_id: str) -> tuple[list[int], list]:
+        """The tokens and events held for the request (empty when none), no longer held."""
+        return self._held.pop(request_id, None) or ([], [])
+
+    def restore(self, held: dict[str, tuple[list[int], list]]) -> None:
+        """Hold ``take``'s tokens and events again, by request, for the request's next output that
+        goes, whatever its pace (a request that failed: its error output)."""
+        for rid, (tokens, events) in held.items():
+            if tokens or events:
+                self._held[rid] = (tokens, events)
 
     def thin(self, ecos: list, paced, due) -> list:
         """``ecos`` without the outputs held this step, the earlier held tokens and events put in

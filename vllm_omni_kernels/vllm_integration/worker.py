@@ -30,7 +30,8 @@ preempts running requests for every arrival that outranks them).
 (audio samples a streaming request gets at a time; 0: every step); ``output_path`` ("worker", or
 "upstream": the comparison path, every key copied to the host each step and sliced per request);
 ``bad_prompt_token`` (a prompt token that makes the talker emit a malformed output, for tests: on
-the worker path its audio chunk of another dtype at its second frame, which the accumulator fails;
+the worker path its audio chunk of another dtype at frame k (from 0) where the prompt holds the token
+k times (once: the second frame), which the accumulator fails;
 on the upstream path its sample rate as a numpy int, which vLLM's wire cannot carry and the
 scheduler fails);
 ``sync_debug`` (CUDA's sync-debug mode "error" around ``execute_model``: any host sync raises);
@@ -85,7 +86,7 @@ _ROW_ARRAYS = {
     "_computed": (np.int64, (), 0),  # tokens computed, by this worker's count
     "_produced": (np.int64, (), 0),  # frames (sampled tokens) produced
     "_done": (bool, (), False),  # the last frame was produced
-    "_bad": (bool, (), False),
+    "_bad": (np.int64, (), 0),  # the frame (from 0) whose chunk is malformed (0: none; ``bad_prompt_token``)
     "_eos": (np.int64, (), -1),  # the sampled token that ends the request (-1: none can)
     "_has_stop_ids": (bool, (), False),  # the row's request is in _stop_ids
     "_stoppable": (bool, (), False),  # a sampled token can end the request (module docstring)
@@ -399,7 +400,7 @@ class TalkerWorker:
             self._produced[row] = 0
             self._replay[row] = -1
             self._done[row] = False
-            self._bad[row] = self.options.bad_prompt_token in prompt
+            self._bad[row] = list(prompt).count(self.options.bad_prompt_token)
             eos = getattr(params, "eos_token_id", None)
             self._eos[row] = eos if eos is not None and tk.TEXT_VOCAB <= eos < tk.VOCAB else -1
             stop = frozenset(t for t in getattr(params, "stop_token_ids", None) or () if tk.TEXT_VOCAB <= t < tk.VOCAB)
@@ -513,7 +514,8 @@ class TalkerWorker:
         host[0, :B] = state_rows  # the accumulator's rows too
         rows = self._index.upload(i, 1, self._index_dev, cols=B)[0, :B]
         codes = self.model.talker(self.last_token[rows], self.frame[rows], self.context[rows])
-        bad = np.flatnonzero(self._bad[state_rows] & (produced == 1)).tolist()
+        bad_at = self._bad[state_rows]
+        bad = np.flatnonzero((bad_at > 0) & (bad_at == produced)).tolist()
         produced += 1
         self._produced[state_rows] = produced
         ending = (produced >= self._max_tokens[state_rows]) | \
