@@ -512,8 +512,10 @@ def test_every_character_is_a_token_and_pcm16_clips_at_one(tmp_path):
 
 
 def test_unknown_model_is_404_and_non_json_is_400(server):
-    r = httpx.post(f"{server['url']}/v1/audio/speech", json={"input": "x", "model": "nope"}, timeout=30)
-    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    for model in ("nope", "\\ud800"):  # (an escaped lone surrogate is valid JSON, which UTF-8 cannot encode)
+        r = httpx.post(f"{server['url']}/v1/audio/speech", content=f'{{"input": "x", "model": "{model}"}}',
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
     r = httpx.post(f"{server['url']}/v1/audio/speech", content=b"input=x", timeout=30,
                    headers={"content-type": "application/x-www-form-urlencoded"})
     assert r.status_code == 400
@@ -550,15 +552,18 @@ def test_stream_interval_follows_the_cadence_unless_given(tmp_path, argv, interv
 
 
 
-@pytest.mark.parametrize("option", ["--max-inflight", "--max-input-chars", "--audio-memory-mib"])
-@pytest.mark.parametrize("value", ["0", "-1"])
-def test_limits_below_one_are_refused(tmp_path, option, value, capsys):
-    """0 in-flight requests would answer every request 503 (or silently mean --max-num-seqs)."""
+@pytest.mark.parametrize("option, value, least", [(o, v, 1) for o in ("--max-inflight", "--max-input-chars",
+                                                                       "--audio-memory-mib") for v in ("0", "-1")]
+                         + [("--retry-after", "-1", 0)])
+def test_limits_below_their_least_are_refused(tmp_path, option, value, least, capsys):
+    """0 in-flight requests would answer every request 503 (or silently mean --max-num-seqs); a
+    negative Retry-After is no HTTP header (0 is one)."""
     from vllm_omni_kernels.vllm_integration.server import make_parser
 
     with pytest.raises(SystemExit):
         make_parser().parse_args([str(tmp_path), option, value])
-    assert "not at least 1" in capsys.readouterr().err
+    assert f"not at least {least}" in capsys.readouterr().err
+    assert make_parser().parse_args([str(tmp_path), "--retry-after", "0"]).retry_after == 0
 
 
 @pytest.mark.parametrize("api_servers", ["1", "2"])

@@ -65,23 +65,26 @@ def make_parser() -> FlexibleArgumentParser:
     g.add_argument("--output-path", default="worker", choices=("worker", "upstream"),
                    help="worker: this package's accumulation in the engine core; upstream: per-request host "
                         "copies and per-step concatenation (for comparison)")
-    g.add_argument("--max-inflight", type=_positive, default=None,
+    g.add_argument("--max-inflight", type=_whole(1), default=None,
                    help="speech requests in flight at most; more are answered 503 (unset: --max-num-seqs)")
-    g.add_argument("--audio-memory-mib", type=_positive, default=1024,
+    g.add_argument("--audio-memory-mib", type=_whole(1), default=1024,
                    help="the worker's audio ring arena on the talker's device (MiB, preallocated); a whole-file "
                         "request holds all its audio there until it finishes (about 8 MiB for 80 s), and one "
                         "that does not fit is answered 503")
-    g.add_argument("--max-input-chars", type=_positive, default=4096, help="longest input text, in characters")
-    g.add_argument("--retry-after", type=int, default=1, help="seconds a 503 answer asks the client to wait")
+    g.add_argument("--max-input-chars", type=_whole(1), default=4096, help="longest input text, in characters")
+    g.add_argument("--retry-after", type=_whole(0), default=1, help="seconds a 503 answer asks the client to wait")
     return parser
 
 
-def _positive(text: str) -> int:
-    """An option's value that must be a whole number of at least 1 (0 or less would serve nothing)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
+def _whole(least: int):
+    """An option's type: a whole number of at least ``least`` (a limit of 0 would serve nothing; a
+    negative Retry-After is no HTTP header)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is not at least {least}")
+        return value
+    return parse
 
 
 def engine_args_from(args) -> AsyncEngineArgs:

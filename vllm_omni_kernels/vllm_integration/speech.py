@@ -343,7 +343,7 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
     state = raw_request.app.state
     engine = state.engine_client
     if request.model is not None and not state.openai_serving_models.is_base_model(request.model):
-        return _error(f"The model `{request.model}` does not exist.", "model", HTTPStatus.NOT_FOUND, "NotFoundError")
+        return _error(f"The model {request.model!r} does not exist.", "model", HTTPStatus.NOT_FOUND, "NotFoundError")
     if request.response_format not in MEDIA:
         return _error(f"response_format {request.response_format!r} is not supported; use one of "
                       f"{sorted(MEDIA)}", "response_format")
