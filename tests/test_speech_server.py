@@ -9,11 +9,13 @@ import base64
 import contextlib
 import json
 import math
+import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from fractions import Fraction
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from vllm_omni_kernels.vllm_integration.talker_model import VOICES, make_model_d
 
 pytestmark = pytest.mark.vllm
 BOUND = 4
+STALL_S = 4  # the test servers' --stall-timeout
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,7 +40,8 @@ def running_server(tmp_path_factory, *options: str, env: dict[str, str] | None =
     model = make_model_dir(tmp_path_factory.mktemp("talker"))
     log = tmp_path_factory.mktemp("log") / "server.log"
     with speech_server(model, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND + 2),
-                       "--max-inflight", str(BOUND), "--max-input-chars", "3000", *options,
+                       "--max-inflight", str(BOUND), "--max-input-chars", "3000", "--stall-timeout", str(STALL_S),
+                       *options,
                        *(("--api-key", api_key) if api_key else ()), cwd=ROOT, env=env) as (url, proc):
         from transformers import AutoTokenizer
 
@@ -256,6 +260,34 @@ def test_a_disconnect_aborts_the_request_and_frees_its_slots(server):
     assert all(p["bytes_used"] == 0 for p in after["worker"]["accumulator"]["pools"].values())
     assert (after["cancelled"] - counted["cancelled"], after["served"] - counted["served"]) == (1, 0)
     counted_alike(server, after)
+
+
+def test_a_client_that_stops_reading_loses_its_stream_and_frees_its_slot(server):
+    """A client that keeps its connection open and reads nothing past the headers: once the server's
+    send has waited ``--stall-timeout`` seconds for room, its stream is given up (the request aborted
+    if it still runs: a CPU talker may have made all of its audio by then), its slot and output
+    memory are given back, it counts as cancelled, and the connection closes. Without the timeout
+    the slot stays held as long as the client keeps its connection."""
+    counted = idle(server)
+    body = json.dumps({"input": "a" * 2900, "response_format": "pcm", "sample_format": "f32",
+                       "stream": True}).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (its window fills at once)
+        url = urllib.parse.urlsplit(server["url"])
+        sock.connect((url.hostname, url.port))
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        t0 = time.time()
+        time.sleep(1.0)
+        assert stats(server)["inflight"] == counted["inflight"] + 1  # held while its send waits
+        after = idle(server, timeout=STALL_S + 30)
+        assert time.time() - t0 >= STALL_S - 1.5
+        sock.settimeout(30)
+        while sock.recv(1 << 16):  # what the server had sent, then the end of the connection
+            pass
+    assert all(p["bytes_used"] == 0 for p in after["worker"]["accumulator"]["pools"].values())
+    assert (after["cancelled"] - counted["cancelled"], after["served"] - counted["served"]) == (1, 0)
 
 
 def test_vllms_metrics_count_the_speech_route(server):

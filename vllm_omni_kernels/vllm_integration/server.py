@@ -73,6 +73,9 @@ def make_parser() -> FlexibleArgumentParser:
                         "that does not fit is answered 503")
     g.add_argument("--max-input-chars", type=_whole(1), default=4096, help="longest input text, in characters")
     g.add_argument("--retry-after", type=_whole(0), default=1, help="seconds a 503 answer asks the client to wait")
+    g.add_argument("--stall-timeout", type=_whole(1), default=60,
+                   help="seconds a streamed response waits for its client to take more bytes before it aborts the "
+                        "request and closes the connection (a client that stops reading holds a slot till then)")
     return parser
 
 
@@ -130,7 +133,7 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
         app = build_app(args, tasks, engine.model_config)
         limit = args.max_inflight if args.max_inflight is not None else config.scheduler_config.max_num_seqs
         speech.install(app, speech.SpeechLimits(max_inflight=limit, max_input_chars=args.max_input_chars,
-                                                retry_after_s=args.retry_after),
+                                                retry_after_s=args.retry_after, stall_s=args.stall_timeout),
                        shared_counts=getattr(args, "omni_speech_counts", None), api_server=(index, count))
         await init_app_state(engine, app.state, args, tasks)
         # the key vLLM's authentication takes (its --api-key wins over VLLM_API_KEY), if it asks for one

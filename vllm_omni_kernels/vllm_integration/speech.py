@@ -14,7 +14,8 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
   ``{"type": "speech.audio.delta", "audio": <base64>}``, then ``{"type": "speech.audio.done",
   "usage": {...}}`` (prompt tokens in, codec frames out); it streams without ``stream``, and with
   ``stream: false`` it is a 400. The deltas' bytes are what ``stream: true`` would send.
-- A client that disconnects aborts its request in the engine (its worker slots are freed).
+- A client that disconnects aborts its request in the engine (its worker slots are freed); so does
+  one that takes none of a stream's bytes for ``stall_s`` seconds, whose connection is closed.
 - Over ``max_inflight`` requests in flight: ``503`` with ``Retry-After``; nothing is queued. The same
   for a request that fails before its first audio because the engine's output memory cannot hold it
   (``OutputMemoryError``: the worker's ``pool_budget_bytes``, which a FINAL_ONLY request fills with
@@ -36,6 +37,7 @@ worker's pools, and where each streamed request's time to first audio went (``Fi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import dataclasses
@@ -100,6 +102,7 @@ class SpeechLimits:
     max_inflight: int = 64
     max_input_chars: int = 4096
     retry_after_s: int = 1
+    stall_s: float = 60.0  # a streamed response gives its request up when its client takes no bytes this long
 
 
 class FirstAudio:
@@ -293,17 +296,35 @@ class SpeechStream:
             self.admission.release(outcome, self.samples / tk.SAMPLE_RATE)
 
 
+class _ClientStalled(Exception):
+    pass
+
+
 class _ClosingStreamingResponse(StreamingResponse):
     """A streaming response that closes its ``SpeechStream`` however the response ends (its body
-    marks the stream delivered after its last piece was sent)."""
+    marks the stream delivered after its last piece was sent). A client that takes none of the
+    next bytes for ``stall_s`` seconds (its connection open, nothing read: the HTTP server's send
+    waits for room) loses its stream: the request is aborted, its slot given back, and the
+    connection closed, so that stalled clients cannot hold every slot of the server. A client that
+    plays the audio as it comes reads a chunk's bytes within the chunk's duration."""
 
-    def __init__(self, stream: SpeechStream, body, **kwargs):
+    def __init__(self, stream: SpeechStream, body, stall_s: float, **kwargs):
         super().__init__(body, **kwargs)
         self._stream = stream
+        self._stall_s = stall_s
 
     async def __call__(self, scope, receive, send) -> None:
+        async def send_unless_stalled(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._stall_s)
+            except TimeoutError:
+                raise _ClientStalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_unless_stalled)
+        except _ClientStalled:  # (the HTTP server closes a connection whose response did not complete)
+            logger.warning("speech stream %s: its client took no bytes for %g s; the request is aborted",
+                           self._stream.request_id, self._stall_s)
         finally:
             await self._stream.close()
 
@@ -486,9 +507,9 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
         yield _event({"type": "speech.audio.done", "usage": usage})
 
     if request.stream_format == "sse":
-        return _ClosingStreamingResponse(stream, sent(events()), media_type="text/event-stream",
+        return _ClosingStreamingResponse(stream, sent(events()), limits.stall_s, media_type="text/event-stream",
                                          headers={**_headers(request, stream.request_id), "Cache-Control": "no-cache"})
-    return _ClosingStreamingResponse(stream, sent(audio()), media_type=MEDIA[request.response_format],
+    return _ClosingStreamingResponse(stream, sent(audio()), limits.stall_s, media_type=MEDIA[request.response_format],
                                      headers=_headers(request, stream.request_id))
 
 
