@@ -290,6 +290,47 @@ def test_a_client_that_stops_reading_loses_its_stream_and_frees_its_slot(server)
     assert (after["cancelled"] - counted["cancelled"], after["served"] - counted["served"]) == (1, 0)
 
 
+def _read_at(server, body: dict, rate: float) -> bytes:
+    """A streamed response's body read through a socket buffer of a few KiB at about ``rate`` bytes a
+    second (AssertionError when the server ends it early)."""
+    data = json.dumps(body).encode()
+    raw = bytearray()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        url = urllib.parse.urlsplit(server["url"])
+        sock.connect((url.hostname, url.port))
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        t0 = time.time()
+        while not raw.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
+            got = sock.recv(1 << 16)
+            assert got, f"the server closed the connection after {len(raw)} bytes"
+            raw += got
+            time.sleep(max(0.0, t0 + len(raw) / rate - time.time()))
+    head, _, chunked = bytes(raw).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    out, at = bytearray(), 0
+    while (size := int(chunked[at:chunked.index(b"\r\n", at)], 16)):
+        start = chunked.index(b"\r\n", at) + 2
+        out += chunked[start:start + size]
+        at = start + size + 2
+    return bytes(out)
+
+
+def test_a_client_that_reads_slower_than_the_engine_but_steadily_gets_all_its_audio(server):
+    """The engine makes a long request's 22 MB of audio far faster than this client reads it (about
+    2 MB a second: minutes of audio merge into a few spans meanwhile), yet no send waits for more
+    than the client's reading of ``_SEND_BYTES``, far below ``--stall-timeout``: every sample
+    arrives, and the request counts as served."""
+    counted = idle(server)
+    text = "a" * 2900
+    got = _read_at(server, {"input": text, "response_format": "pcm", "sample_format": "f32", "stream": True},
+                   rate=2e6)
+    assert got == expected(server, text).astype("<f4").tobytes()
+    after = idle(server)
+    assert (after["served"] - counted["served"], after["cancelled"] - counted["cancelled"]) == (1, 0)
+
+
 def test_vllms_metrics_count_the_speech_route(server):
     """``/metrics`` carries the route's outcomes, the audio it sent and its first-audio times:
     one more streamed request adds one served, its seconds of audio and one first audio."""

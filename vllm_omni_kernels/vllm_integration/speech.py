@@ -300,13 +300,20 @@ class _ClientStalled(Exception):
     pass
 
 
+# A streamed response's bytes go to the HTTP server at most this many at a time: the server takes
+# each once the client has made room for the one before (its buffer past 64 KiB waits), so a send
+# waits for about this many bytes of the client's reading, not for a whole merged span of audio.
+_SEND_BYTES = 1 << 16
+
+
 class _ClosingStreamingResponse(StreamingResponse):
     """A streaming response that closes its ``SpeechStream`` however the response ends (its body
     marks the stream delivered after its last piece was sent). A client that takes none of the
     next bytes for ``stall_s`` seconds (its connection open, nothing read: the HTTP server's send
     waits for room) loses its stream: the request is aborted, its slot given back, and the
-    connection closed, so that stalled clients cannot hold every slot of the server. A client that
-    plays the audio as it comes reads a chunk's bytes within the chunk's duration."""
+    connection closed, so that stalled clients cannot hold every slot of the server. The body goes
+    out ``_SEND_BYTES`` at a time, so a client that plays the audio as it comes makes room for the
+    next send within a second or two of audio, however far ahead of it the engine is."""
 
     def __init__(self, stream: SpeechStream, body, stall_s: float, **kwargs):
         super().__init__(body, **kwargs)
@@ -496,7 +503,8 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
 
     async def sent(body):  # resumed after its last yield only once the server has sent that piece
         async for piece in body:
-            yield piece
+            for at in range(0, len(piece), _SEND_BYTES):
+                yield piece[at:at + _SEND_BYTES]
         stream.delivered = True
 
     async def events():
