@@ -262,6 +262,20 @@ def test_a_disconnect_aborts_the_request_and_frees_its_slots(server):
     counted_alike(server, after)
 
 
+@contextlib.contextmanager
+def _posted(server, body: dict):
+    """A socket with a receive buffer of a few KiB (its window fills at once) that has posted
+    ``body`` to the speech route."""
+    data = json.dumps(body).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        url = urllib.parse.urlsplit(server["url"])
+        sock.connect((url.hostname, url.port))
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        yield sock
+
+
 def test_a_client_that_stops_reading_loses_its_stream_and_frees_its_slot(server):
     """A client that keeps its connection open and reads nothing past the headers: once the server's
     send has waited ``--stall-timeout`` seconds for room, its stream is given up (the request aborted
@@ -269,14 +283,8 @@ def test_a_client_that_stops_reading_loses_its_stream_and_frees_its_slot(server)
     memory are given back, it counts as cancelled, and the connection closes. Without the timeout
     the slot stays held as long as the client keeps its connection."""
     counted = idle(server)
-    body = json.dumps({"input": "a" * 2900, "response_format": "pcm", "sample_format": "f32",
-                       "stream": True}).encode()
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (its window fills at once)
-        url = urllib.parse.urlsplit(server["url"])
-        sock.connect((url.hostname, url.port))
-        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    with _posted(server, {"input": "a" * 2900, "response_format": "pcm", "sample_format": "f32",
+                          "stream": True}) as sock:
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
         t0 = time.time()
         time.sleep(1.0)
@@ -293,14 +301,8 @@ def test_a_client_that_stops_reading_loses_its_stream_and_frees_its_slot(server)
 def _read_at(server, body: dict, rate: float) -> bytes:
     """A streamed response's body read through a socket buffer of a few KiB at about ``rate`` bytes a
     second (AssertionError when the server ends it early)."""
-    data = json.dumps(body).encode()
     raw = bytearray()
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        url = urllib.parse.urlsplit(server["url"])
-        sock.connect((url.hostname, url.port))
-        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    with _posted(server, body) as sock:
         t0 = time.time()
         while not raw.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
             got = sock.recv(1 << 16)
@@ -310,11 +312,13 @@ def _read_at(server, body: dict, rate: float) -> bytes:
     head, _, chunked = bytes(raw).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head
     out, at = bytearray(), 0
-    while (size := int(chunked[at:chunked.index(b"\r\n", at)], 16)):
-        start = chunked.index(b"\r\n", at) + 2
-        out += chunked[start:start + size]
-        at = start + size + 2
-    return bytes(out)
+    while True:  # each chunk: its size in hex, CRLF, its bytes, CRLF; size 0 ends the body
+        end = chunked.index(b"\r\n", at)
+        size = int(chunked[at:end], 16)
+        if not size:
+            return bytes(out)
+        out += chunked[end + 2:end + 2 + size]
+        at = end + 2 + size + 2
 
 
 def test_a_client_that_reads_slower_than_the_engine_but_steadily_gets_all_its_audio(server):
