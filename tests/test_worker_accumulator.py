@@ -301,13 +301,24 @@ def test_frames_past_an_end_found_a_step_late_never_reach_the_request(backend_na
             assert torch.cat(got[rid]["codes"])[:, 0].tolist() == list(range(8)), (rid, emit)
 
 
-def test_frames_of_a_multichannel_concat_last_key_cannot_be_left_out():
+@pytest.mark.parametrize("landed", [False, True], ids=["before-the-copy-landed", "after"])
+def test_the_newest_frames_of_a_multichannel_concat_last_key_are_left_out(landed):
+    """A ``[C, n]`` piece shortened to ``[C, keep]``: each channel's kept frames, closed up in host
+    memory once the copy has landed; the requests before and after it in the region keep theirs."""
     acc = WorkerAccumulator([OutputKey("stereo", S.CONCAT_LAST, torch.float32, (2,), cadence=0)], "cpu")
-    acc.add_request("r", EmitPolicy.DELTA)
-    acc.append(["r"], {"stereo": [torch.arange(6.0).view(2, 3)]})
+    for rid in "arb":
+        acc.add_request(rid, EmitPolicy.DELTA)
+    pieces = {rid: torch.arange(8.0).view(2, 4) + 100 * k for k, rid in enumerate("arb")}
+    acc.append(list("arb"), {"stereo": list(pieces.values())})
     packed = acc.collect()
-    with pytest.raises(ValueError, match="cannot be left out"):
-        packed.drop_newest("r", {"stereo": 1})
+    if landed:
+        packed.wait()
+    packed.drop_newest("r", {"stereo": 1})
+    packed.drop_newest("r", {"stereo": 1})  # twice: [2, 4] -> [2, 3] -> [2, 2]
+    packed.wait()
+    assert torch.equal(packed.tensors("r")["stereo"], pieces["r"][:, :2])
+    for rid in "ab":
+        assert torch.equal(packed.tensors(rid)["stereo"], pieces[rid])
 
 
 def test_a_negative_count_to_leave_out_is_refused():

@@ -28,7 +28,8 @@ EMITS = (EmitPolicy.DELTA, EmitPolicy.CUMULATIVE, EmitPolicy.FINAL_ONLY)
 def keys(cadence):
     return [OutputKey("audio", S.CONCAT_LAST, torch.float32, (), cadence=cadence, initial_frames=8),
             OutputKey("codes", S.CONCAT_DIM0, torch.int64, (3,), cadence=None, initial_frames=2),
-            OutputKey("lat", S.CONCAT_DIM0, torch.float32, (2,), cadence=2, initial_frames=4)]
+            OutputKey("lat", S.CONCAT_DIM0, torch.float32, (2,), cadence=2, initial_frames=4),
+            OutputKey("stereo", S.CONCAT_LAST, torch.float32, (2,), cadence=None, initial_frames=4)]
 
 
 def chunk(key, n, gen):

@@ -103,12 +103,28 @@ class PackedStep:
     final: set[str] = field(default_factory=set)
     event: torch.cuda.Event | None = None
     _requests: set[str] | None = field(default=None, repr=False)
+    _landed: bool = field(default=False, repr=False)
+    _compact: list[tuple[int, int, int, int]] = field(default_factory=list, repr=False)  # drop_newest's moves
 
     def wait(self) -> torch.Tensor:
         """Block until the copy has landed (at once on CPU); returns ``host``."""
-        if self.event is not None:
-            self.event.synchronize()
+        if not self._landed:
+            if self.event is not None:
+                self.event.synchronize()
+            self._landed = True
+            self._compact_pieces()
         return self.host
+
+    def _compact_pieces(self) -> None:
+        """Close up the pieces of ``[C, n]`` keys that ``drop_newest`` shortened to ``[C, keep]``: in
+        host memory once the copy has landed (each channel's first ``keep`` frames moved after the
+        channel before's; a piece's other requests' data does not move)."""
+        if self._compact and self._landed:
+            host = self.host.numpy()
+            for start, channels, n, keep in self._compact:  # (first byte, channels, a channel's bytes)
+                for c in range(1, channels):
+                    host[start + c * keep:start + (c + 1) * keep] = host[start + c * n:start + c * n + keep]
+            self._compact.clear()
 
     def requests(self) -> set[str]:
         """The requests with data in this step (made once: the scheduler asks for every client)."""
@@ -120,8 +136,9 @@ class PackedStep:
         """Leave out the request's newest ``frames[key]`` frames of each key (data found, after the
         step was packed, to lie past the request's end); the other requests' data stays where it is
         (a region splits around the request's), and a request left without frames of a key leaves
-        that key's region. ValueError for a negative count, and for a CONCAT_LAST key with
-        channels (``[*frame, n]``: its older frames are not one span)."""
+        that key's region. A CONCAT_LAST key with channels (``[*frame, n]``: the older frames of its
+        channels are not one span) has each channel's kept frames closed up in host memory once the
+        copy has landed (``wait``). ValueError for a negative count."""
         if any(n < 0 for n in frames.values()):
             raise ValueError(f"request {request_id!r}: frames to leave out must not be negative, got {dict(frames)}")
         regions = []
@@ -130,13 +147,14 @@ class PackedStep:
             if not drop or request_id not in region.request_ids:
                 regions.append(region)
                 continue
-            if region.axis == -1 and region.frame:
-                raise ValueError(f"key {region.key!r}: frames of [*{region.frame}, n] pieces cannot be left out")
             ids, counts = region.request_ids, region.frames
             i = ids.index(request_id)
             per = math.prod(region.frame) * region.dtype.itemsize
             start = region.offset + int(counts[:i].sum()) * per
             keep = int(counts[i]) - drop
+            if region.axis == -1 and region.frame and keep > 0:  # [C, n] becomes [C, keep]
+                width = region.dtype.itemsize
+                self._compact.append((start, per // width, int(counts[i]) * width, keep * width))
             if i:
                 regions.append(replace(region, request_ids=ids[:i], frames=counts[:i]))
             if keep > 0:
@@ -147,6 +165,7 @@ class PackedStep:
                                        frames=counts[i + 1:]))
         self.regions = regions
         self._requests = None
+        self._compact_pieces()  # at once when the copy has landed already
 
     def split(self, owner: Mapping[str, Hashable]) -> dict[Hashable, PackedStep]:
         """The step's data by owner (``owner``: request id -> its owner; requests it does not name
