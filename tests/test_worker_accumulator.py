@@ -333,6 +333,24 @@ def test_a_negative_count_to_leave_out_is_refused():
     assert packed.tensors("a")["audio"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+@pytest.mark.parametrize("outputs, match", [
+    ({"audio": PaddedBatch(torch.zeros(2, 4), [4, 4]), "codes": PaddedBatch(torch.zeros(3, 1, 2), [1, 1, 1])},
+     "PaddedBatch of 3 rows"),
+    ({"audio": PaddedBatch(torch.zeros(2, 4), [4, 4]), "codes": [torch.zeros(1, 2)]}, "1 chunks for 2"),
+    ({"audio": PaddedBatch(torch.zeros(2, 4), [4, 4]), "cods": [torch.zeros(1, 2)] * 2}, "'cods' is not one"),
+], ids=["batch-rows", "list-length", "unknown-key"])
+def test_a_step_not_aligned_with_its_requests_appends_nothing(outputs, match):
+    """A caller's bug in a step's shape is a ValueError before any key is appended: no key holds
+    the step's data without the others."""
+    acc = WorkerAccumulator([OutputKey("audio", S.CONCAT_LAST, torch.float32, (), cadence=0),
+                             OutputKey("codes", S.CONCAT_DIM0, torch.float32, (2,), cadence=None)], "cpu")
+    for rid in "ab":
+        acc.add_request(rid, EmitPolicy.DELTA)
+    with pytest.raises(ValueError, match=match):
+        acc.append(["a", "b"], outputs)
+    assert [pool.unread().sum() for pool in acc.pools] == [0, 0]
+
+
 def test_a_key_whose_frame_holds_no_element_is_refused():
     with pytest.raises(ValueError, match="holds no element"):
         WorkerAccumulator([OutputKey("empty", S.CONCAT_DIM0, torch.float32, (2, 0))], "cpu")

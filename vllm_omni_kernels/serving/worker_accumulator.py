@@ -290,6 +290,7 @@ class WorkerAccumulator:
                  budget_bytes: int | Mapping[str, int] = 256 << 20, max_requests: int = 1024):
         self.device = backend.resolve_device(device)
         self.keys = list(keys)
+        self._names = {k.name for k in self.keys}
         budgets = budget_bytes if isinstance(budget_bytes, Mapping) else \
             dict.fromkeys((k.name for k in keys), budget_bytes)
         self.pools = [RingPool(k.name, k.dtype, k.frame_shape, self.device, k.strategy, budget_bytes=budgets[k.name],
@@ -416,7 +417,12 @@ class WorkerAccumulator:
         which ``keep`` is true keeps its slots and the data it had (this step's chunk of a key may
         be there or not): the caller reads it up to an end of its own (``collect``'s ``hold`` and
         ``ends``) or aborts it.
+
+        Raises:
+            ValueError: a key the accumulator does not hold, or a key's batch or list not aligned
+                with ``request_ids`` (checked for every key before any is appended: nothing is).
         """
+        self._check_step(request_ids, outputs)
         failed: dict[str, TensorAccumulationError] = {}
         with nvtx_range("worker.append"):
             if rows is None:
@@ -434,6 +440,21 @@ class WorkerAccumulator:
                 self._release([rid for rid in failed if rid in self._row and not (keep is not None and keep(rid))])
         self.failed += len(failed)
         return failed
+
+    def _check_step(self, request_ids: Sequence[str], outputs: Mapping[str, PaddedBatch | Sequence]) -> None:
+        """``append``'s ValueErrors, before anything is appended."""
+        for name, chunks in outputs.items():
+            if name not in self._names:
+                raise ValueError(f"key {name!r} is not one of the accumulator's keys {sorted(self._names)}")
+            if chunks is None:
+                continue
+            if isinstance(chunks, PaddedBatch):
+                rows = chunks.data.shape[0] if chunks.data.dim() else 0
+                if rows != len(request_ids) or len(chunks.lengths) != len(request_ids):
+                    raise ValueError(f"key {name!r}: a PaddedBatch of {rows} rows and {len(chunks.lengths)} lengths "
+                                     f"for {len(request_ids)} requests")
+            elif len(chunks) != len(request_ids):
+                raise ValueError(f"key {name!r}: {len(chunks)} chunks for {len(request_ids)} requests")
 
     def collect(self, finishing: Collection[str] = (), head_bytes: int = 0,
                 ends: Sequence[np.ndarray] | None = None, hold: Collection[str] = ()) -> PackedStep | None:
