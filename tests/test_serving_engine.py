@@ -370,6 +370,37 @@ def test_each_output_carries_the_tokens_its_audio_belongs_to_at_a_stop_and_at_a_
             assert ([t for ids, *_ in failed for t in ids] if delta else failed[-1][0]) == bad_tokens, (kind, cadence)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failure_on_the_last_frame_of_a_request_that_may_stop_reaches_its_caller(tmp_path, async_scheduling):
+    """A request with stop tokens whose last frame's chunk is malformed, alone in the engine: under
+    async scheduling the worker holds the failure until the step before it resolves (its token may
+    have ended the request), and vLLM has finished the request by its length by then; the next
+    step has nothing scheduled, and the failure goes out with a step output of its own. Its caller
+    gets the worker's typed error, not the scheduler's "lost" one, and no slot stays held."""
+    frames = 3
+    prompt = [5] + [BAD] * (frames - 1) + [7]  # its chunk of frame 2, the last, is malformed
+    rolled = set((tk.rollout(tk.ToyTalker(0), prompt, frames)[:, 0] + tk.TEXT_VOCAB).tolist())
+    never = next(t for t in range(tk.TEXT_VOCAB, tk.VOCAB) if t not in rolled)  # a stop token it never samples
+    engine = OmniLLM.from_engine_args(talker_engine_args(
+        make_model_dir(tmp_path / "model"), max_num_seqs=4, disable_log_stats=True, async_scheduling=async_scheduling,
+        additional_config={"omni": {"bad_prompt_token": BAD}}))
+    try:
+        finishes = {}
+        for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA):
+            engine.add_request(kind.name, TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+                max_tokens=frames, output_kind=kind, detokenize=False, stop_token_ids=[never]))
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finishes[kind.name] = (out.outputs[0].finish_reason, str(out.outputs[0].stop_reason))
+        stats = engine.collective_rpc("output_path_stats")[0]
+    finally:
+        engine.engine_core.shutdown()
+    for kind, (reason, why) in finishes.items():
+        assert reason == "error" and "dtype" in why, (kind, why)
+    assert stats["requests_held"] == 0 and "first_chunk_at" not in stats
+
+
 # vLLM's model runner: V2, its default where Triton runs on a GPU, hands the worker a resumed
 # request as a new one; async scheduling is the default there too
 RUNNERS = pytest.mark.parametrize("async_scheduling, runner", [(False, "v1"), (True, "v1"), (True, "v2")])

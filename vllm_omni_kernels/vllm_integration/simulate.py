@@ -366,7 +366,7 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
         stats = None
         if first:
             await asyncio.sleep(0.2)  # aborts reach the engine core
-            stats = (await engine.collective_rpc("output_path_stats"))[0]
+            stats = (await engine.collective_rpc("output_path_stats", kwargs={"first_chunks": True}))[0]
         client = {"bytes": decoder.bytes - d0[0], "decode_seconds": decoder.seconds - d0[1],
                   "multimodal_seconds": processor.stopwatch.seconds + decoder.multimodal_seconds - d0[2],
                   "loop_lag_ms_p50": _ms(lags, 50), "loop_lag_ms_p99": _ms(lags, 99),
@@ -558,7 +558,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
                 bar.update(1)
         wall = time.perf_counter() - t0
         bar.close()
-        stats = engine.collective_rpc("output_path_stats")[0]
+        stats = engine.collective_rpc("output_path_stats", kwargs={"first_chunks": True})[0]
         client = {"bytes": 0, "decode_seconds": 0.0,
                   "multimodal_seconds": processor.stopwatch.seconds,
                   "loop_lag_ms_p50": float("nan"), "loop_lag_ms_p99": float("nan"),

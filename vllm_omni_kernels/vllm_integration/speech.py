@@ -534,7 +534,6 @@ async def speech_stats(raw_request: Request) -> JSONResponse:
     state = raw_request.app.state
     admission: Admission = state.omni_speech_admission
     worker = (await state.engine_client.collective_rpc("output_path_stats"))[0]
-    worker.pop("first_chunk_at", None)
     first_audio: FirstAudio = state.omni_speech_first_audio
     phases = first_audio.summary()
     if raw_request.query_params.get("reset") == "1":

@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -222,7 +222,7 @@ class TalkerWorker:
         self._upstream_copies = 0
         self._output_path_us: deque[float] = deque(maxlen=_HISTORY)  # the latest steps: a server runs for long
         self._step_starts: deque[float] = deque(maxlen=_HISTORY)
-        self.first_chunk_at: dict[str, float] = {}  # request id (without vLLM's suffix) -> time.monotonic()
+        self.first_chunk_at: OrderedDict[str, float] = OrderedDict()  # request id (no vLLM suffix) -> monotonic
 
     # ------------------------------------------------------------------ vLLM's worker RPCs
 
@@ -272,9 +272,11 @@ class TalkerWorker:
         raise NotImplementedError(f"sleep level {level}: the talker keeps its weights and output rings resident; "
                                   "use level 0 (pause scheduling only); wake_up() resumes the paused scheduler")
 
-    def output_path_stats(self) -> dict:
+    def output_path_stats(self, first_chunks: bool = False) -> dict:
         """What the output path cost: host time per step that had output (median, p99, mean, in
-        us), device-to-host copies and their bytes, pool statistics (an RPC for the frontend)."""
+        us), device-to-host copies and their bytes, pool statistics (an RPC for the frontend); with
+        ``first_chunks``, when each request's first chunk was produced (up to the latest
+        ``_HISTORY`` requests: a long-running server's are megabytes of RPC)."""
         us = np.array(self._output_path_us or [0.0])
         steps = np.diff(self._step_starts) * 1e6 if len(self._step_starts) > 1 else np.zeros(1)
         copies = self.acc.copies if self.options.output_path == "worker" else self._upstream_copies
@@ -282,8 +284,8 @@ class TalkerWorker:
                 "async_scheduling": self.async_scheduling,
                 "output_path_us_median": float(np.median(us)), "output_path_us_p99": float(np.percentile(us, 99)),
                 "output_path_us_mean": float(us.mean()), "step_us_median": float(np.median(steps)),
-                "first_chunk_at": dict(self.first_chunk_at), "accumulator": self.acc.stats(),
-                "requests_held": len(self._row), "rows": self.max_requests}
+                **({"first_chunk_at": dict(self.first_chunk_at)} if first_chunks else {}),
+                "accumulator": self.acc.stats(), "requests_held": len(self._row), "rows": self.max_requests}
 
     def reset_output_path_stats(self) -> None:
         self._output_path_us.clear()
@@ -307,8 +309,8 @@ class TalkerWorker:
         so = scheduler_output
         with nvtx_range("worker.step"):
             opened, flush = self._update_requests(so)
-            if so.total_num_scheduled_tokens == 0 and not flush:
-                return EMPTY_MODEL_RUNNER_OUTPUT
+            if so.total_num_scheduled_tokens == 0 and not flush and not self._discarded:
+                return EMPTY_MODEL_RUNNER_OUTPUT  # (failures go out at once, with a step of their own)
             req_ids = list(so.num_scheduled_tokens)
             sampling, rows, replayed = self._sampling_rows(so, req_ids)
             step = self._run(req_ids, sampling, rows, opened, flush, replayed)
@@ -507,9 +509,8 @@ class TalkerWorker:
         produced = self._produced[state_rows]
         for b in np.flatnonzero(produced == 0).tolist():
             self.first_chunk_at[ids[b].rsplit("-", 1)[0]] = now
-        if len(self.first_chunk_at) > _HISTORY:  # a long-running server: keep the newest half
-            for old in list(self.first_chunk_at)[:_HISTORY // 2]:
-                del self.first_chunk_at[old]
+        while len(self.first_chunk_at) > _HISTORY:  # a long-running server: the newest only
+            self.first_chunk_at.popitem(last=False)
         i, host = self._index.host()
         host[0, :B] = state_rows  # the accumulator's rows too
         rows = self._index.upload(i, 1, self._index_dev, cols=B)[0, :B]
