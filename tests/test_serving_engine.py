@@ -140,6 +140,26 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
         assert a.multimodal.tensors["codes"].equal(b.multimodal.tensors["codes"])
 
 
+def test_engines_made_from_vllms_own_config_serve_the_audio_and_generate_as_vllms_llm_does(tmp_path):
+    """``from_vllm_config`` with the config vLLM makes of the engine arguments (its scheduler class
+    unset, as vLLM's launchers build it): the engine runs this package's scheduler, so the audio
+    arrives (vLLM's own scheduler would drop every sample, the request finishing normally).
+    ``generate`` takes ``sampling_params`` by vLLM's name, or none, and returns whole results
+    whatever the output kind, as ``LLM.generate`` does (a DELTA request's too)."""
+    args = talker_engine_args(make_model_dir(tmp_path / "model"), max_num_seqs=4, disable_log_stats=True)
+    engine = OmniLLM.from_vllm_config(args.create_engine_config(UsageContext.ENGINE_CONTEXT))
+    try:
+        delta = SamplingParams(max_tokens=9, output_kind=RequestOutputKind.DELTA, detokenize=False)
+        (out,) = engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), sampling_params=delta)
+        (default,) = engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]))
+    finally:
+        engine.engine_core.shutdown()
+    assert delta.output_kind == RequestOutputKind.DELTA  # the caller's parameters are left as they were
+    want = tk.rollout(tk.ToyTalker(0), [5, 6, 7], 9)
+    assert out.multimodal.tensors["codes"].equal(want) and out.multimodal.tensors["audio"].equal(tk.expected_audio(want))
+    assert default.multimodal.tensors["codes"].shape[0] == SamplingParams().max_tokens
+
+
 def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_prompt(tmp_path):
     """``OmniLLM.generate`` takes every output ``step`` returns: with a request of the caller's own
     in flight (id "0", which ``generate`` once used itself) it refuses to run; a prompt vLLM refuses

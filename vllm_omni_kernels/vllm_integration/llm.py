@@ -176,10 +176,16 @@ def omni_vllm_config(engine_args: EngineArgs, usage_context: UsageContext,
         wanted = engine_args.async_scheduling
         sched.async_scheduling = (WorkerOptions.from_config(config).torch_device().type == "cuda"
                                   if wanted is None else bool(wanted))
-    chosen = sched.scheduler_cls
-    if not (isinstance(chosen, type) and issubclass(chosen, MultimodalChannel)):
-        sched.scheduler_cls = OmniAsyncScheduler if sched.async_scheduling else OmniScheduler
+    _use_channel(config)
     return config
+
+
+def _use_channel(config: VllmConfig) -> None:
+    """This package's scheduler class on ``config`` unless it names one with the multimodal channel
+    already (vLLM's own would drop every sample: no error, no audio)."""
+    sched = config.scheduler_config
+    if not issubclass(sched.get_scheduler_cls(), MultimodalChannel):
+        sched.scheduler_cls = OmniAsyncScheduler if sched.async_scheduling else OmniScheduler
 
 
 def _processor(renderer, config: VllmConfig, log_stats: bool, options: ProcessorOptions | None,
@@ -193,10 +199,12 @@ def _processor(renderer, config: VllmConfig, log_stats: bool, options: Processor
 
 def _take_config(engine, vllm_config: VllmConfig) -> str | None:
     """What both engines' constructors do first, as vLLM's do: vLLM's logging, the one-engine-core
-    check, the configs on ``engine``, tracing. Returns the tracing endpoint (None: off)."""
+    check, this package's scheduler class (``_use_channel``), the configs on ``engine``, tracing.
+    Returns the tracing endpoint (None: off)."""
     configure_logging_if_needed(vllm_config.logging_config)
     if vllm_config.parallel_config.data_parallel_size > 1:
         raise ValueError(f"{type(engine).__name__} serves one engine core (data_parallel_size 1)")
+    _use_channel(vllm_config)  # (a config made by vLLM's own from_vllm_config path, say)
     engine.vllm_config = vllm_config
     engine.model_config = vllm_config.model_config
     engine.observability_config = vllm_config.observability_config
@@ -255,21 +263,26 @@ class OmniLLM(LLMEngine):
                    usage_context=usage_context, stat_loggers=stat_loggers, multiprocess_mode=bool(multiprocess),
                    processor_options=processor_options)
 
-    def generate(self, prompts: Any, params) -> list[OmniRequestOutput]:
+    def generate(self, prompts: Any, sampling_params=None) -> list[OmniRequestOutput]:
         """Run ``prompts`` (one prompt, or a sequence of them; with one ``SamplingParams`` or one
-        each: ValueError for another count) to completion on an idle engine (its own requests take
-        every output ``step`` returns: RuntimeError while others are in flight); returns each
-        request's final output, in order. Use FINAL_ONLY or CUMULATIVE params for a whole result;
-        DELTA outputs are the last delta. A prompt vLLM refuses raises, and the requests added
-        before it are aborted."""
+        each: ValueError for another count; None: the model's defaults, as vLLM's ``LLM.generate``
+        takes them) to completion on an idle engine (its own requests take every output ``step``
+        returns: RuntimeError while others are in flight); returns each request's final output, in
+        order: its whole result, as vLLM's ``LLM.generate`` returns it (every request runs
+        FINAL_ONLY, whatever the output kind its parameters name). A prompt vLLM refuses raises,
+        and the requests added before it are aborted."""
         if self.has_unfinished_requests():
             raise RuntimeError("generate() runs on an idle engine: requests added with add_request() are in flight "
                                "(step() returns their outputs)")
         if isinstance(prompts, str | Mapping) or not isinstance(prompts, Sequence):  # one prompt
             prompts = [prompts]
-        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if sampling_params is None:
+            defaults = self.model_config.get_diff_sampling_param()
+            sampling_params = SamplingParams.from_optional(**defaults) if defaults else SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        params = [p if p.output_kind == RequestOutputKind.FINAL_ONLY else _final_only(p) for p in params]
         ids = [f"generate-{random_uuid()}-{i}" for i in range(len(prompts))]
         added = 0
         try:
@@ -294,6 +307,13 @@ class OmniLLM(LLMEngine):
             if len(final) < len(ids):  # step() raised: nothing of this call stays in flight
                 self.abort_request([rid for rid in ids if rid not in final])
         return [final[rid] for rid in ids if rid in final]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """A copy of ``params`` with the FINAL_ONLY output kind (the caller's stays as it is)."""
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
 
 
 class ShuttingDownError(RetryableRequestError):
