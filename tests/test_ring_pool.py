@@ -661,7 +661,7 @@ def test_consolidate_after_draining_a_single_frame_is_a_consolidation_error():
     pool.append(["a"], [torch.ones(1)])
     pool.drain(["a"])
     pool.append(["a"], [torch.full((2,), 2.0)])
-    with pytest.raises(TensorConsolidationError, match="1 frames were already drained") as info:
+    with pytest.raises(TensorConsolidationError, match="1 samples were already drained") as info:
         pool.consolidate(["a"])
     assert info.value.request_id == "a"
 

@@ -41,6 +41,7 @@ def running_server(tmp_path_factory, *options: str, env: dict[str, str] | None =
     log = tmp_path_factory.mktemp("log") / "server.log"
     with speech_server(model, log, "--talker-device", "cpu", "--max-num-seqs", str(BOUND + 2),
                        "--max-inflight", str(BOUND), "--max-input-chars", "3000", "--stall-timeout", str(STALL_S),
+                       "--enable-log-requests", "--enable-request-id-headers", "--enable-server-load-tracking",
                        *options,
                        *(("--api-key", api_key) if api_key else ()), cwd=ROOT, env=env) as (url, proc):
         from transformers import AutoTokenizer
@@ -471,6 +472,32 @@ def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audi
     assert all(r.json()["error"]["type"] == "ServiceUnavailableError" for r in responses if r.status_code == 503)
 
 
+def test_request_ids_load_and_request_logs_are_vllms(server):
+    """With vLLM's ``--enable-request-id-headers`` a response carries one X-Request-Id, the client's
+    (vLLM's middleware sets it; the engine request is named after it); ``--enable-server-load-tracking``
+    counts a speech stream on ``/load`` while it is in flight; ``--enable-log-requests`` logs a
+    served request as added and never as aborted (vLLM's generator, left suspended after the last
+    output, was closed later as if the client had gone)."""
+    url, text = server["url"], "Counted while it streams. " * 12
+    before = httpx.get(f"{url}/load", timeout=30).json()["server_load"]
+    body = {"input": text, "voice": "alloy", "response_format": "pcm", "sample_format": "f32", "stream": True}
+    with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, headers={"X-Request-Id": "mine-1"},
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["mine-1"], r.headers
+        chunks = r.iter_raw()
+        data = next(chunks)
+        during = httpx.get(f"{url}/load", timeout=30).json()["server_load"]
+        data += b"".join(chunks)
+    assert data == expected(server, text).astype("<f4").tobytes()
+    whole = httpx.post(f"{url}/v1/audio/speech", json={**body, "stream": False}, timeout=60)
+    assert whole.status_code == 200 and len(whole.headers.get_list("x-request-id")) == 1
+    time.sleep(1.0)
+    assert during == before + 1 and httpx.get(f"{url}/load", timeout=30).json()["server_load"] == before
+    lines = server["log"].read_text().splitlines()
+    assert any("speech-mine-1-" in line for line in lines)
+    assert not [line for line in lines if "speech-mine-1-" in line and "abort" in line.lower()]
+
+
 def test_two_api_server_processes_stream_exact_audio_and_share_the_bound(two_api_servers):
     """With ``--api-server-count 2`` every stream is still the talker's samples (requests through
     both processes, on fresh connections), the bound counts the requests in flight in both, and
@@ -630,8 +657,9 @@ def test_stream_interval_follows_the_cadence_unless_given(tmp_path, argv, interv
 
 
 @pytest.mark.parametrize("option, value, least", [(o, v, 1) for o in ("--max-inflight", "--max-input-chars",
-                                                                       "--audio-memory-mib") for v in ("0", "-1")]
-                         + [("--retry-after", "-1", 0)])
+                                                                       "--audio-memory-mib", "--talker-threads")
+                                                for v in ("0", "-1")]
+                         + [("--retry-after", "-1", 0), ("--cadence", "-1", 0)])
 def test_limits_below_their_least_are_refused(tmp_path, option, value, least, capsys):
     """0 in-flight requests would answer every request 503 (or silently mean --max-num-seqs); a
     negative Retry-After is no HTTP header (0 is one)."""
@@ -695,10 +723,13 @@ def test_a_server_drains_its_streams_on_sigterm(tmp_path_factory, api_servers):
     assert "output_handler failed" not in server["log"].read_text()
 
 
-@pytest.mark.parametrize("argv", [["--headless"], ["--api-server-count", "0"]])
-def test_an_engine_without_api_servers_is_refused(tmp_path, argv):
-    """vLLM's ``serve`` runs the engine alone for these; this server runs its engine with its API
-    servers, and says so rather than start one anyway."""
+@pytest.mark.parametrize("argv", [["--headless"], ["--api-server-count", "0"], ["--grpc"], ["--skip-tokenizer-init"],
+                                  ["--data-parallel-size", "2"]])
+def test_what_the_speech_server_cannot_be_is_refused_at_once(tmp_path, argv):
+    """vLLM's ``serve`` runs the engine alone for the first two, and a gRPC server for ``--grpc``;
+    this server runs its engine with its HTTP API servers, tokenizes the speech route's text, and
+    serves one engine core: it says so rather than start anyway (``--grpc`` was ignored, and the
+    others failed later: every speech request a 400, or a traceback)."""
     from vllm_omni_kernels.vllm_integration.server import main
 
     with pytest.raises(SystemExit, match="not supported"):

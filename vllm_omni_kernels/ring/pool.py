@@ -151,6 +151,7 @@ class RingPool:
         self._on_device = backend.on_device(self.device)
         self.strategy = strategy
         self.last = strategy is Strategy.CONCAT_LAST
+        self.unit = "samples" if self.last else "frames"  # what its frames are, in error messages
         self.growth = growth
         self.max_slots = max_slots
         self.frame_bytes = self.frame_elems * dtype.itemsize
@@ -408,7 +409,7 @@ class RingPool:
         for i in too_big:
             keep[i] = False
             failed.append(TensorAccumulationError(
-                f"{int(total[i])} unread frames would pass the {self.max_unread_frames} one launch copies "
+                f"{int(total[i])} unread {self.unit} would pass the {self.max_unread_frames} one launch copies "
                 "(2**31 - 1 elements): read the request's data more often", request_id=request_ids[i], key=self.key))
         grown: list[tuple[int, int, int]] = []  # (slot, new region's offset, its frames)
         for i in over:
@@ -433,12 +434,12 @@ class RingPool:
         or the error that says why there is none."""
         cap, unread = int(self.table[slot, CAP]), int(self.table[slot, UNREAD])
         if not self.growth:
-            return TensorAccumulationError(f"append of {needed - unread} frames would overwrite unread data "
+            return TensorAccumulationError(f"append of {needed - unread} {self.unit} would overwrite unread data "
                                            f"(capacity {cap}, unread {unread}) and growth is off",
                                            request_id=request_id, key=self.key)
         region = self.allocator.alloc(max(needed, 2 * cap))
         if region is None:
-            return OutputMemoryError(f"cannot grow to {needed} frames: pool budget of "
+            return OutputMemoryError(f"cannot grow to {needed} {self.unit}: pool budget of "
                                      f"{self.arena.numel() * self.arena.element_size()} bytes is spent",
                                      request_id=request_id, key=self.key)
         return region
@@ -718,7 +719,7 @@ class RingPool:
         for r in request_ids:
             drained = int(self._drained[self.slot_of(r)])
             if drained:
-                raise TensorConsolidationError(f"{drained} frames were already drained; cannot consolidate",
+                raise TensorConsolidationError(f"{drained} {self.unit} were already drained; cannot consolidate",
                                                request_id=r, key=self.key)
 
     def read_into(self, request_ids: Sequence[str], out: torch.Tensor, *, drain: bool,

@@ -57,9 +57,9 @@ def make_parser() -> FlexibleArgumentParser:
                                   "route: `serve --help=omni-speech`.")
     g.add_argument("--talker-device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="where the talker and the worker's rings run (auto: GPU if present)")
-    g.add_argument("--talker-threads", type=int, default=None,
+    g.add_argument("--talker-threads", type=_whole(1), default=None,
                    help="torch threads of a talker on the CPU (unset: half the cores, or OMP_NUM_THREADS)")
-    g.add_argument("--cadence", type=int, default=STREAM_CADENCE,
+    g.add_argument("--cadence", type=_whole(0), default=STREAM_CADENCE,
                    help="audio samples a streaming request receives at a time (its first chunk at once); "
                         "0: every engine step")
     g.add_argument("--output-path", default="worker", choices=("worker", "upstream"),
@@ -133,7 +133,8 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
         app = build_app(args, tasks, engine.model_config)
         limit = args.max_inflight if args.max_inflight is not None else config.scheduler_config.max_num_seqs
         speech.install(app, speech.SpeechLimits(max_inflight=limit, max_input_chars=args.max_input_chars,
-                                                retry_after_s=args.retry_after, stall_s=args.stall_timeout),
+                                                retry_after_s=args.retry_after, stall_s=args.stall_timeout,
+                                                request_id_headers=args.enable_request_id_headers),
                        shared_counts=getattr(args, "omni_speech_counts", None), api_server=(index, count))
         await init_app_state(engine, app.state, args, tasks)
         # the key vLLM's authentication takes (its --api-key wins over VLLM_API_KEY), if it asks for one
@@ -215,6 +216,12 @@ def main(argv: list[str]) -> None:
     if getattr(args, "headless", False) or (args.api_server_count is not None and args.api_server_count < 1):
         raise SystemExit("the speech server runs its engine with its API servers: --headless and an "
                          "--api-server-count below 1 (an engine alone) are not supported")
+    if getattr(args, "grpc", False):
+        raise SystemExit("the speech server serves HTTP (vLLM's OpenAI-compatible server); --grpc is not supported")
+    if getattr(args, "skip_tokenizer_init", False):
+        raise SystemExit("the speech route tokenizes its input text: --skip-tokenizer-init is not supported")
+    if (getattr(args, "data_parallel_size", 1) or 1) > 1:
+        raise SystemExit("the speech server serves one engine core: --data-parallel-size above 1 is not supported")
     if args.model_tag is not None:  # what `vllm serve MODEL` does
         args.model = args.model_tag
     elif args.model == parser.get_default("model"):  # (vLLM's default model is no talker; no hub is reached)

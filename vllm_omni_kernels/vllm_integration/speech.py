@@ -103,6 +103,7 @@ class SpeechLimits:
     max_input_chars: int = 4096
     retry_after_s: int = 1
     stall_s: float = 60.0  # a streamed response gives its request up when its client takes no bytes this long
+    request_id_headers: bool = False  # vLLM's --enable-request-id-headers: its middleware sets X-Request-Id
 
 
 class FirstAudio:
@@ -218,10 +219,16 @@ def samples_bytes(audio: torch.Tensor, sample_format: str) -> bytes:
 class SpeechStream:
     """One request's engine stream and the slot it holds in ``Admission``; ``close()`` (idempotent)
     aborts the engine request if it has not finished and releases the slot, whatever happened to
-    the HTTP response (a client gone before the body started included)."""
+    the HTTP response (a client gone before the body started included). ``app_state``: where vLLM's
+    ``--enable-server-load-tracking`` counts requests in flight (``/load``): this one from now
+    until ``close()``."""
 
-    def __init__(self, engine, admission: Admission, request_id: str, gen, sample_format: str, received: float):
+    def __init__(self, engine, admission: Admission, request_id: str, gen, sample_format: str, received: float,
+                 app_state=None):
         self.engine, self.admission, self.request_id, self.gen = engine, admission, request_id, gen
+        self._load = app_state if getattr(app_state, "enable_server_load_tracking", False) else None
+        if self._load is not None:
+            self._load.server_load_metrics = getattr(self._load, "server_load_metrics", 0) + 1
         self.sample_format = sample_format
         self.received = received  # time.time() when the handler started
         self.first_metrics = None  # vLLM's request metrics and the time, at the first output with audio
@@ -262,12 +269,14 @@ class SpeechStream:
             # a 503 (a retry can be served); after, a stream cut visibly.
             self.finished = self.failed = True
             self.turned_away = comp.finish_reason == "abort" and not self.first_at
+            await self._returned(out)
             what = "was aborted by the engine" if comp.finish_reason == "abort" else "failed in the engine"
             why = "" if comp.stop_reason is None else f": {comp.stop_reason}"
             raise SpeechFailedError(f"request {self.request_id} {what}{why}")
         payload = getattr(comp, "multimodal_output", None)
         audio = None if payload is None else payload.tensors.get("audio")
         self.finished = out.finished
+        await self._returned(out)
         self.output_tokens += len(comp.token_ids)
         if audio is None:
             return None, out.finished
@@ -275,6 +284,12 @@ class SpeechStream:
             self.first_at, self.first_metrics = time.time(), out.metrics
         self.samples += audio.numel()
         return (samples_bytes(audio, self.sample_format) if audio.numel() else None), out.finished
+
+    async def _returned(self, out) -> None:
+        """After the request's last output, let vLLM's ``generate`` return: left suspended, it is
+        closed later as if its client had gone, and vLLM logs the served request as aborted."""
+        if out.finished:
+            await anext(self.gen, None)
 
     @property
     def outcome(self) -> str:
@@ -294,6 +309,8 @@ class SpeechStream:
                 await self.engine.abort(self.request_id)
         finally:
             self.admission.release(outcome, self.samples / tk.SAMPLE_RATE)
+            if self._load is not None:
+                self._load.server_load_metrics -= 1
 
 
 class _ClientStalled(Exception):
@@ -404,8 +421,10 @@ def speech_frames(chars: int, speed: float) -> int:
     return math.ceil(chars * Fraction(str(FRAMES_PER_CHAR)) / Fraction(str(speed)))
 
 
-def _headers(request: SpeechRequest, request_id: str) -> dict[str, str]:
-    return {"X-Request-Id": request_id, "X-Audio-Format": request.response_format,
+def _headers(request: SpeechRequest, request_id: str, ids_by_vllm: bool) -> dict[str, str]:
+    """The response's headers: the audio's format, and the request's name unless vLLM's
+    ``--enable-request-id-headers`` middleware sets X-Request-Id (the client's, or one of its own)."""
+    return {**({} if ids_by_vllm else {"X-Request-Id": request_id}), "X-Audio-Format": request.response_format,
             "X-Audio-Sample-Rate": str(tk.SAMPLE_RATE), "X-Audio-Sample-Format": f"{request.sample_format}le",
             "X-Audio-Channels": "1"}
 
@@ -436,13 +455,16 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
     if not admission.try_acquire():
         return _unavailable(f"{admission.inflight} speech requests in flight, the most this server takes; "
                             "retry later", limits)
-    request_id = f"speech-{random_uuid()}"
+    # as vLLM's routes, named after the client's X-Request-Id when it sends one (and unique: an
+    # abort by this name must not reach another request that came with the same header)
+    client_id = raw_request.headers.get("X-Request-Id")
+    request_id = f"speech-{random_uuid()}" if client_id is None else f"speech-{client_id}-{random_uuid()[:8]}"
     kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
     # made for this request alone, so vLLM's engine need not deep-copy it (as its chat route does)
     params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False, skip_clone=True)
     stream = SpeechStream(engine, admission, request_id,
                           engine.generate(tokens_input(prompt), params, request_id=request_id),
-                          request.sample_format, received)
+                          request.sample_format, received, state)
     handed_over = False
     try:
         response = await _respond(stream, request, streamed, state.omni_speech_first_audio, limits, len(prompt))
@@ -480,7 +502,7 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
         if request.response_format == "wav":
             data = wav_header(tk.SAMPLE_RATE, float32=f32, data_bytes=len(data)) + data
         return _ClosingFileResponse(stream, data, media_type=MEDIA[request.response_format],
-                                    headers=_headers(request, stream.request_id))
+                                    headers=_headers(request, stream.request_id, limits.request_id_headers))
     first = b"".join(pieces)  # (at most one)
     if request.response_format == "wav":
         first = wav_header(tk.SAMPLE_RATE, float32=f32) + first
@@ -516,9 +538,10 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
 
     if request.stream_format == "sse":
         return _ClosingStreamingResponse(stream, sent(events()), limits.stall_s, media_type="text/event-stream",
-                                         headers={**_headers(request, stream.request_id), "Cache-Control": "no-cache"})
+                                         headers={**_headers(request, stream.request_id, limits.request_id_headers),
+                                                  "Cache-Control": "no-cache"})
     return _ClosingStreamingResponse(stream, sent(audio()), limits.stall_s, media_type=MEDIA[request.response_format],
-                                     headers=_headers(request, stream.request_id))
+                                     headers=_headers(request, stream.request_id, limits.request_id_headers))
 
 
 def _event(data: dict) -> bytes:
