@@ -145,18 +145,25 @@ def test_engines_made_from_vllms_own_config_serve_the_audio_and_generate_as_vllm
     unset, as vLLM's launchers build it): the engine runs this package's scheduler, so the audio
     arrives (vLLM's own scheduler would drop every sample, the request finishing normally).
     ``generate`` takes ``sampling_params`` by vLLM's name, or none, and returns whole results
-    whatever the output kind, as ``LLM.generate`` does (a DELTA request's too)."""
-    args = talker_engine_args(make_model_dir(tmp_path / "model"), max_num_seqs=4, disable_log_stats=True)
+    whatever the output kind, as ``LLM.generate`` does (a DELTA request's too, run CUMULATIVE: its
+    audio leaves the worker as it is made: 4 requests of 200 frames, 1.5 MB of audio each, go
+    through 4 MiB of output memory, which FINAL_ONLY would need to hold all of at once)."""
+    args = talker_engine_args(make_model_dir(tmp_path / "model"), max_num_seqs=4, disable_log_stats=True,
+                              additional_config={"omni": {"pool_budget_bytes": 4 << 20}})
     engine = OmniLLM.from_vllm_config(args.create_engine_config(UsageContext.ENGINE_CONTEXT))
+    prompts = [[5, 6, 7 + i] for i in range(4)]
     try:
-        delta = SamplingParams(max_tokens=9, output_kind=RequestOutputKind.DELTA, detokenize=False)
-        (out,) = engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), sampling_params=delta)
+        delta = SamplingParams(max_tokens=200, output_kind=RequestOutputKind.DELTA, detokenize=False)
+        outs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling_params=delta)
         (default,) = engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]))
     finally:
         engine.engine_core.shutdown()
     assert delta.output_kind == RequestOutputKind.DELTA  # the caller's parameters are left as they were
-    want = tk.rollout(tk.ToyTalker(0), [5, 6, 7], 9)
-    assert out.multimodal.tensors["codes"].equal(want) and out.multimodal.tensors["audio"].equal(tk.expected_audio(want))
+    for prompt, out in zip(prompts, outs, strict=True):
+        want = tk.rollout(tk.ToyTalker(0), prompt, 200)
+        assert out.outputs[0].finish_reason == "length", out.outputs[0].stop_reason
+        assert out.multimodal.tensors["codes"].equal(want)
+        assert out.multimodal.tensors["audio"].equal(tk.expected_audio(want))
     assert default.multimodal.tensors["codes"].shape[0] == SamplingParams().max_tokens
 
 

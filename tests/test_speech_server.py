@@ -475,7 +475,8 @@ def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audi
 def test_request_ids_load_and_request_logs_are_vllms(server):
     """With vLLM's ``--enable-request-id-headers`` a response carries one X-Request-Id, the client's
     (vLLM's middleware sets it; the engine request is named after it); ``--enable-server-load-tracking``
-    counts a speech stream on ``/load`` while it is in flight; ``--enable-log-requests`` logs a
+    counts a speech stream on ``/load`` while it is in flight, and a request whose client left
+    while the handler waited for its file once only; ``--enable-log-requests`` logs a
     served request as added and never as aborted (vLLM's generator, left suspended after the last
     output, was closed later as if the client had gone)."""
     url, text = server["url"], "Counted while it streams. " * 12
@@ -491,6 +492,13 @@ def test_request_ids_load_and_request_logs_are_vllms(server):
     assert data == expected(server, text).astype("<f4").tobytes()
     whole = httpx.post(f"{url}/v1/audio/speech", json={**body, "stream": False}, timeout=60)
     assert whole.status_code == 200 and len(whole.headers.get_list("x-request-id")) == 1
+    counted = idle(server)
+    with _posted(server, {"input": "a" * 2900, "response_format": "pcm", "stream": False}):
+        time.sleep(0.5)  # its client leaves while the handler waits for the whole file
+    for _ in range(100):
+        if stats(server)["inflight"] == counted["inflight"]:
+            break
+        time.sleep(0.1)
     time.sleep(1.0)
     assert during == before + 1 and httpx.get(f"{url}/load", timeout=30).json()["server_load"] == before
     lines = server["log"].read_text().splitlines()

@@ -268,9 +268,10 @@ class OmniLLM(LLMEngine):
         each: ValueError for another count; None: the model's defaults, as vLLM's ``LLM.generate``
         takes them) to completion on an idle engine (its own requests take every output ``step``
         returns: RuntimeError while others are in flight); returns each request's final output, in
-        order: its whole result, as vLLM's ``LLM.generate`` returns it (every request runs
-        FINAL_ONLY, whatever the output kind its parameters name). A prompt vLLM refuses raises,
-        and the requests added before it are aborted."""
+        order: its whole result, as vLLM's ``LLM.generate`` returns it (a DELTA request runs
+        CUMULATIVE: its data leaves the worker's output memory as it is made, where FINAL_ONLY would
+        hold all of it there until the end). A prompt vLLM refuses raises, and the requests added
+        before it are aborted."""
         if self.has_unfinished_requests():
             raise RuntimeError("generate() runs on an idle engine: requests added with add_request() are in flight "
                                "(step() returns their outputs)")
@@ -282,7 +283,7 @@ class OmniLLM(LLMEngine):
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        params = [p if p.output_kind == RequestOutputKind.FINAL_ONLY else _final_only(p) for p in params]
+        params = [_cumulative(p) if p.output_kind == RequestOutputKind.DELTA else p for p in params]
         ids = [f"generate-{random_uuid()}-{i}" for i in range(len(prompts))]
         added = 0
         try:
@@ -309,10 +310,10 @@ class OmniLLM(LLMEngine):
         return [final[rid] for rid in ids if rid in final]
 
 
-def _final_only(params: SamplingParams) -> SamplingParams:
-    """A copy of ``params`` with the FINAL_ONLY output kind (the caller's stays as it is)."""
+def _cumulative(params: SamplingParams) -> SamplingParams:
+    """A copy of ``params`` with the CUMULATIVE output kind (the caller's stays as it is)."""
     params = params.clone()
-    params.output_kind = RequestOutputKind.FINAL_ONLY
+    params.output_kind = RequestOutputKind.CUMULATIVE
     return params
 
 

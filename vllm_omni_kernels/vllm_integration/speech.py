@@ -219,16 +219,11 @@ def samples_bytes(audio: torch.Tensor, sample_format: str) -> bytes:
 class SpeechStream:
     """One request's engine stream and the slot it holds in ``Admission``; ``close()`` (idempotent)
     aborts the engine request if it has not finished and releases the slot, whatever happened to
-    the HTTP response (a client gone before the body started included). ``app_state``: where vLLM's
-    ``--enable-server-load-tracking`` counts requests in flight (``/load``): this one from now
-    until ``close()``."""
+    the HTTP response (a client gone before the body started included)."""
 
-    def __init__(self, engine, admission: Admission, request_id: str, gen, sample_format: str, received: float,
-                 app_state=None):
+    def __init__(self, engine, admission: Admission, request_id: str, gen, sample_format: str, received: float):
         self.engine, self.admission, self.request_id, self.gen = engine, admission, request_id, gen
-        self._load = app_state if getattr(app_state, "enable_server_load_tracking", False) else None
-        if self._load is not None:
-            self._load.server_load_metrics = getattr(self._load, "server_load_metrics", 0) + 1
+        self.load = None  # the app state whose server load counts this stream until it closes (create_speech)
         self.sample_format = sample_format
         self.received = received  # time.time() when the handler started
         self.first_metrics = None  # vLLM's request metrics and the time, at the first output with audio
@@ -309,8 +304,8 @@ class SpeechStream:
                 await self.engine.abort(self.request_id)
         finally:
             self.admission.release(outcome, self.samples / tk.SAMPLE_RATE)
-            if self._load is not None:
-                self._load.server_load_metrics -= 1
+            if self.load is not None:
+                self.load.server_load_metrics -= 1
 
 
 class _ClientStalled(Exception):
@@ -334,7 +329,7 @@ class _ClosingStreamingResponse(StreamingResponse):
 
     def __init__(self, stream: SpeechStream, body, stall_s: float, **kwargs):
         super().__init__(body, **kwargs)
-        self._stream = stream
+        self.stream = stream
         self._stall_s = stall_s
 
     async def __call__(self, scope, receive, send) -> None:
@@ -348,9 +343,9 @@ class _ClosingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send_unless_stalled)
         except _ClientStalled:  # (the HTTP server closes a connection whose response did not complete)
             logger.warning("speech stream %s: its client took no bytes for %g s; the request is aborted",
-                           self._stream.request_id, self._stall_s)
+                           self.stream.request_id, self._stall_s)
         finally:
-            await self._stream.close()
+            await self.stream.close()
 
 
 class _ClosingFileResponse(Response):
@@ -358,14 +353,14 @@ class _ClosingFileResponse(Response):
 
     def __init__(self, stream: SpeechStream, content: bytes, **kwargs):
         super().__init__(content, **kwargs)
-        self._stream = stream
+        self.stream = stream
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
-            self._stream.delivered = True
+            self.stream.delivered = True
         finally:
-            await self._stream.close()
+            await self.stream.close()
 
 
 def _error(message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
@@ -438,6 +433,31 @@ router = APIRouter()
                         HTTPStatus.SERVICE_UNAVAILABLE.value: {"model": ErrorResponse}})
 @with_cancellation
 async def create_speech(request: SpeechRequest, raw_request: Request):
+    """The route, counted in vLLM's server load (``--enable-server-load-tracking``, ``/load``) as
+    its ``load_aware_call`` counts its own routes: from the start until the response is sent (a
+    stream: until it closes, however it ends); a request whose client left while the handler ran is
+    counted off by vLLM's disconnect listener."""
+    state = raw_request.app.state
+    load = state if getattr(state, "enable_server_load_tracking", False) else None
+    if load is None:
+        return await _speech(request, raw_request)
+    load.server_load_metrics = getattr(load, "server_load_metrics", 0) + 1
+    response = None
+    try:
+        response = await _speech(request, raw_request)
+    except asyncio.CancelledError:  # its client left: vLLM's listener counted it off
+        load = None
+        raise
+    finally:
+        if load is not None:
+            if isinstance(response, (_ClosingStreamingResponse, _ClosingFileResponse)):
+                response.stream.load = load
+            else:
+                load.server_load_metrics -= 1
+    return response
+
+
+async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
     received = time.time()
     state = raw_request.app.state
     limits: SpeechLimits = state.omni_speech_limits
@@ -464,7 +484,7 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
     params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False, skip_clone=True)
     stream = SpeechStream(engine, admission, request_id,
                           engine.generate(tokens_input(prompt), params, request_id=request_id),
-                          request.sample_format, received, state)
+                          request.sample_format, received)
     handed_over = False
     try:
         response = await _respond(stream, request, streamed, state.omni_speech_first_audio, limits, len(prompt))
