@@ -351,6 +351,24 @@ def test_a_step_not_aligned_with_its_requests_appends_nothing(outputs, match):
     assert [pool.unread().sum() for pool in acc.pools] == [0, 0]
 
 
+def test_a_step_split_by_owner_gives_an_owner_of_empty_pieces_views_too():
+    """``PackedStep.split``: each owner's data back to back; an owner whose only request closes
+    with nothing unread gets empty pieces of its keys (its buffer empty, and viewable as any dtype)."""
+    acc = WorkerAccumulator([OutputKey("audio", S.CONCAT_LAST, torch.float32, (), cadence=0),
+                             OutputKey("codes", S.CONCAT_DIM0, torch.int16, (2,), cadence=None)], "cpu")
+    for rid in "ab":
+        acc.add_request(rid, EmitPolicy.DELTA)
+    acc.append(["a", "b"], {"audio": [torch.arange(3.0), torch.arange(2.0)],
+                            "codes": [torch.ones(1, 2, dtype=torch.int16), torch.ones(1, 2, dtype=torch.int16)]})
+    acc.collect()
+    acc.append(["a"], {"audio": [torch.arange(4.0) + 10], "codes": [torch.full((1, 2), 7, dtype=torch.int16)]})
+    shares = acc.collect(finishing=["b"]).split({"a": "x", "b": "y"})
+    assert shares["x"].tensors("a")["audio"].tolist() == [10.0, 11.0, 12.0, 13.0]
+    assert shares["x"].tensors("a")["codes"].tolist() == [[7, 7]] and shares["x"].final == set()
+    empty = shares["y"].tensors("b")
+    assert empty["audio"].shape == (0,) and empty["codes"].shape == (0, 2) and shares["y"].final == {"b"}
+
+
 def test_a_key_whose_frame_holds_no_element_is_refused():
     with pytest.raises(ValueError, match="holds no element"):
         WorkerAccumulator([OutputKey("empty", S.CONCAT_DIM0, torch.float32, (2, 0))], "cpu")

@@ -198,7 +198,7 @@ class PackedStep:
                 regions.setdefault(who, []).append(
                     replace(r, offset=start, request_ids=[r.request_ids[i] for i in rows_of], frames=counts))
                 sizes[who] = start + int(counts.sum()) * per
-        return {who: PackedStep(host=torch.from_numpy(np.concatenate(mine)), regions=regions[who],
+        return {who: PackedStep(host=_from_numpy(np.concatenate(mine)), regions=regions[who],
                                 final={rid for rid in self.final if owner.get(rid) == who})
                 for who, mine in parts.items()}
 
@@ -549,6 +549,12 @@ class WorkerAccumulator:
         return {"requests": len(self._row), "copies": self.copies, "failed": self.failed,
                 "pinned_allocations": self._host.allocations,
                 "pools": {p.key: vars(p.stats()) for p in self.pools}}
+
+
+def _from_numpy(data: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy`` of a 1-D uint8 array, of stride 1 when it is empty too (torch gives an
+    empty array's tensor stride 0, which no view as another dtype takes)."""
+    return torch.from_numpy(data) if len(data) else torch.empty(0, dtype=torch.uint8)
 
 
 def _aligned(nbytes: int) -> int:
