@@ -480,7 +480,9 @@ def test_request_ids_load_and_request_logs_are_vllms(server):
     served request as added and never as aborted (vLLM's generator, left suspended after the last
     output, was closed later as if the client had gone)."""
     url, text = server["url"], "Counted while it streams. " * 12
+    idle(server)
     before = httpx.get(f"{url}/load", timeout=30).json()["server_load"]
+    assert before == 0  # (the module's earlier tests: disconnects, stalls, failures, all counted off)
     body = {"input": text, "voice": "alloy", "response_format": "pcm", "sample_format": "f32", "stream": True}
     with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, headers={"X-Request-Id": "mine-1"},
                       timeout=60) as r:
