@@ -167,6 +167,16 @@ def test_engines_made_from_vllms_own_config_serve_the_audio_and_generate_as_vllm
     assert default.multimodal.tensors["codes"].shape[0] == SamplingParams().max_tokens
 
 
+@pytest.mark.parametrize("option, value", [("cadence", -1), ("pool_budget_bytes", 0), ("cpu_threads", 0),
+                                           ("rows", 0), ("cadence", 2.5), ("rows", True)])
+def test_the_talkers_options_out_of_range_are_refused_with_the_config(tmp_path, option, value):
+    """``additional_config['omni']`` is checked as the server's options are, when vLLM's config is
+    made (before any engine process starts), naming the option."""
+    args = talker_engine_args(make_model_dir(tmp_path / "model"), additional_config={"omni": {option: value}})
+    with pytest.raises(ValueError, match=f"'{option}'\\] must be a whole number"):
+        omni_vllm_config(args, UsageContext.ENGINE_CONTEXT)
+
+
 def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_prompt(tmp_path):
     """``OmniLLM.generate`` takes every output ``step`` returns: with a request of the caller's own
     in flight (id "0", which ``generate`` once used itself) it refuses to run; a prompt vLLM refuses

@@ -117,6 +117,11 @@ class WorkerOptions:
                              f"known: {sorted(cls.__dataclass_fields__)}")
         if opts.get("output_path", "worker") not in ("worker", "upstream"):
             raise ValueError(f"output_path must be 'worker' or 'upstream', got {opts['output_path']!r}")
+        for name, least in (("cadence", 0), ("pool_budget_bytes", 1), ("cpu_threads", 1), ("rows", 1)):
+            value = opts.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise ValueError(f"additional_config['omni']['{name}'] must be a whole number of at least {least}, "
+                                 f"got {value!r}")
         return cls(**opts)
 
     def torch_device(self) -> torch.device:
