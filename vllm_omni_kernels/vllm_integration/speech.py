@@ -257,6 +257,8 @@ class SpeechStream:
             self.turned_away = not self.first_at
             self.failed = not self.turned_away
             raise
+        if out.finished:  # let vLLM's generate return: left suspended, it would be closed later as if
+            await anext(self.gen, None)  # its client had gone, and vLLM would log a served request aborted
         comp = out.outputs[0]
         if comp.finish_reason in ("error", "abort"):
             # An abort here is the engine's own (its shutdown, a pause that aborts, ...): this route's
@@ -264,14 +266,12 @@ class SpeechStream:
             # a 503 (a retry can be served); after, a stream cut visibly.
             self.finished = self.failed = True
             self.turned_away = comp.finish_reason == "abort" and not self.first_at
-            await self._returned(out)
             what = "was aborted by the engine" if comp.finish_reason == "abort" else "failed in the engine"
             why = "" if comp.stop_reason is None else f": {comp.stop_reason}"
             raise SpeechFailedError(f"request {self.request_id} {what}{why}")
         payload = getattr(comp, "multimodal_output", None)
         audio = None if payload is None else payload.tensors.get("audio")
         self.finished = out.finished
-        await self._returned(out)
         self.output_tokens += len(comp.token_ids)
         if audio is None:
             return None, out.finished
@@ -279,12 +279,6 @@ class SpeechStream:
             self.first_at, self.first_metrics = time.time(), out.metrics
         self.samples += audio.numel()
         return (samples_bytes(audio, self.sample_format) if audio.numel() else None), out.finished
-
-    async def _returned(self, out) -> None:
-        """After the request's last output, let vLLM's ``generate`` return: left suspended, it is
-        closed later as if its client had gone, and vLLM logs the served request as aborted."""
-        if out.finished:
-            await anext(self.gen, None)
 
     @property
     def outcome(self) -> str:
@@ -517,12 +511,12 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
     except SpeechFailedError as exc:
         return _failed(exc, stream, limits)
     f32 = request.sample_format == "f32"
+    headers = _headers(request, stream.request_id, limits.request_id_headers)
     if not streamed:
         data = b"".join(pieces)
         if request.response_format == "wav":
             data = wav_header(tk.SAMPLE_RATE, float32=f32, data_bytes=len(data)) + data
-        return _ClosingFileResponse(stream, data, media_type=MEDIA[request.response_format],
-                                    headers=_headers(request, stream.request_id, limits.request_id_headers))
+        return _ClosingFileResponse(stream, data, media_type=MEDIA[request.response_format], headers=headers)
     first = b"".join(pieces)  # (at most one)
     if request.response_format == "wav":
         first = wav_header(tk.SAMPLE_RATE, float32=f32) + first
@@ -558,10 +552,9 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
 
     if request.stream_format == "sse":
         return _ClosingStreamingResponse(stream, sent(events()), limits.stall_s, media_type="text/event-stream",
-                                         headers={**_headers(request, stream.request_id, limits.request_id_headers),
-                                                  "Cache-Control": "no-cache"})
+                                         headers={**headers, "Cache-Control": "no-cache"})
     return _ClosingStreamingResponse(stream, sent(audio()), limits.stall_s, media_type=MEDIA[request.response_format],
-                                     headers=_headers(request, stream.request_id, limits.request_id_headers))
+                                     headers=headers)
 
 
 def _event(data: dict) -> bytes:
