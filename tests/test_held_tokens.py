@@ -20,7 +20,7 @@ def test_a_paced_stream_gets_every_token_in_order_with_its_data():
     got = {"a": [], "b": [], "text": []}
     due_at = {"a": {4, 8}, "b": {6}}  # steps at which the worker has data for them
     for step in range(10):
-        ecos = [eco("a", 100 + step), eco("b", 200 + step, events=[f"b{step}"] if step == 2 else None),
+        ecos = [eco("a", 100 + step), eco("b", 200 + step, events=[f"b{step}"] if step in (2, 6) else None),
                 eco("text", 300 + step)]
         if step == 9:
             ecos[0].finish_reason = ecos[1].finish_reason = FinishReason.LENGTH
@@ -32,7 +32,7 @@ def test_a_paced_stream_gets_every_token_in_order_with_its_data():
                                                 (8, [105, 106, 107, 108]), (9, [109])]
     assert [(s, t) for s, t, _ in got["b"]] == [(0, [200]), (6, [201, 202, 203, 204, 205, 206]),
                                                 (9, [207, 208, 209])]
-    assert got["b"][1][2] == ["b2"]  # its scheduling events travel with the tokens
+    assert got["b"][1][2] == ["b2", "b6"]  # its scheduling events travel with the tokens, in order
     assert [t for _, t, _ in got["text"]] == [[300 + s] for s in range(10)]  # not paced: every step
     assert not held.active and len(held) == 0
 
@@ -62,9 +62,19 @@ def test_every_field_of_vllms_output_is_either_holdable_or_checked():
     assert set(fields) - set(defaulted) <= HOLDABLE
     for name in set(defaulted) - HOLDABLE:
         out = eco("a", 1)
-        setattr(out, name, object())
+        setattr(out, name, 1 if name == "num_nans_in_logits" else object())
         assert not _holdable(out), name
     for name in set(defaulted) & HOLDABLE:
         out = eco("a", 1)
-        setattr(out, name, 1 if name == "num_nans_in_logits" else [object()])
+        setattr(out, name, [object()])
         assert _holdable(out), name
+
+
+def test_an_output_with_nans_in_its_logits_goes_at_once_and_vllm_counts_it():
+    """vLLM marks a request corrupted from the output that reports NaNs in its logits: that output
+    is not held (its count would be lost with the held output), and takes what was held."""
+    held = HeldTokens()
+    held.thin([eco("a", 1)], {"a"}, set())
+    assert held.thin([eco("a", 2)], {"a"}, set()) == []
+    (out,) = held.thin([eco("a", 3, num_nans_in_logits=2)], {"a"}, set())
+    assert out.new_token_ids == [2, 3] and out.num_nans_in_logits == 2 and len(held) == 0

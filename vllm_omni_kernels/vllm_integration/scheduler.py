@@ -245,16 +245,17 @@ class HeldTokens:
 def _holdable(eco) -> bool:
     """Whether ``eco`` is vLLM's ``EngineCoreOutput`` carrying nothing but what may be held
     (``HOLDABLE``); anything else (a finish, logprobs, pooling output, transfer parameters, prefill
-    statistics, an error...) sends it, with what was held before it."""
+    statistics, NaNs in its logits, an error...) sends it, with what was held before it."""
     return (type(eco) is EngineCoreOutput and eco.finish_reason is None and eco.stop_reason is None
             and eco.new_logprobs is None and eco.new_prompt_logprobs_tensors is None and eco.pooling_output is None
             and eco.kv_transfer_params is None and eco.ec_transfer_params is None and eco.prefill_stats is None
             and eco.routed_experts is None and eco.mm_cache_miss_hashes is None and eco.new_sampling_mask is None
-            and eco.spec_decode_metrics is None and eco.prompt_token_id_logprobs is None and eco.error is None)
+            and eco.spec_decode_metrics is None and eco.prompt_token_id_logprobs is None and eco.error is None
+            and not eco.num_nans_in_logits)
 
 
 # The fields of an output ``_holdable`` lets through: the rest are the ones it checks.
-HOLDABLE = frozenset({"request_id", "new_token_ids", "events", "trace_headers", "num_nans_in_logits"})
+HOLDABLE = frozenset({"request_id", "new_token_ids", "events", "trace_headers"})
 
 
 def _carried(plain: dict, errors: dict) -> tuple[dict, dict]:
