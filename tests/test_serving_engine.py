@@ -810,3 +810,31 @@ def test_a_step_resolved_after_its_row_passed_to_a_new_request_judges_its_token_
     worker._resolve(_StepOutput(worker, ["new"], np.array([0]), [], None, sampled=(["new"], row, np.array([1])),
                                 stops=(worker._eos[row], worker._has_stop_ids[row])), [token])
     assert worker.stats["stopped"] == 1
+
+
+def test_a_request_resumed_past_the_tokens_the_worker_keeps_fails_and_its_row_starts_clean(tmp_path):
+    """vLLM resumes a preempted request with the output tokens it kept. The worker samples again
+    (replays) up to ``_KEPT_TOKENS`` dropped tokens, the most it keeps; with more dropped the
+    request fails visibly (its audio cannot go on exactly). A request given the row afterwards
+    starts with no replay and no failure of the row's former owner."""
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm_omni_kernels.vllm_integration.worker import _KEPT_TOKENS, TalkerWorker
+    config = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4).create_engine_config()
+    worker = TalkerWorker(config)
+
+    def admit(rid):
+        worker._admit([NewRequestData(
+            req_id=rid, prompt_token_ids=[5, 6, 7], mm_features=[], pooling_params=None, block_ids=([],),
+            sampling_params=SamplingParams(max_tokens=40, output_kind=RequestOutputKind.DELTA, detokenize=False),
+            num_computed_tokens=0, lora_request=None)])
+        return worker._row[rid]
+
+    row, produced = admit("a"), 20
+    worker._produced[row] = produced
+    worker._resume("a", 3 + produced - _KEPT_TOKENS, produced - _KEPT_TOKENS)  # all it keeps: sampled again
+    assert worker._replay[row] == produced - _KEPT_TOKENS and "a" not in worker._discarded and "a" in worker.acc
+    worker._resume("a", 2 + produced - _KEPT_TOKENS, produced - _KEPT_TOKENS - 1)  # one more than it keeps
+    assert "discarded more than" in str(worker._discarded["a"]) and "a" not in worker.acc and worker._done[row]
+    del worker._row["a"]  # vLLM finishes it (what _update_requests does): the row is free again
+    worker._free_rows.append(row)
+    assert admit("b") == row and worker._replay[row] == -1 and not worker._done[row] and "b" in worker.acc

@@ -549,6 +549,30 @@ def test_worker_pieces_of_every_kind_and_a_frame_that_changes_fail_only_their_re
 
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_deliveries_joined_into_one_output_keep_every_key_whichever_brought_it(kind):
+    """An output that joins several deliveries (DELTA between vLLM's ``stream_interval`` outputs,
+    FINAL_ONLY at its finish) holds every key any of them brought, a key's pieces in order, though
+    the first delivery lacks the key (a step that had no codes due, or whose codes were left out)."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=False, stream_interval=2)
+    processor.add_request(core_request("r", [5, 6, 7], sampling(kind, max_tokens=4, detokenize=False)), None)
+    gen = torch.Generator().manual_seed(5)
+    audio = [torch.randn(1920, generator=gen) for _ in range(4)]
+    codes = {2: torch.randint(0, 9, (1, 8), generator=gen), 3: torch.randint(0, 9, (2, 8), generator=gen)}
+    got = {"audio": [], "codes": []}
+    for step in range(4):
+        delivered = {"audio": (-1, audio[step])} | ({"codes": (0, codes[step])} if step in codes else {})
+        res = processor.process_outputs([token_output("r", 7, finish=FinishReason.LENGTH if step == 3 else None,
+                                                      cls=OmniEngineCoreOutput, multimodal_delivered=delivered)])
+        for out in res.request_outputs:
+            payload = out.outputs[0].multimodal_output
+            if payload is not None:
+                for key in payload.tensors:
+                    got[key].append(payload.tensors[key].clone())
+    assert torch.equal(torch.cat(got["audio"]), torch.cat(audio))
+    assert torch.equal(torch.cat(got["codes"]), torch.cat([codes[2], codes[3]]))
+
+
 def test_two_worker_keys_that_alias_to_one_name_fail_their_request_and_lose_nothing_of_another():
     """With ``model_outputs`` an alias of ``audio``, a worker delivery that has both would keep one of
     them: that request fails visibly, naming the key, and a request whose delivery has one of them

@@ -178,12 +178,16 @@ def test_worker_data_travels_in_one_frame_and_arrives_as_views():
     ({"frames": [-1]}, "malformed"),
     ({"axis": 1}, "malformed"),  # pieces grow along 0 or -1 only
 ])
-def test_a_region_that_does_not_fit_fails_only_the_requests_it_names(change, message):
+@pytest.mark.parametrize("bad_first", [False, True])
+def test_a_region_that_does_not_fit_fails_only_the_requests_it_names(change, message, bad_first):
+    """Whichever place the bad region has in the message, the regions after it are delivered."""
     outs, audio, codes = packed_frame()
     codes_region = outs.multimodal_regions[1]
     codes_region.request_ids, codes_region.frames = ["a"], [3]  # codes of "a" only
     for name, value in change.items():
         setattr(codes_region, name, value)
+    if bad_first:
+        outs.multimodal_regions.reverse()
     got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs))
     bad, good = got.outputs[0], got.outputs[1]
     assert bad.multimodal_delivered is None and message in bad.multimodal_error.message
