@@ -5,6 +5,7 @@ Fixtures give each test the backends it should compare against the torch referen
 """
 
 import os
+import signal
 import zlib
 
 import torch
@@ -18,6 +19,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import pytest  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+# A test that hangs (a stream waiting for an output that never comes) fails after this many seconds,
+# with the traceback of where it waited, instead of holding CI until it is killed.
+TEST_LIMIT_S = int(os.environ.get("VOK_TEST_LIMIT_S", "300"))
 ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8]
 
 
@@ -26,6 +30,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+
+
+class RanTooLong(BaseException):
+    """Raised in a test that passed ``TEST_LIMIT_S`` (not an ``Exception``: the code under test
+    catches none of it on the way out, a ``TimeoutError`` of its own included)."""
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard():
+    def expired(signum, frame):
+        raise RanTooLong(f"the test ran past {TEST_LIMIT_S} s (VOK_TEST_LIMIT_S)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(TEST_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture
