@@ -721,7 +721,7 @@ def test_a_server_drains_its_streams_on_sigterm(tmp_path_factory, api_servers):
         speech_late, completion_late = late
         assert speech_late.status_code == 503 and speech_late.headers.get("retry-after"), speech_late.text
         assert completion_late.status_code == 503, completion_late.text  # (vLLM's answer: no Retry-After)
-        proc.wait(25)
+        assert proc.wait(25) == 0  # a clean stop (an engine that dies is status 1)
         assert time.time() - t0 < 25
         for text, data in zip(texts, got):
             want = expected(server, text)
@@ -880,3 +880,67 @@ def test_the_engines_own_abort_never_looks_like_a_complete_response(dev_server):
     again = httpx.post(url, json={**body, "input": "Resumed.", "stream": False}, headers=key, timeout=60)
     assert again.status_code == 200 and again.content == expected(server, "Resumed.").astype("<f4").tobytes()
     assert httpx.post(url, json={**body, "input": "No key."}, timeout=60).status_code == 401  # vLLM's own check
+
+
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_an_engine_core_that_dies_cuts_every_stream_and_the_server_exits(tmp_path_factory, api_servers):
+    """The engine core process dies (killed, as the kernel's OOM killer or a device fault would kill
+    it) while requests are in flight: every stream that had audio is cut (its chunked response ends
+    without the last chunk, so no client takes its audio for complete), a whole file waiting for its
+    audio is a 5xx, nothing hangs, and the server exits with status 1 (vLLM's API server stops once
+    its engine is dead, with status 0) instead of taking requests it can no longer serve."""
+    import psutil
+
+    long_text = "a" * 2500  # 200 s of audio: seconds of engine steps
+    with contextlib.contextmanager(running_server)(tmp_path_factory, "--api-server-count", api_servers) as server:
+        url, proc = f"{server['url']}/v1/audio/speech", server["proc"]
+        body = {"input": long_text, "response_format": "pcm", "sample_format": "f32", "stream": True}
+        got: dict[int, bytes] = {}
+        ends: dict[int, object] = {}
+        started = [threading.Event() for _ in range(2)]
+        voices = list(VOICES)[:2]
+
+        def stream(i: int) -> None:
+            data = b""
+            try:
+                with httpx.stream("POST", url, json={**body, "voice": voices[i]}, timeout=120) as r:
+                    ends[i] = r.status_code
+                    for chunk in r.iter_raw():
+                        data += chunk
+                        started[i].set()
+                ends[i] = "complete"
+            except httpx.HTTPError as exc:
+                ends[i] = exc
+            finally:
+                got[i] = data
+                started[i].set()
+
+        def whole() -> None:
+            try:
+                ends["whole"] = httpx.post(url, json={**body, "stream": False}, timeout=120).status_code
+            except httpx.HTTPError as exc:
+                ends["whole"] = exc
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)] + [threading.Thread(target=whole)]
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(60)
+        t0 = time.time()
+        while stats(server)["worker"]["requests_held"] < 3:  # the whole file is in the engine too (any process)
+            assert time.time() - t0 < 30
+            time.sleep(0.05)
+        cores = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "EngineCore" in " ".join([p.name(), *p.cmdline()])]
+        assert len(cores) == 1, cores
+        cores[0].kill()
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive()
+        proc.wait(60)  # the server goes once its engine is dead
+        for i in range(2):
+            want = expected(server, long_text, voices[i]).astype("<f4").tobytes()
+            assert isinstance(ends[i], httpx.RemoteProtocolError), ends[i]  # cut, not complete
+            assert 0 < len(got[i]) < len(want) and want.startswith(got[i])
+        assert isinstance(ends["whole"], httpx.HTTPError) or ends["whole"] >= 500, ends["whole"]
+        assert proc.returncode == 1  # not 0 as vLLM's: a process manager restarts it on failure

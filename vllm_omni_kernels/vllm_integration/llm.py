@@ -373,6 +373,7 @@ class OmniAsyncLLM(AsyncLLM):
             self.logger_manager.log_engine_initialized()
         self._client_count = client_count
         self._draining = False  # shutdown lets the requests in flight finish: new ones are refused
+        self.shutdown_requested = False  # shutdown was called (not an engine core that died on its own)
         self._adding = 0  # add_request calls past the refusal, not yet registered (shutdown waits for them)
         self.output_handler = None
         try:
@@ -416,6 +417,7 @@ class OmniAsyncLLM(AsyncLLM):
         vLLM's engine core drains only when the client that owns it shuts it down, and the others
         stop taking outputs at once, their streams hanging until vLLM's process manager kills them.
         On the serving loop, or with that loop stopped, it does not wait: nothing could finish."""
+        self.shutdown_requested = True
         handler = getattr(self, "output_handler", None)
         loop = handler.get_loop() if handler is not None and not handler.done() else None
         if timeout and loop is not None and loop.is_running() and _running_loop() is not loop:

@@ -153,12 +153,18 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
             ssl_ciphers=args.ssl_ciphers, h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
             h11_max_header_count=args.h11_max_header_count,
             peer_loads=None if loads is None else (loads, index), **kwargs)
+        # vLLM's watchdog stops the server once the engine is dead (not shut down: a SIGTERM's drain
+        # shuts it down before the server stops); vLLM then exits with status 0, which a process
+        # manager takes for a clean stop (Restart=on-failure would not restart it)
+        engine_died = engine.errored and not engine.shutdown_requested
     finally:
         engine.shutdown(timeout=config.shutdown_timeout)
     try:
         await shutdown
     finally:
         sock.close()
+    if engine_died:
+        raise SystemExit("the engine core died: the server stopped (exit status 1)")
 
 
 def api_server_process(listen_address: str, sock, args, client_config: dict) -> None:
