@@ -122,14 +122,15 @@ def test_payload_merge_is_torch_cat_for_pieces_of_other_dtypes_and_conjugate_vie
 @pytest.mark.parametrize("capacity", [0, 5, 10_000])
 def test_growing_tensor_equals_one_concatenation(dtype, capacity):
     """Every view of a ``GrowingTensor`` is the concatenation of the pieces so far, whatever the
-    capacity it was sized for (too small: it grows; too large: it is not filled) and whether numpy
-    copies the dtype or its bits (bfloat16); earlier views stay as they were."""
+    capacity it was sized for (too small: it grows, by more than twice for a piece longer than all
+    before it; too large: it is not filled) and whether numpy copies the dtype or its bits
+    (bfloat16); earlier views stay as they were."""
     gen = torch.Generator().manual_seed(1)
     for shape, axis in (((0,), 0), ((2, 0), -1), ((0, 3), 0), ((2, 0, 3), 1)):
         pieces = []
         for i in range(12):
             size = list(shape)
-            size[axis] = 1 + (i * 7) % 5
+            size[axis] = 1 + (i * 7) % 5 if i < 11 else 200
             pieces.append((torch.randn(size, generator=gen) * 100).to(dtype))
         grow = GrowingTensor(pieces[0], axis, capacity)
         views = [grow.view()]

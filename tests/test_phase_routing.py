@@ -173,6 +173,21 @@ def test_invalid_offsets_raise_before_any_hook(use_backend, backend, case):
     assert "meta" not in runner.model_intermediate_buffer.get("x", {})
 
 
+def test_gaps_between_decode_rows_are_refused_only_where_one_block_is_written():
+    """A batched decode run with a gap in its token offsets is one contiguous write without MTP
+    (refused, naming the request), but with MTP every row is written at its own offset (planned).
+    A row that schedules no token lies nowhere, whatever its offset."""
+    from vllm_omni_kernels.phase import RoutingPlan
+    decode = PhaseBatch.compute([3, 3], [3, 3], [1, 1], start=[0, 2])  # two decode rows, one token apart
+    with pytest.raises(PhaseRoutingError, match="gap") as err:
+        RoutingPlan.build(decode, ["a", "b"], num_tokens=3, batch_hook=True, mtp=False)
+    assert err.value.request_id == "b"
+    plan = RoutingPlan.build(decode, ["a", "b"], num_tokens=3, batch_hook=True, mtp=True)
+    assert plan.mtp_offsets.tolist() == [0, 2]
+    empty = PhaseBatch.compute([5, 3], [0, 3], [3, 0], start=[0, 1])  # no token: inside the other's span
+    RoutingPlan.build(empty, ["p", "q"], num_tokens=3, batch_hook=True, mtp=True)
+
+
 @pytest.mark.parametrize("mtp", [True, False])
 def test_a_request_on_two_rows_of_a_step_is_refused_before_any_hook(use_backend, mtp):
     """One request, two single-token decode rows: its phase metadata (one dict per request) and its

@@ -817,17 +817,11 @@ def test_a_request_resumed_past_the_tokens_the_worker_keeps_fails_and_its_row_st
     (replays) up to ``_KEPT_TOKENS`` dropped tokens, the most it keeps; with more dropped the
     request fails visibly (its audio cannot go on exactly). A request given the row afterwards
     starts with no replay and no failure of the row's former owner."""
-    from vllm.v1.core.sched.output import NewRequestData
-    from vllm_omni_kernels.vllm_integration.worker import _KEPT_TOKENS, TalkerWorker
-    config = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4).create_engine_config()
-    worker = TalkerWorker(config)
+    from vllm_omni_kernels.vllm_integration.worker import _KEPT_TOKENS
+    worker = _talker_worker(tmp_path)
 
     def admit(rid):
-        worker._admit([NewRequestData(
-            req_id=rid, prompt_token_ids=[5, 6, 7], mm_features=[], pooling_params=None, block_ids=([],),
-            sampling_params=SamplingParams(max_tokens=40, output_kind=RequestOutputKind.DELTA, detokenize=False),
-            num_computed_tokens=0, lora_request=None)])
-        return worker._row[rid]
+        return _admit(worker, rid)
 
     row, produced = admit("a"), 20
     worker._produced[row] = produced
@@ -838,3 +832,31 @@ def test_a_request_resumed_past_the_tokens_the_worker_keeps_fails_and_its_row_st
     del worker._row["a"]  # vLLM finishes it (what _update_requests does): the row is free again
     worker._free_rows.append(row)
     assert admit("b") == row and worker._replay[row] == -1 and not worker._done[row] and "b" in worker.acc
+
+
+def _talker_worker(tmp_path, **omni):
+    from vllm_omni_kernels.vllm_integration.worker import TalkerWorker
+    args = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4,
+                              additional_config={"omni": omni} if omni else None)
+    return TalkerWorker(args.create_engine_config())
+
+
+def _admit(worker, rid: str) -> int:
+    """The worker's admission of a new request as vLLM's scheduler hands it over; returns its row."""
+    from vllm.v1.core.sched.output import NewRequestData
+    worker._admit([NewRequestData(
+        req_id=rid, prompt_token_ids=[5, 6, 7], mm_features=[], pooling_params=None, block_ids=([],),
+        sampling_params=SamplingParams(max_tokens=40, output_kind=RequestOutputKind.DELTA, detokenize=False),
+        num_computed_tokens=0, lora_request=None)])
+    return worker._row[rid]
+
+
+def test_rows_made_for_more_requests_are_every_one_free_or_held(tmp_path):
+    """Out of rows, the worker makes twice as many: every row is then either held or free, once
+    (none lost, which would make it grow again sooner and sooner), and the rows held stay."""
+    worker = _talker_worker(tmp_path, rows=2)
+    rows = [_admit(worker, f"r{i}") for i in range(5)]  # 2 rows, then 4, then 8
+    assert worker.max_requests == 8 and rows[:2] == [worker._row["r0"], worker._row["r1"]]
+    held = set(worker._row.values())
+    assert len(held) == 5 and sorted(held | set(worker._free_rows)) == list(range(8))
+    assert len(worker._free_rows) == 3 and not held & set(worker._free_rows)
