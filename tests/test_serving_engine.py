@@ -819,11 +819,7 @@ def test_a_request_resumed_past_the_tokens_the_worker_keeps_fails_and_its_row_st
     starts with no replay and no failure of the row's former owner."""
     from vllm_omni_kernels.vllm_integration.worker import _KEPT_TOKENS
     worker = _talker_worker(tmp_path)
-
-    def admit(rid):
-        return _admit(worker, rid)
-
-    row, produced = admit("a"), 20
+    row, produced = _admit(worker, "a"), 20
     worker._produced[row] = produced
     worker._resume("a", 3 + produced - _KEPT_TOKENS, produced - _KEPT_TOKENS)  # all it keeps: sampled again
     assert worker._replay[row] == produced - _KEPT_TOKENS and "a" not in worker._discarded and "a" in worker.acc
@@ -831,7 +827,7 @@ def test_a_request_resumed_past_the_tokens_the_worker_keeps_fails_and_its_row_st
     assert "discarded more than" in str(worker._discarded["a"]) and "a" not in worker.acc and worker._done[row]
     del worker._row["a"]  # vLLM finishes it (what _update_requests does): the row is free again
     worker._free_rows.append(row)
-    assert admit("b") == row and worker._replay[row] == -1 and not worker._done[row] and "b" in worker.acc
+    assert _admit(worker, "b") == row and worker._replay[row] == -1 and not worker._done[row] and "b" in worker.acc
 
 
 def _talker_worker(tmp_path, **omni):
@@ -856,7 +852,7 @@ def test_rows_made_for_more_requests_are_every_one_free_or_held(tmp_path):
     (none lost, which would make it grow again sooner and sooner), and the rows held stay."""
     worker = _talker_worker(tmp_path, rows=2)
     rows = [_admit(worker, f"r{i}") for i in range(5)]  # 2 rows, then 4, then 8
-    assert worker.max_requests == 8 and rows[:2] == [worker._row["r0"], worker._row["r1"]]
+    assert worker.max_requests == 8 and rows == [worker._row[f"r{i}"] for i in range(5)]  # as admitted
     held = set(worker._row.values())
     assert len(held) == 5 and sorted(held | set(worker._free_rows)) == list(range(8))
     assert len(worker._free_rows) == 3 and not held & set(worker._free_rows)
