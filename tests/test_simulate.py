@@ -53,6 +53,9 @@ def test_wav_round_trip_and_streaming_header(tmp_path):
     assert len(wav_header(24000, float32=False)) == 44  # PCM: fmt of 16 bytes, no fact chunk
     streamed = wav_header(24000, float32=True) + x.tobytes()
     assert np.array_equal(read_wav(streamed)[0], x)
+    # a chunk after the samples (an editor's LIST) is not read as samples
+    tagged = (tmp_path / "x.wav").read_bytes() + b"LIST" + struct.pack("<I", 4) + b"INFO"
+    assert np.array_equal(read_wav(tagged)[0], x)
 
 
 def _chunks(raw: bytes) -> dict[bytes, bytes]:
@@ -139,6 +142,7 @@ def _result(kind: str = "delta", frames: int = 3, prompt=(5, 6, 7), **change):
 
 
 def _spoiled():
+    import torch
     from vllm_omni_kernels.serving import talker as tk
 
     def one_sample(a):
@@ -157,13 +161,17 @@ def _spoiled():
         "a cumulative output that is no prefix": ({"kind": "cumulative", "inconsistent": "output 2 does not start"},
                                                  "does not start"),
         "an aborted request's wrong prefix": ({"codes": other[:1], "aborted": True}, "not what its prompt says"),
+        "a frame of audio too many": ({"audio": lambda a: torch.cat([a, a[:tk.FRAME_SAMPLES]])}, "audio differs"),
+        "a token too many": ({"tokens": "one more"}, "3 frames and 4 tokens, expected 3"),
+        "a failure not the planned one": ({"bad": True, "error": "boom"}, "should have failed it"),
     }
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", [
     "one sample", "another prompt's codes and audio", "a frame short", "a token short", "finished otherwise",
-    "two whole files", "a cumulative output that is no prefix", "an aborted request's wrong prefix"])
+    "two whole files", "a cumulative output that is no prefix", "an aborted request's wrong prefix",
+    "a frame of audio too many", "a token too many", "a failure not the planned one"])
 def test_the_check_finds_what_is_lost_altered_or_anothers(case):
     """Each way a request's audio can go wrong fails the check, naming the request; an exact
     request passes, whole or aborted after its first frame."""
@@ -178,8 +186,14 @@ def test_the_check_finds_what_is_lost_altered_or_anothers(case):
         {"finished_exact": 3, "aborted_checked": 1, "failed_as_expected": 0}
     change, message = _spoiled()[case]
     kind = change.pop("kind", "delta")
+    tokens = (tk.rollout(talker, [5, 6, 7], 3)[:, 0] + tk.TEXT_VOCAB).tolist()
     if change.get("tokens", 0) is None:
-        change["tokens"] = (tk.rollout(talker, [5, 6, 7], 3)[:, 0] + tk.TEXT_VOCAB).tolist()[:2]
+        change["tokens"] = tokens[:2]
+    elif change.get("tokens") == "one more":
+        change["tokens"] = tokens + tokens[:1]
+    if change.pop("bad", False):  # planned with a malformed output: it must fail with the planned error
+        change["plan"] = _result(kind).plan
+        change["plan"].bad = True
     with pytest.raises(AssertionError, match=message):
         _check(good + [_result(kind, **change)], None, bad_error="dtype", talker=talker)
 
@@ -292,3 +306,67 @@ def test_an_aborted_cumulative_request_is_checked_as_its_last_output_came():
     right.aborted = True
     _settle(right)
     assert _check([right], None, bad_error="dtype", talker=talker)["aborted_checked"] == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("spoil, message", [("an earlier frame's codes changed", "does not start with the output"),
+                                            ("codes a frame behind its tokens", "1 frames of codes for its 2 tokens")])
+def test_a_cumulative_output_must_hold_the_one_before_and_the_codes_of_its_tokens(spoil, message):
+    """A CUMULATIVE output whose earlier codes differ from those the output before held (its audio
+    the same: only the codes tell), or that holds fewer frames of codes than the tokens it reports,
+    marks its request inconsistent, which the check then fails."""
+    pytest.importorskip("vllm")
+    import types
+
+    from vllm_omni_kernels.payload import MultimodalPayload
+    from vllm_omni_kernels.serving import talker as tk
+    from vllm_omni_kernels.vllm_integration.simulate import _Plan, _Result, _take
+
+    codes = tk.rollout(tk.ToyTalker(0), [5, 6, 7], 3)
+    audio = tk.expected_audio(codes)
+    F = tk.FRAME_SAMPLES
+    res = _Result(_Plan("req-c", [5, 6, 7], 3, "cumulative", False, False, 0.0))
+
+    def out(a, c, tokens):
+        comp = types.SimpleNamespace(finish_reason=None, stop_reason=None, token_ids=tokens,
+                                     multimodal_output=MultimodalPayload({"audio": a, "codes": c}))
+        return types.SimpleNamespace(outputs=[comp], finished=False)
+
+    tokens = (codes[:, 0] + tk.TEXT_VOCAB).tolist()
+    _take(res, out(audio[:F].clone(), codes[:1].clone(), tokens[:1]))
+    assert res.inconsistent is None
+    if spoil == "an earlier frame's codes changed":
+        later = codes[:2].clone()
+        later[0, 3] += 1  # (not codebook 0: the tokens stay right)
+        _take(res, out(audio[:2 * F].clone(), later, tokens[:2]))
+    else:
+        _take(res, out(audio[:F].clone(), codes[:1].clone(), tokens[:2]))
+    assert res.inconsistent is not None and message in res.inconsistent
+
+
+@pytest.mark.vllm
+def test_the_output_path_benchmark_checks_every_stream_and_its_check_can_fail():
+    """``profiling/bench_output_path.py`` at a toy size on the CPU, both paths: every stream that
+    finished was checked exact; its check fails a stream with one code changed."""
+    pytest.importorskip("vllm")
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiling"))
+    import bench_output_path as bop
+
+    from vllm_omni_kernels.serving import talker as tk
+
+    for path in ("worker", "upstream"):
+        r = bop.bench(path, 4, 4, 6, torch.device("cpu"), tk.STREAM_CADENCE)
+        assert r["checked_exact"] >= 4, r
+    s = bop._Stream("r", 0, bop.KINDS[0], 2)
+    s.sent = [torch.randint(0, tk.CODEBOOK_SIZE, (tk.CODEBOOKS,)) for _ in range(2)]
+    s.codes = [torch.stack(s.sent)]
+    s.audio = [tk.decode_frames(s.codes[0], torch.arange(2)).reshape(-1)]
+    bop._check(s)
+    s.codes[0][1, 5] += 1
+    with pytest.raises(AssertionError, match="frames arrived"):
+        bop._check(s)

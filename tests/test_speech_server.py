@@ -944,3 +944,34 @@ def test_an_engine_core_that_dies_cuts_every_stream_and_the_server_exits(tmp_pat
             assert 0 < len(got[i]) < len(want) and want.startswith(got[i])
         assert isinstance(ends["whole"], httpx.HTTPError) or ends["whole"] >= 500, ends["whole"]
         assert proc.returncode == 1  # not 0 as vLLM's: a process manager restarts it on failure
+
+
+def test_the_load_scripts_check_counts_what_is_lost_altered_or_extra_and_every_underrun(tmp_path):
+    """``profiling/load_speech.py``'s verdict, which its published figures rest on: a stream with
+    nothing after its 200 loses every sample, one sample more is extra, one bit is altered, and only
+    exact streams count as exact; a player started at the first byte runs dry at each chunk that
+    comes later than the audio before it lasts, the first gap included."""
+    sys.path.insert(0, str(ROOT / "profiling"))
+    import load_speech as ls
+    from transformers import AutoTokenizer
+
+    model = make_model_dir(tmp_path / "talker")
+    text = "Check the checker."
+    want = expected({"tokenizer": AutoTokenizer.from_pretrained(str(model))}, text)
+    streams = {name: ls.Stream(text, "alloy") for name in ("exact", "empty", "extra", "altered", "refused")}
+    for name, s in streams.items():
+        s.status = 503 if name == "refused" else 200
+        got = want.copy()
+        if name == "altered":
+            got[7] = np.nextafter(got[7], np.float32(2))
+        s.data = bytearray(b"" if name == "empty" else got.astype("<f4").tobytes() + (b"\0" * 4 if name == "extra" else b""))
+    ls.check(list(streams.values()), model)
+    assert ls.checked(list(streams.values())) == {"samples_lost": want.size, "samples_altered": 1, "samples_extra": 1,
+                                                 "streams_exact": 1}
+    chunk = 4 * tk.FRAME_SAMPLES  # 80 ms of float32 audio
+    s = streams["exact"]
+    s.t_first = 0.0
+    s.arrivals = [(0.0, chunk), (0.1, chunk), (0.11, chunk), (0.12, chunk)]  # dry from 80 ms to the second
+    assert ls.gaps(s) == (pytest.approx(0.1 / 0.08), 1)
+    s.arrivals.append((0.4, chunk))  # and from 320 ms on
+    assert ls.gaps(s) == (pytest.approx(0.28 / 0.08), 2)
