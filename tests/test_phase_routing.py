@@ -284,6 +284,20 @@ def test_scalar_mtp_inputs_of_another_size_name_their_request(use_backend, backe
     assert err.value.request_id == "a"
 
 
+def test_an_evicted_code_slot_never_belongs_to_a_request_of_the_step():
+    """With every code slot taken, a new request of the step evicts a request not in the step (``keep``:
+    the step's requests), never one the step still writes codes for."""
+    from vllm_omni_kernels.gather import DecodeGather
+    g = DecodeGather(hidden_size=4, dtype=torch.float32, device="cpu", max_rows=2, max_tokens=8, mtp=True)
+    live = {"a", "b", "c"}
+    g.code_slot("b", live)
+    g.code_slot("c", live)
+    evicted = []
+    step = ["b", "a"]
+    slots = [g.code_slot(r, live, keep=step, evict=lambda r, s: evicted.append(r)) for r in step]
+    assert len(set(slots)) == 2 and evicted == ["c"]
+
+
 def test_scalar_hook_wrong_embedding_rows_names_request():
     runner = FakeRunner(FakeTalker(H, torch.float32, batch_hook=False))
     runner.add_request("a", 4)
