@@ -394,10 +394,11 @@ def test_static_append_refuses_a_source_it_cannot_read_in_place(backend):
     with pytest.raises(ValueError, match="in place"):
         pool.static_append(["a", "b"], torch.zeros(6, 2).t(), [3, 3])
 
+
 def test_a_static_append_prepared_after_eager_appends_finds_the_room_they_took():
     """Eager appends between static launches take room of the slot: each prepare sees them (the
     pool's writes), grows the slot when the next launch would not fit, and nothing is overwritten."""
-    pool = RingPool("audio", torch.float32, (), "cpu", S.CONCAT_LAST, budget_bytes=1 << 16, initial_frames=8)
+    pool = make_pool()
     pool.alloc("a")
     src = torch.arange(3.0).view(1, 3) + 100
     sa = pool.static_append(["a"], src, [3])

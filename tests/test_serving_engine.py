@@ -797,9 +797,8 @@ def test_a_step_resolved_after_its_row_passed_to_a_new_request_judges_its_token_
     step resolves: the step's token is compared with the eos its own request had when the step ran,
     not with the new owner's, so the worker counts no stop that did not happen."""
     import numpy as np
-    from vllm_omni_kernels.vllm_integration.worker import TalkerWorker, _StepOutput
-    config = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4).create_engine_config()
-    worker = TalkerWorker(config)
+    from vllm_omni_kernels.vllm_integration.worker import _StepOutput
+    worker = _talker_worker(tmp_path)
     row, token = np.array([0]), tk.TEXT_VOCAB + 7
     worker._eos[0], worker._stoppable[0] = tk.TEXT_VOCAB + 9, True  # the row's request when its step runs
     step = _StepOutput(worker, ["old"], np.array([0]), [], None, sampled=(["old"], row, np.array([3])),

@@ -230,6 +230,20 @@ def test_in_process_final_only_finished_in_the_timer_step_is_not_checked_as_abor
     assert s["aborted_checked"] == 0 and s["finished_exact"] == 3, s
 
 
+def _output(audio, codes, tokens=None, finished=False):
+    """A request output as ``simulate._take`` reads it: one completion with the audio and codes
+    (``tokens``: its token ids, by default those of the codes)."""
+    import types
+
+    from vllm_omni_kernels.payload import MultimodalPayload
+    from vllm_omni_kernels.serving import talker as tk
+
+    comp = types.SimpleNamespace(finish_reason="length" if finished else None, stop_reason=None,
+                                 token_ids=(codes[:, 0] + tk.TEXT_VOCAB).tolist() if tokens is None else tokens,
+                                 multimodal_output=MultimodalPayload({"audio": audio, "codes": codes}))
+    return types.SimpleNamespace(outputs=[comp], finished=finished)
+
+
 @pytest.mark.vllm
 def test_a_cumulative_output_wrong_when_delivered_fails_even_when_its_storage_is_shared():
     """This package's CUMULATIVE outputs are views of one GrowingTensor (output_processor._so_far):
@@ -237,9 +251,7 @@ def test_a_cumulative_output_wrong_when_delivered_fails_even_when_its_storage_is
     frame (here frame 1, set right in place before the next output) fails the check: each output
     is compared with a copy of the one before, taken as it came."""
     pytest.importorskip("vllm")
-    import types
-
-    from vllm_omni_kernels.payload import GrowingTensor, MultimodalPayload
+    from vllm_omni_kernels.payload import GrowingTensor
     from vllm_omni_kernels.serving import talker as tk
     from vllm_omni_kernels.vllm_integration.simulate import _check, _Plan, _Result, _settle, _take
 
@@ -251,11 +263,7 @@ def test_a_cumulative_output_wrong_when_delivered_fails_even_when_its_storage_is
     ga, gc = GrowingTensor(audio[:F], 0, 3 * F), GrowingTensor(codes[:1], 0, 3)
 
     def out(finished):
-        payload = MultimodalPayload({"audio": ga.view(), "codes": gc.view()})
-        n = gc.view().shape[0]
-        comp = types.SimpleNamespace(finish_reason="length" if finished else None, stop_reason=None,
-                                     token_ids=(codes[:n, 0] + tk.TEXT_VOCAB).tolist(), multimodal_output=payload)
-        return types.SimpleNamespace(outputs=[comp], finished=finished)
+        return _output(ga.view(), gc.view(), finished=finished)
 
     _take(res, out(False))
     wrong = audio[F:2 * F].clone()
@@ -276,8 +284,6 @@ def test_an_aborted_cumulative_request_is_checked_as_its_last_output_came():
     sees of it, and is checked as it came, not as its storage holds it at the check (here frame 0
     is wrong when delivered and set right in place after the abort)."""
     pytest.importorskip("vllm")
-    import types
-
     from vllm_omni_kernels.payload import GrowingTensor, MultimodalPayload
     from vllm_omni_kernels.serving import talker as tk
     from vllm_omni_kernels.vllm_integration.simulate import _abort_now, _check, _Plan, _Result, _settle, _take
@@ -290,9 +296,7 @@ def test_an_aborted_cumulative_request_is_checked_as_its_last_output_came():
     wrong = audio[:F].clone()
     wrong[7] += 1.0
     ga, gc = GrowingTensor(wrong, 0, 3 * F), GrowingTensor(codes[:1], 0, 3)
-    comp = types.SimpleNamespace(finish_reason=None, stop_reason=None, token_ids=(codes[:1, 0] + tk.TEXT_VOCAB).tolist(),
-                                 multimodal_output=MultimodalPayload({"audio": ga.view(), "codes": gc.view()}))
-    out = types.SimpleNamespace(outputs=[comp], finished=False)
+    out = _output(ga.view(), gc.view())
     _take(res, out)  # the client gets frame 0 wrong here
     assert _abort_now(res, out)
     res.aborted = True
@@ -301,7 +305,7 @@ def test_an_aborted_cumulative_request_is_checked_as_its_last_output_came():
     with pytest.raises(AssertionError, match="audio differs"):
         _check([res], None, bad_error="dtype", talker=talker)
     right = _Result(_Plan("req-d", [5, 6, 7], 3, "cumulative", True, False, 0.0))
-    comp.multimodal_output = MultimodalPayload({"audio": audio[:F].clone(), "codes": codes[:1].clone()})
+    out.outputs[0].multimodal_output = MultimodalPayload({"audio": audio[:F].clone(), "codes": codes[:1].clone()})
     _take(right, out)
     right.aborted = True
     _settle(right)
@@ -316,9 +320,6 @@ def test_a_cumulative_output_must_hold_the_one_before_and_the_codes_of_its_token
     the same: only the codes tell), or that holds fewer frames of codes than the tokens it reports,
     marks its request inconsistent, which the check then fails."""
     pytest.importorskip("vllm")
-    import types
-
-    from vllm_omni_kernels.payload import MultimodalPayload
     from vllm_omni_kernels.serving import talker as tk
     from vllm_omni_kernels.vllm_integration.simulate import _Plan, _Result, _take
 
@@ -326,21 +327,15 @@ def test_a_cumulative_output_must_hold_the_one_before_and_the_codes_of_its_token
     audio = tk.expected_audio(codes)
     F = tk.FRAME_SAMPLES
     res = _Result(_Plan("req-c", [5, 6, 7], 3, "cumulative", False, False, 0.0))
-
-    def out(a, c, tokens):
-        comp = types.SimpleNamespace(finish_reason=None, stop_reason=None, token_ids=tokens,
-                                     multimodal_output=MultimodalPayload({"audio": a, "codes": c}))
-        return types.SimpleNamespace(outputs=[comp], finished=False)
-
     tokens = (codes[:, 0] + tk.TEXT_VOCAB).tolist()
-    _take(res, out(audio[:F].clone(), codes[:1].clone(), tokens[:1]))
+    _take(res, _output(audio[:F].clone(), codes[:1].clone(), tokens[:1]))
     assert res.inconsistent is None
     if spoil == "an earlier frame's codes changed":
         later = codes[:2].clone()
         later[0, 3] += 1  # (not codebook 0: the tokens stay right)
-        _take(res, out(audio[:2 * F].clone(), later, tokens[:2]))
+        _take(res, _output(audio[:2 * F].clone(), later, tokens[:2]))
     else:
-        _take(res, out(audio[:F].clone(), codes[:1].clone(), tokens[:2]))
+        _take(res, _output(audio[:F].clone(), codes[:1].clone(), tokens[:2]))
     assert res.inconsistent is not None and message in res.inconsistent
 
 
