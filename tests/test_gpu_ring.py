@@ -149,3 +149,23 @@ def test_ten_thousand_lifecycles_leave_the_pool_empty():
     assert pool.allocator.live_regions == 0
     with pytest.raises(TensorAccumulationError):
         pool.free("w0-0")
+
+
+def test_a_staging_buffer_is_handed_out_again_only_after_the_work_of_its_last_use_ran():
+    """``PinnedStaging.host`` reuses a buffer ``depth`` hand-outs later, and first waits for the work
+    queued with its last use: here each hand-out's work is a long sleep on the stream, and the
+    buffer about to be rewritten was read by the first of them."""
+    from vllm_omni_kernels.ring.staging import MIN_DEPTH, PinnedStaging
+
+    staging = PinnedStaging(1, 8, torch.device("cuda"), depth=MIN_DEPTH)
+    first_read = torch.cuda.Event()
+    for k in range(MIN_DEPTH):
+        i, _ = staging.host()
+        staging.read_in_place(i)
+        torch.cuda._sleep(10_000_000)  # the kernel that reads the buffer, still running long after
+        if k == 0:
+            first_read.record()
+    assert not first_read.query()  # the device is far behind the host
+    i, _ = staging.host()  # the first buffer again: its reader must have run
+    assert i == 0 and first_read.query()
+    torch.cuda.synchronize()

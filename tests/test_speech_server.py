@@ -20,6 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 pytest.importorskip("vllm")
@@ -975,3 +976,44 @@ def test_the_load_scripts_check_counts_what_is_lost_altered_or_extra_and_every_u
     assert ls.gaps(s) == (pytest.approx(0.1 / 0.08), 1)
     s.arrivals.append((0.4, chunk))  # and from 320 ms on
     assert ls.gaps(s) == (pytest.approx(0.28 / 0.08), 2)
+
+
+@pytest.mark.parametrize("after_audio", [False, True])
+def test_output_memory_running_out_turns_a_request_away_only_before_its_first_audio(after_audio):
+    """The output memory refusing a request (``OutputMemoryError``) before its first audio turns it
+    away (a 503: a retry can be served, and ``Admission`` counts it rejected). After audio went out
+    the stream is cut, and it counts as failed: the client got part of its audio, not a refusal."""
+    from vllm.outputs import RequestOutput
+
+    from vllm_omni_kernels.errors import OutputMemoryError
+    from vllm_omni_kernels.payload import MultimodalPayload
+    from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput
+    from vllm_omni_kernels.vllm_integration.speech import Admission, SpeechFailedError, SpeechStream
+
+    async def engine_outputs():
+        if after_audio:
+            audio = MultimodalPayload({"audio": torch.ones(tk.FRAME_SAMPLES)}, axes={"audio": -1})
+            completion = MultimodalCompletionOutput(0, "", [7], None, None, multimodal_output=audio)
+            yield RequestOutput("r", None, [1], None, [completion], finished=False)
+        raise OutputMemoryError("the audio ring's budget is spent", request_id="r", key="audio")
+
+    class Engine:  # what close() calls on a stream the engine has already let go: nothing
+        async def abort(self, request_id):
+            raise AssertionError("the engine let the request go; nothing is left to abort")
+
+    async def run():
+        admission = Admission(4)
+        assert admission.try_acquire()
+        stream = SpeechStream(Engine(), admission, "r", engine_outputs(), "f32", time.time())
+        got = []
+        with pytest.raises(SpeechFailedError, match="request r .*key 'audio'"):
+            while True:
+                piece, _ = await stream.next_audio()
+                got.append(piece)
+        await stream.close()
+        return got, stream, admission.counts()
+
+    got, stream, counts = asyncio.run(run())
+    assert stream.turned_away is not after_audio and stream.failed
+    assert stream.outcome == ("failed" if after_audio else "rejected")
+    assert counts[stream.outcome] == 1 and len(got) == after_audio
