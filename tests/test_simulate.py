@@ -14,6 +14,8 @@ from vllm_omni_kernels.serving.wav import pcm16, read_wav, wav_header, write_wav
 @pytest.mark.vllm
 def test_main_job_serves_both_paths_sample_exact(tmp_path, capsys):
     pytest.importorskip("vllm")
+    (tmp_path / "wav").mkdir()
+    (tmp_path / "wav" / "req-999_delta.wav").write_bytes(b"")  # an earlier run's: it must not pass for this one's
     rc = main(["simulate", "--requests", "24", "--concurrency", "8", "--max-frames", "10", "--device", "cpu",
                "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
@@ -82,6 +84,13 @@ def test_a_float_wav_has_the_chunks_a_non_pcm_file_needs(tmp_path):
     assert list(_chunks(wav_header(16000, float32=False, data_bytes=0))) == [b"fmt ", b"data"]
 
 
+def test_a_model_directory_that_cannot_be_written_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["make-model", str(tmp_path / "file" / "talker")])
+    assert exit_.value.code == 2 and "cannot write the model directory" in capsys.readouterr().err
+
+
 def test_info_reports_backends(capsys):
     assert main(["info"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -89,7 +98,7 @@ def test_info_reports_backends(capsys):
     assert info["versions"]["vllm-omni-kernels"] and info["versions"]["torch"]
 
 
-def test_output_kinds_and_paths_in_any_case_and_unknown_ones_are_usage_errors(capsys):
+def test_output_kinds_and_paths_in_any_case_and_unknown_ones_and_counts_out_of_range_are_usage_errors(capsys):
     pytest.importorskip("vllm")
     from vllm_omni_kernels.vllm_integration.simulate import SimConfig
 
@@ -98,7 +107,10 @@ def test_output_kinds_and_paths_in_any_case_and_unknown_ones_are_usage_errors(ca
     for argv, said in ((["--kinds", "delta,foo"], "unknown output kind 'foo'"), (["--paths", ","], "no path"),
                        (["--device", "gpu"], "device 'gpu'"), (["--clients", "0"], "clients 0"),
                        (["--clients", "2", "--in-process"], "1 with the engine core in process"),
-                       (["--clients", "9", "--concurrency", "8"], "more than the 8 requests in flight")):
+                       (["--clients", "9", "--concurrency", "8"], "more than the 8 requests in flight"),
+                       (["--requests", "0"], "requests 0: at least 1"), (["--concurrency", "0"], "concurrency 0"),
+                       (["--max-frames", "0"], "max_frames 0"), (["--arrival-ms", "-1"], "arrival_ms -1.0"),
+                       (["--bad-every", "-1"], "bad_every -1"), (["--cadence", "-1"], "cadence -1")):
         with pytest.raises(SystemExit) as exit_:
             main(["simulate", *argv])
         assert exit_.value.code == 2 and said in capsys.readouterr().err

@@ -24,9 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sim = sub.add_parser("simulate", help="stream TTS through a real vLLM engine: this package's output path and "
                                           "the upstream-style one, side by side")
-    sim.add_argument("--requests", type=int, default=96)
-    sim.add_argument("--concurrency", type=int, default=32)
-    sim.add_argument("--max-frames", type=int, default=40, help="longest request, in 80 ms codec frames")
+    sim.add_argument("--requests", type=int, default=96, help="requests per path (default: %(default)s)")
+    sim.add_argument("--concurrency", type=int, default=32, help="requests in flight at most (default: %(default)s)")
+    sim.add_argument("--max-frames", type=int, default=40,
+                     help="longest request, in 80 ms codec frames (default: %(default)s)")
     sim.add_argument("--arrival-ms", type=float, default=10.0,
                      help="mean gap between request arrivals (0: all at once, up to --concurrency)")
     sim.add_argument("--kinds", default="delta,cumulative,final_only", help="output kinds, taken in turn")
@@ -53,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="every n-th request ends on a token its talker emits half-way (stop_token_ids)")
     sim.add_argument("--priorities", type=int, default=0,
                      help="n: vLLM's priority scheduling; in each run of n requests, each outranks those before it")
-    sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--no-progress", action="store_true")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the talker's weights and the requests' plan")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     sub.add_parser("serve", help="the speech server (python -m vllm_omni_kernels serve MODEL_DIR --help)")
     mk = sub.add_parser("make-model", help="write the talker's model directory (config, tokenizer; seeded)")
     mk.add_argument("path")
@@ -80,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "make-model":
         from .vllm_integration.talker_model import make_model_dir
 
-        print(make_model_dir(args.path, seed=args.seed))
+        try:
+            print(make_model_dir(args.path, seed=args.seed))
+        except OSError as exc:
+            mk.error(f"cannot write the model directory {args.path}: {exc.strerror or exc}")
         return 0
 
     # vLLM's own platform: the talker's executor puts the model and the rings on --device itself.
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                         paths=_names(args.paths), out_dir=args.out, seed=args.seed, progress=not args.no_progress,
                         write_wavs=not args.no_wavs, bad_every=args.bad_every, stop_every=args.stop_every,
                         priorities=args.priorities)
-    except ValueError as exc:  # a usage error: --kinds, --paths, --device or --clients
+    except ValueError as exc:  # a usage error: a count out of range, --kinds, --paths, --device or --clients
         sim.error(str(exc))
     summary = run(cfg)
     for path, s in summary["paths"].items():
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, ratio in summary.get("ratios", {}).items():
         if ratio is not None:
             print(f"upstream-style / this package, {key}: {ratio:.3g}x")
-    wavs = "" if args.no_wavs else f", WAVs in {Path(args.out) / 'wav'}"
+    wavs = "" if args.no_wavs or "worker" not in summary["paths"] else f", WAVs in {Path(args.out) / 'wav'}"
     print(f"summary.json and simulate.png in {args.out}{wavs}")
     ok = all(s["finished_exact"] + s["aborted_checked"] + s["failed_as_expected"] == s["requests"]
              and s["slots_held_after"] == 0 for s in summary["paths"].values())

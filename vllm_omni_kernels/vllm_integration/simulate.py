@@ -113,6 +113,10 @@ class SimConfig:
             if unknown or not names:
                 got = f"unknown {what} {unknown[0]!r}" if unknown else f"no {what} given"
                 raise ValueError(f"{got} (one or more of {', '.join(known)})")
+        for name, least in (("requests", 1), ("concurrency", 1), ("max_frames", 1), ("cadence", 0),
+                            ("bad_every", 0), ("stop_every", 0), ("priorities", 0), ("arrival_ms", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} {getattr(self, name)}: at least {least}")
         if self.clients < 1 or self.clients > 1 and self.in_process:
             raise ValueError(f"clients {self.clients}: at least 1, and 1 with the engine core in process")
         if self.clients > self.concurrency:
@@ -194,6 +198,8 @@ def run(cfg: SimConfig) -> dict:
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("wav/*.wav"):  # this run's WAVs alone: an earlier run's would pass for this one's
+        old.unlink()
     model = make_model_dir(out / "model", seed=cfg.seed)
     plans = _plans(cfg)
     summary: dict = {"config": dataclasses.asdict(cfg), "paths": {}}

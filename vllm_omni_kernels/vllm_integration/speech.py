@@ -338,6 +338,8 @@ class _ClosingStreamingResponse(StreamingResponse):
         except _ClientStalled:  # (the HTTP server closes a connection whose response did not complete)
             logger.warning("speech stream %s: its client took no bytes for %g s; the request is aborted",
                            self.stream.request_id, self._stall_s)
+        except SpeechFailedError:  # logged by the body: the response is left incomplete, and the HTTP
+            pass  # server closes the connection without the last chunk (raised on, it would log the route's frames)
         finally:
             await self.stream.close()
 
@@ -530,9 +532,8 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
         while not done:
             try:
                 piece, done = await stream.next_audio()
-            except SpeechFailedError:
-                logger.exception("speech stream %s failed after its first audio; the response is cut",
-                                 stream.request_id)
+            except SpeechFailedError as exc:  # (its message says why; the response closes the stream)
+                logger.error("%s after %d samples of audio; the response is cut", exc, stream.samples)
                 raise
             if piece:
                 yield piece
