@@ -835,3 +835,97 @@ def test_a_failed_request_is_named_by_the_id_its_caller_gave():
     (out,) = res.request_outputs
     assert out.request_id == "yours" and out.outputs[0].finish_reason == "error"
     assert "'yours'" in out.outputs[0].stop_reason and "yours-3c4d" not in out.outputs[0].stop_reason
+
+
+def test_the_last_sample_of_n_failing_mid_stream_finishes_its_request():
+    """n = 2 under ``LLMEngine``: sample 1 finished, then sample 0 fails mid-stream (the worker's
+    region did not fit; vLLM's output of that step is not a final one). That output ends the request:
+    it says finished and sample 0's error, and nothing is left unfinished (the request would
+    otherwise never end, and ``generate`` would return without it)."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    kids = _samples_of(processor, RequestOutputKind.DELTA)
+    audio = torch.arange(4.0)
+    processor.process_outputs([token_output(c, 5, cls=OmniEngineCoreOutput, multimodal_delivered={"audio": (-1, audio)})
+                               for c in kids])
+    done = processor.process_outputs([token_output(kids[1], 6, finish=FinishReason.LENGTH, cls=OmniEngineCoreOutput,
+                                                   multimodal_delivered={"audio": (-1, audio)})])
+    assert not done.request_outputs[0].finished  # sample 0 streams on
+    failed = processor.process_outputs([token_output(kids[0], 6, cls=OmniEngineCoreOutput,
+                                                     multimodal_error=MultimodalError("region does not fit"))])
+    (out,) = failed.request_outputs
+    assert out.finished and [(c.index, c.finish_reason) for c in out.outputs] == [(0, "error")]
+    assert failed.reqs_to_abort == [kids[0]] and not processor.has_unfinished_requests()
+
+
+def test_a_failure_marks_the_output_of_its_own_request_among_requests_of_one_external_id():
+    """vLLM runs two requests the caller named alike ("job") under internal ids of their own: one
+    failing marks its own output, not the other's, which streams on with its audio."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    for internal in ("job-aaaa", "job-bbbb"):
+        req = core_request(internal, [3], sampling(RequestOutputKind.DELTA, max_tokens=4, detokenize=False))
+        req.external_req_id = "job"
+        processor.add_request(req, None)
+    res = processor.process_outputs([
+        token_output("job-aaaa", 5, cls=OmniEngineCoreOutput, multimodal_delivered={"audio": (0, torch.ones(2))}),
+        token_output("job-bbbb", 5, cls=OmniEngineCoreOutput, multimodal_error=MultimodalError("region does not fit"))])
+    healthy, failed = res.request_outputs
+    assert (healthy.finished, healthy.outputs[0].finish_reason) == (False, None)
+    assert torch.equal(healthy.outputs[0].multimodal_output.tensors["audio"], torch.ones(2))
+    assert (failed.finished, failed.outputs[0].finish_reason) == (True, "error")
+    assert list(processor.request_states) == ["job-aaaa"] and res.reqs_to_abort == ["job-bbbb"]
+
+
+def test_a_request_the_frontend_fails_counts_in_vllms_statistics_as_finished_with_an_error():
+    """vLLM's statistics (request success by finish reason, the latency histograms) count a request
+    this package fails as finished with an error, as they count one vLLM ends itself."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=True, output_modality="audio")
+    for rid in ("bad", "ok"):
+        processor.add_request(core_request(rid, [5, 6, 7], sampling(RequestOutputKind.DELTA, max_tokens=4,
+                                                                    detokenize=False)), None)
+    piece = {"multimodal_delivered": {"audio": (0, torch.ones(2))}}
+    processor.process_outputs([token_output(rid, 7, cls=OmniEngineCoreOutput, **piece) for rid in ("bad", "ok")],
+                              engine_core_timestamp=0.0, iteration_stats=IterationStats())
+    stats = IterationStats()
+    processor.process_outputs([
+        token_output("ok", 7, finish=FinishReason.LENGTH, cls=OmniEngineCoreOutput, **piece),
+        token_output("bad", 8, cls=OmniEngineCoreOutput, multimodal_error=MultimodalError("region does not fit"))],
+        engine_core_timestamp=1.0, iteration_stats=stats)
+    assert sorted(f.finish_reason for f in stats.finished_requests) == [FinishReason.LENGTH, FinishReason.ERROR]
+    assert not processor.request_states
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_streamed_inputs_chunk_ending_keeps_the_requests_output_going(kind):
+    """A request whose input streams in (vLLM's resumable requests) ends each input chunk with a
+    finish reason but goes on: its per-step values after the chunk's end are kept like those before
+    it (DELTA each once, CUMULATIVE everything so far)."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    queue = RequestOutputCollector(kind, "s")
+    req = core_request("s", [3, 4], sampling(kind, max_tokens=6, detokenize=False))
+    req.resumable = True
+    processor.add_request(req, None, None, 0, queue)
+    got = []
+    for token, value, finish in ((5, 1.0, None), (6, 2.0, FinishReason.STOP), (7, 3.0, None), (8, 4.0, None)):
+        processor.process_outputs([OmniEngineCoreOutput(request_id="s", new_token_ids=[token], finish_reason=finish,
+                                                        multimodal_output={"audio": torch.full((3,), value)})])
+        got.append(queue.get_nowait().outputs[0].multimodal_output.tensors["audio"])
+    values = [torch.full((3,), v) for v in (1.0, 2.0, 3.0, 4.0)]
+    want = values if kind == RequestOutputKind.DELTA else [torch.cat(values[:i + 1]) for i in range(4)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and processor.accumulation_errors == 0
+
+
+def test_a_pooling_output_whose_multimodal_output_fails_carries_the_error():
+    """A request with pooling params ends with its pooling output, which carries the payload; when
+    that payload cannot be made (the request's drained span cannot be consolidated), the pooling
+    output says so in vLLM's ``error`` field instead of arriving as a success without its data."""
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    params = PoolingParams(task="embed")
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    p.add_request(core_request("m", [3, 4], params), None)
+    p.process_outputs([OmniEngineCoreOutput(request_id="m", new_token_ids=[], multimodal_output={"audio": torch.ones(8)})])
+    p.request_states["m"].accumulator.pools()[0].drain(["m"])  # a drained span can no longer be consolidated
+    res = p.process_outputs([OmniEngineCoreOutput(request_id="m", new_token_ids=[], pooling_output=torch.arange(4.0),
+                                                  finish_reason=FinishReason.STOP)])
+    (out,) = res.request_outputs
+    assert isinstance(out, PoolingRequestOutput) and out.finished and out.outputs.multimodal_output is None
+    assert out.error is not None and "'m'" in out.error.message and p.consolidation_errors == 1

@@ -24,7 +24,8 @@ untouched. Output for a request that finished or was aborted (an abort races the
 is only counted (``late_outputs``). A ``TensorConsolidationError``, or the worker's failure of the
 request (``multimodal_error``), fails that request visibly: its generate() call raises it (AsyncLLM),
 or its final ``RequestOutput`` (LLMEngine) has finish reason ``"error"`` and the error in
-``stop_reason``; the engine core is asked to abort it. Anything else propagates.
+``stop_reason`` (a ``PoolingRequestOutput``: in ``error``); the engine core is asked to abort it. vLLM's
+statistics count it finished with an error. Anything else propagates.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from vllm.exceptions import GenerationError, RetryableRequestError
-from vllm.outputs import RequestOutput
+from vllm.outputs import PoolingRequestOutput, RequestError
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
@@ -111,6 +113,8 @@ class OmniRequestState(RequestState):
     #                         everything so far concatenated from a list at each output
     multimodal: bool = False  # the processor's output modality has multimodal output: every completion
     #                           output is a MultimodalCompletionOutput (multimodal_output None until data)
+    made: weakref.ref | None = None  # the output this state made last: the one a failure marks (by
+    #                                  identity: several requests may share an external id)
 
     def add_multimodal_tensor(self, payload: Mapping[str, Any] | None) -> list[TensorAccumulationError]:
         """Accumulate one step's ``{key: value}`` for this request (the per-request form of what the
@@ -244,7 +248,9 @@ class OmniRequestState(RequestState):
             if self.cumulative_sent and tokens - self.cumulative_sent < self.stream_interval:
                 return None
             self.cumulative_sent = tokens
-        return super().make_request_output(new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs)
+        out = super().make_request_output(new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs)
+        self.made = None if out is None else weakref.ref(out)
+        return out
 
     def _new_request_output(self, *args, **kwargs):
         """vLLM's output of the request as a ``MultimodalRequestOutput`` (the same fields; when
@@ -259,7 +265,9 @@ class OmniRequestState(RequestState):
         if self.accumulator is None and self.arrived is None and not self.multimodal:
             return base
         out = recast(base, MultimodalCompletionOutput)
-        out.multimodal_output, exc = self._payload_or_failure(finish_reason is not None)
+        # (the end of a streamed input's chunk says why the chunk ended; the request goes on)
+        chunk_ends = self.streaming_input and finish_reason not in (FinishReason.ABORT, FinishReason.ERROR)
+        out.multimodal_output, exc = self._payload_or_failure(finish_reason is not None and not chunk_ends)
         if exc is not None:  # the completion says so, so that vLLM's ParentRequest counts a sample of n as finished
             out.finish_reason = str(FinishReason.ERROR)
             out.stop_reason = str(_raised_by_generate(exc, self.external_req_id))
@@ -329,7 +337,7 @@ class MultimodalOutputProcessor(OutputProcessor):
         with self.stopwatch, nvtx_range("frontend.multimodal"):
             self._accumulate(engine_core_outputs)
         result = super().process_outputs(engine_core_outputs, engine_core_timestamp, iteration_stats, weight_version)
-        self._fail_visibly(result)
+        self._fail_visibly(result, iteration_stats)
         return result
 
     def _update_stats_from_output(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats):
@@ -472,9 +480,10 @@ class MultimodalOutputProcessor(OutputProcessor):
             if len(self.first_data_at) > _GONE_KEPT:
                 self.first_data_at.popitem(last=False)
 
-    def _fail_visibly(self, result: OutputProcessorOutput) -> None:
+    def _fail_visibly(self, result: OutputProcessorOutput, iteration_stats=None) -> None:
         """Requests whose output failed in this step (a consolidation here, or the worker's
-        accumulation): fail them through vLLM's error paths."""
+        accumulation): fail them through vLLM's error paths, and count them finished with an error
+        in vLLM's statistics."""
         failures, self._failures[:] = list(self._failures), []
         for state, exc in failures:
             if isinstance(exc, TensorConsolidationError):
@@ -485,8 +494,8 @@ class MultimodalOutputProcessor(OutputProcessor):
             if state.queue is not None:
                 # AsyncLLM: the request's generate() raises it
                 state.queue.put(raised)
-            outs = [out for out in result.request_outputs
-                    if isinstance(out, RequestOutput) and out.request_id == state.external_req_id]
+            last = state.made() if state.made is not None else None
+            outs = [out for out in result.request_outputs if out is last]
             if state.queue is None and not outs and state.request_id in self.request_states:
                 # LLMEngine, a step without the request's output (vLLM thinned it): its final one
                 made = state.make_request_output([], None, FinishReason.ERROR, str(raised))
@@ -494,15 +503,21 @@ class MultimodalOutputProcessor(OutputProcessor):
                     result.request_outputs.append(made)
                     outs.append(made)
             for out in outs:  # LLMEngine: the output says so
+                if isinstance(out, PoolingRequestOutput):  # (its field for a request-level error)
+                    out.error = RequestError("multimodal_output_error", str(raised),
+                                             retryable=isinstance(raised, RetryableRequestError))
+                    continue
                 for completion in out.outputs:  # of a sample of n, its own completion (vLLM's parent does the rest)
                     if state.parent_req is None or completion.index == state.request_index:
                         completion.finish_reason = str(FinishReason.ERROR)
                         completion.stop_reason = str(raised)
-                if state.parent_req is None:
-                    out.finished = True
-            if state.request_id in self.request_states:
+            if state.request_id in self.request_states:  # (else vLLM finished it in this step)
                 self._finish_request(state)
                 result.reqs_to_abort.append(state.request_id)
+                self._update_stats_from_finished(state, FinishReason.ERROR, iteration_stats)
+            if state.parent_req is None or not state.parent_req.child_requests:  # its last sample, of n
+                for out in outs:
+                    out.finished = True
 
     # ------------------------------------------------------------------ lifecycle
 
