@@ -18,15 +18,17 @@ pytest.importorskip("vllm")
 from vllm.outputs import PoolingRequestOutput  # noqa: E402
 from vllm.pooling_params import PoolingParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
 
 from vllm_env import core_request, sampling, sched_request, scheduler, tokenizer, word_ids  # noqa: E402
+from vllm_omni_kernels.errors import TensorAccumulationError  # noqa: E402
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder  # noqa: E402
 from vllm_omni_kernels.vllm_integration.output_processor import MultimodalOutputProcessor  # noqa: E402
 from vllm_omni_kernels.vllm_integration.outputs import (  # noqa: E402
     MultimodalCompletionOutput, MultimodalPoolingOutput, OmniModelRunnerOutput, OmniRequestOutput)
-from vllm_omni_kernels.vllm_integration.scheduler import OmniScheduler  # noqa: E402
+from vllm_omni_kernels.vllm_integration.scheduler import OmniAsyncScheduler, OmniScheduler  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TOK = tokenizer()
@@ -418,3 +420,44 @@ def test_an_aborted_paced_request_leaves_no_held_tokens(tmp_path):
     assert len(sched.held) == 1
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert len(sched.held) == 0 and not sched.held.active
+
+
+@pytest.mark.parametrize("cls", [OmniScheduler, OmniAsyncScheduler], ids=["sync", "async"])
+def test_data_on_an_output_the_channel_makes_takes_the_tokens_held_for_it(tmp_path, cls):
+    """vLLM drops a step's token output when its running requests are reset (``reset_prefix_cache``
+    with ``reset_running_requests``, as its pause and sleep do); the worker's data of that step goes
+    on an output of its own, which takes the tokens held for that data, so none stay behind it."""
+    sched = scheduler(cls, tmp_path, max_num_seqs=4)
+    sched.add_request(sched_request("a", [5, 6, 7], sampling(max_tokens=20, detokenize=False)))
+    _channel_step(sched, {"a": [40]}, opened=["a"])
+    for token in (41, 42):
+        assert "a" not in _received(_channel_step(sched, {"a": [token]}))  # held for their data
+    so = sched.schedule()
+    sched.reset_prefix_cache(reset_running_requests=True)
+    ids = list(so.num_scheduled_tokens)
+    out = OmniModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[[43] for _ in ids], packed=_packed(torch.arange(3.0), "a"))
+    (eco,), pieces = _received(sched.update_from_output(so, out))["a"]
+    assert eco.new_token_ids == [41, 42] and torch.equal(pieces[0], torch.arange(3.0)) and len(sched.held) == 0
+
+
+def test_finish_outputs_the_channel_makes_carry_the_requests_trace_headers(tmp_path):
+    """vLLM's frontend reads a request's trace context from its finishing output: the finish that
+    waited for the worker's rest, and the error output of a request the worker failed in a step
+    that gave it no output, carry the request's trace headers as vLLM's own outputs do."""
+    trace = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    stop = 42
+    for rid in ("a", "b"):
+        request = sched_request(rid, [5, 6, 7], sampling(max_tokens=8, stop_token_ids=[stop], detokenize=False))
+        request.trace_headers = trace
+        sched.add_request(request)
+    _channel_step(sched, {"a": [40], "b": [40]}, opened=["a", "b"])
+    _channel_step(sched, {"a": [stop], "b": [41]}, _packed(torch.arange(2.0), "a"))  # "a" stops with data
+    assert "b" not in _received(_channel_step(sched, {"b": [42]}))  # (its token is held)
+    got = _received(_channel_step(sched, {}, _packed(torch.arange(2.0, 4.0), "a", final={"a"}),
+                                  errors={"b": TensorAccumulationError("boom", request_id="b", key="audio")}))
+    (final_a,), _ = got["a"]
+    (final_b,), _ = got["b"]
+    assert final_a.finish_reason == FinishReason.STOP and final_a.trace_headers == trace
+    assert final_b.finish_reason == FinishReason.ERROR and final_b.trace_headers == trace

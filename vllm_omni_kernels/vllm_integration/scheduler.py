@@ -27,7 +27,10 @@ A multimodal output never finishes a request, and a request with multimodal outp
 a step still gets an output. A request the worker paces has its outputs that carry only tokens and
 events held back (``HeldTokens``) until its next output that goes (its first, one with data, the
 final one, or one that carries more), which takes them in front: the client processes a paced
-stream once per span instead of once per step, and every token arrives, in order.
+stream once per span instead of once per step, and every token arrives, in order. A request vLLM
+ends otherwise (a client's abort, the engine's own in a pause or shutdown, an error vLLM finds)
+drops its held tokens, as the worker drops its data not yet due: no token reaches a client
+without the audio it belongs to.
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ class MultimodalChannel:
             self._worker_open.difference_update(packed.final)
         errors = {rid: MultimodalError.of(exc) for rid, exc in (out.multimodal_errors or {}).items()}
         plain, tensors = _carried(out.multimodal_outputs or {}, errors)
-        failed_clients = {rid: self.requests[rid].client_index for rid in errors if rid in self.requests}
+        failed = {rid: (self.requests[rid].client_index, self.requests[rid].trace_headers) for rid in errors
+                  if rid in self.requests}  # (finish_requests forgets them)
         if errors:
             # (their held tokens go on their error outputs: finish_requests forgets what it holds)
             held = {rid: self.held.take(rid) for rid in errors}
@@ -113,18 +117,19 @@ class MultimodalChannel:
             request = self.requests.get(rid)
             if awaiting is not None:
                 client = awaiting[0]  # finished, its finish waiting for this data's rest
-            elif rid in failed_clients:
-                client = failed_clients[rid]  # failed by the worker in a step that gave it no output
+            elif rid in failed:
+                client = failed[rid][0]  # failed by the worker in a step that gave it no output
             elif request is None or request.is_finished():
                 continue  # finished requests already got their final output above
             else:
                 client = request.client_index
             batch = outputs.setdefault(client, OmniEngineCoreOutputs())
-            tokens, events = self.held.take(rid) if rid in errors else ([], None)
+            tokens, events = self.held.take(rid)  # (the data belongs to them; an error output ends the request)
+            trace = failed[rid][1] if rid in failed else None if request is None else request.trace_headers
             batch.outputs.append(OmniEngineCoreOutput(
                 request_id=rid, new_token_ids=tokens, events=events or None, multimodal_output=plain.get(rid) or None,
                 multimodal_error=errors.get(rid), finish_reason=FinishReason.ERROR if rid in errors else None,
-                multimodal_tensors=tensors.get(rid)))
+                multimodal_tensors=tensors.get(rid), trace_headers=trace))
             if rid in delivered:
                 outputs[client] = _with_outputs(batch, batch.outputs, packed)
         if self._text_stop:
@@ -151,7 +156,7 @@ class MultimodalChannel:
                 self._worker_open.discard(rid)
                 if rid in delivered and rid not in self._text_stop:
                     kept.append(msgspec.structs.replace(eco, **dict.fromkeys(_FINISH_FIELDS)))
-                    eco = EngineCoreOutput(request_id=rid, new_token_ids=[],
+                    eco = EngineCoreOutput(request_id=rid, new_token_ids=[], trace_headers=eco.trace_headers,
                                            **{name: getattr(eco, name) for name in _FINISH_FIELDS})
                 self._awaiting[rid] = [client, eco, 0]
             else:
