@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams, TokensPrompt  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.usage.usage_lib import UsageContext  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
@@ -229,7 +230,7 @@ def test_a_paused_engine_loses_nothing_and_a_deeper_sleep_is_refused_clearly(tmp
     device); a stream paused mid-way resumes on ``wake_up`` with every sample. Levels 1 and 2
     would free the worker's memory, which the talker keeps: they raise an error that says so (vLLM
     has paused the engine and, in its default mode, aborted its requests by then), and
-    ``wake_up`` resumes serving. Over ZMQ."""
+    ``wake_up`` resumes serving; so does ``release_kv_cache_memory``. Over ZMQ."""
     engine = OmniLLM.from_engine_args(talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu",
                                                          max_num_seqs=4, disable_log_stats=True))
     prompt, frames = [10, 11, 12], 40
@@ -255,6 +256,14 @@ def test_a_paused_engine_loses_nothing_and_a_deeper_sleep_is_refused_clearly(tmp
         with pytest.raises(Exception, match="sleep level 1: the talker keeps its weights"):
             engine.sleep(level=1)
         assert engine.wake_up() and not engine.is_sleeping()
+        # vLLM's release_kv_cache_memory (after a completed pause): refused, and the engine wakes up
+        engine.sleep(level=0)
+        with pytest.raises(Exception, match="the talker keeps no KV cache"):
+            engine.release_kv_cache_memory()
+        assert engine.wake_up() and not engine.is_sleeping()
+        with pytest.raises(Exception, match="the talker serves no LoRA adapters"):  # and vLLM's LoRA calls say why
+            engine.add_lora(LoRARequest("voice", 1, str(tmp_path)))
+        assert not engine.list_loras()
         pieces.clear()
         engine.add_request("b", TokensPrompt(prompt_token_ids=prompt), delta)
         while engine.has_unfinished_requests():

@@ -277,6 +277,14 @@ class TalkerWorker:
         raise NotImplementedError(f"sleep level {level}: the talker keeps its weights and output rings resident; "
                                   "use level 0 (pause scheduling only); wake_up() resumes the paused scheduler")
 
+    def add_lora(self, lora_request) -> bool:
+        """Refused: the talker serves no LoRA adapters (a request that names one is refused by
+        vLLM's input processing)."""
+        raise NotImplementedError(f"LoRA adapter {lora_request.lora_name!r}: the talker serves no LoRA adapters")
+
+    def list_loras(self) -> set[int]:
+        return set()
+
     def output_path_stats(self, first_chunks: bool = False) -> dict:
         """What the output path cost: host time per step that had output (median, p99, mean, in
         us), device-to-host copies and their bytes, pool statistics (an RPC for the frontend); with
@@ -682,3 +690,10 @@ class TalkerExecutor(UniProcExecutor):
 
     def _init_executor(self) -> None:
         self.driver_worker = TalkerWorker(self.vllm_config)
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        """Refused (vLLM's ``release_kv_cache_memory``): the talker keeps no KV cache, and its output
+        rings stay resident. Refused here, before vLLM's executor would count the tags as released
+        whatever its worker said, after which no ``wake_up`` could succeed."""
+        raise NotImplementedError(f"discarding {', '.join(tags)}: the talker keeps no KV cache and its output rings "
+                                  "stay resident; nothing is released (wake_up() resumes the paused engine)")
