@@ -929,3 +929,19 @@ def test_a_pooling_output_whose_multimodal_output_fails_carries_the_error():
     (out,) = res.request_outputs
     assert isinstance(out, PoolingRequestOutput) and out.finished and out.outputs.multimodal_output is None
     assert out.error is not None and "'m'" in out.error.message and p.consolidation_errors == 1
+
+
+def test_a_text_only_cumulative_request_gets_vllms_output_every_step_at_any_stream_interval():
+    """The thinning of CUMULATIVE outputs at ``stream_interval`` is for requests with multimodal
+    output (each output carries everything so far); a text-only processor's CUMULATIVE request gets
+    vLLM's outputs, every step."""
+    words = word_ids(TOK, "the quick brown fox jumps over a lazy dog")
+    ours = MultimodalOutputProcessor(TOK, log_stats=False, stream_interval=3)
+    theirs = OutputProcessor(TOK, log_stats=False, stream_interval=3)
+    for p in (ours, theirs):
+        p.add_request(core_request("c", words[:2], sampling(RequestOutputKind.CUMULATIVE, max_tokens=6)), None)
+    for i in range(6):
+        finish = FinishReason.LENGTH if i == 5 else None
+        got = ours.process_outputs([token_output("c", words[i], finish=finish)]).request_outputs
+        want = theirs.process_outputs([token_output("c", words[i], finish=finish)]).request_outputs
+        assert len(got) == len(want) == 1 and summarize(got[0]) == summarize(want[0])

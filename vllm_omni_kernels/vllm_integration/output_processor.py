@@ -14,8 +14,8 @@ everything so far, FINAL_ONLY everything at finish.
 * Plain per-step values (``multimodal_output``) are accumulated here, one batched append per device
   (``MultimodalAccumulator``: the wire's CPU tensors on the torch reference, CUDA tensors of an
   in-process engine on the ring kernels). A request's slots are freed when it finishes or is aborted.
-* With ``stream_interval`` above 1 a CUMULATIVE request's outputs are thinned as vLLM thins DELTA
-  ones (a skipped output loses nothing: the next holds it all).
+* With ``stream_interval`` above 1 the CUMULATIVE outputs of a request with multimodal output are
+  thinned as vLLM thins DELTA ones (a skipped output loses nothing: the next holds it all).
 
 Errors: a bad value (not a tensor where one is expected, dtype or frame shape changing mid-stream,
 an unknown request, a payload that is not a dict) is a ``TensorAccumulationError`` for that request
@@ -241,9 +241,11 @@ class OmniRequestState(RequestState):
             return None, exc
 
     def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs):
-        """vLLM's, with CUMULATIVE outputs thinned at ``stream_interval`` as vLLM thins DELTA ones."""
+        """vLLM's, with the CUMULATIVE outputs of a request with multimodal output thinned at
+        ``stream_interval`` as vLLM thins DELTA ones (a text-only request's are vLLM's, every step)."""
         if (not self.upstream and self.output_kind == RequestOutputKind.CUMULATIVE and self.stream_interval > 1
-                and finish_reason is None and pooling_output is None and self.detokenizer is not None):
+                and finish_reason is None and pooling_output is None and self.detokenizer is not None
+                and (self.multimodal or self.arrived is not None or self.accumulator is not None)):
             tokens = self.detokenizer.num_output_tokens()
             if self.cumulative_sent and tokens - self.cumulative_sent < self.stream_interval:
                 return None
