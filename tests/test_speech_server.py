@@ -501,7 +501,7 @@ def test_request_ids_load_and_request_logs_are_vllms(server):
     time.sleep(1.0)
     assert during == before + 1 and httpx.get(f"{url}/load", timeout=30).json()["server_load"] == before
     lines = server["log"].read_text().splitlines()
-    assert any("speech-mine-1-" in line for line in lines)
+    assert any("Received request speech-mine-1-" in line for line in lines)  # vLLM's request logger
     assert not [line for line in lines if "speech-mine-1-" in line and "abort" in line.lower()]
 
 
@@ -576,6 +576,7 @@ BAD = [
     ({"input": "y" * 3001}, "input"),  # over --max-input-chars
     ({"input": "y" * 2500, "speed": 0.25}, "input"),  # 10000 frames: past max_model_len
     ({"input": "hi \ud800 there"}, "input"),  # a lone surrogate: valid JSON, no text the tokenizer takes
+    ({"input": "\u200b\ufeff\x00\x7f"}, "input"),  # nothing to speak: zero-width, format and control characters
 ]
 
 
@@ -627,6 +628,8 @@ def test_unknown_model_is_404_and_non_json_is_400(server):
         r = httpx.post(f"{server['url']}/v1/audio/speech", content=f'{{"input": "x", "model": "{model}"}}',
                        headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+    r = httpx.post(f"{server['url']}/v1/audio/speech", json={"input": "x", "model": ""}, timeout=30)
+    assert r.status_code == 200  # an empty name is the served model, as on vLLM's routes
     r = httpx.post(f"{server['url']}/v1/audio/speech", content=b"input=x", timeout=30,
                    headers={"content-type": "application/x-www-form-urlencoded"})
     assert r.status_code == 400
@@ -1017,3 +1020,27 @@ def test_output_memory_running_out_turns_a_request_away_only_before_its_first_au
     assert stream.turned_away is not after_audio and stream.failed
     assert stream.outcome == ("failed" if after_audio else "rejected")
     assert counts[stream.outcome] == 1 and len(got) == after_audio
+
+
+def test_a_warm_up_that_a_middleware_refuses_is_skipped_and_the_server_starts():
+    """A server whose own middleware refuses the warm-up's requests (a gateway header it requires,
+    as ``vllm serve --middleware`` allows) starts anyway: the warm-up is skipped with a warning."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from vllm_omni_kernels.vllm_integration.speech import Admission, warm_up_route
+
+    app = FastAPI()
+
+    @app.middleware("http")
+    async def gate(request, call_next):
+        if "x-gateway" not in request.headers:
+            return JSONResponse({"error": "forbidden"}, status_code=403)
+        return await call_next(request)
+
+    app.state.engine_client = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(voices={"a": 1})))
+    app.state.omni_speech_admission = Admission(1)
+    asyncio.run(warm_up_route(app))
+    assert app.state.omni_speech_admission.counting

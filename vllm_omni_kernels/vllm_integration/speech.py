@@ -55,9 +55,10 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
-from vllm import SamplingParams
+from vllm import SamplingParams, envs
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse, OpenAIBaseModel
+from vllm.entrypoints.serve.utils.request_logger import RequestLogger
 from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_cancellation
 from vllm.exceptions import RetryableRequestError, VLLMError, VLLMServerError
 from vllm.inputs.engine import tokens_input
@@ -235,6 +236,7 @@ class SpeechStream:
         self.delivered = False  # the whole response was handed to the HTTP server
         self.samples = 0  # audio samples handed to the response so far
         self.output_tokens = 0  # codec frames the engine produced for it so far
+        self.output_logger: RequestLogger | None = None  # vLLM's, with --enable-log-outputs: logs how it ended
         self._closed = False
 
     async def next_audio(self) -> tuple[bytes | None, bool]:
@@ -298,6 +300,8 @@ class SpeechStream:
                 await self.engine.abort(self.request_id)
         finally:
             self.admission.release(outcome, self.samples / tk.SAMPLE_RATE)
+            if self.output_logger is not None:
+                self.output_logger.log_outputs(self.request_id, f"{self.samples} samples of audio", None, outcome)
             if self.load is not None:
                 self.load.server_load_metrics -= 1
 
@@ -378,7 +382,8 @@ def _voices(engine) -> dict[str, int]:
 def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits) -> JSONResponse | None:
     state = raw_request.app.state
     engine = state.engine_client
-    if request.model is not None and not state.openai_serving_models.is_base_model(request.model):
+    if request.model and not envs.VLLM_SKIP_MODEL_NAME_VALIDATION and \
+            not state.openai_serving_models.is_base_model(request.model):  # (as vLLM's routes check it)
         return _error(f"The model {request.model!r} does not exist.", "model", HTTPStatus.NOT_FOUND, "NotFoundError")
     if request.response_format not in MEDIA:
         return _error(f"response_format {request.response_format!r} is not supported; use one of "
@@ -389,8 +394,8 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
     if request.instructions:
         return _error("this model speaks its voices as they are and takes no instructions; leave instructions out",
                       "instructions")
-    if not request.input.strip():
-        return _error("input must not be empty", "input")
+    if not any(ch.isprintable() and not ch.isspace() for ch in request.input):  # (control, format characters)
+        return _error("input must not be empty: it has no character to speak", "input")
     try:
         request.input.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" is valid JSON): no text to speak
@@ -478,9 +483,14 @@ async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
     kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
     # made for this request alone, so vLLM's engine need not deep-copy it (as its chat route does)
     params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False, skip_clone=True)
+    request_logger = _request_logger(state)
+    if request_logger is not None:  # (as vLLM's routes log theirs)
+        request_logger.log_inputs(request_id, request.input, prompt, None, params, None)
     stream = SpeechStream(engine, admission, request_id,
                           engine.generate(tokens_input(prompt), params, request_id=request_id),
                           request.sample_format, received)
+    if request_logger is not None and getattr(state.args, "enable_log_outputs", False):
+        stream.output_logger = request_logger
     handed_over = False
     try:
         response = await _respond(stream, request, streamed, state.omni_speech_first_audio, limits, len(prompt))
@@ -489,6 +499,16 @@ async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
     finally:
         if not handed_over:
             await stream.close()
+
+
+def _request_logger(state) -> RequestLogger | None:
+    """vLLM's request logger as its routes have one (``--enable-log-requests``, ``--max-log-len``),
+    made once per process."""
+    if not hasattr(state, "omni_speech_request_logger"):
+        args = getattr(state, "args", None)
+        state.omni_speech_request_logger = RequestLogger(max_log_len=args.max_log_len) \
+            if args is not None and args.enable_log_requests else None
+    return state.omni_speech_request_logger
 
 
 def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) -> Response:
@@ -606,6 +626,10 @@ async def warm_up_route(app, api_key: str | None = None) -> None:
                     break
                 if r.status_code == HTTPStatus.BAD_REQUEST:
                     logger.warning("speech route warm-up refused by this server's limits: %s", r.text[:500])
+                    break
+                if HTTPStatus.BAD_REQUEST < r.status_code < HTTPStatus.INTERNAL_SERVER_ERROR:  # (a middleware's)
+                    logger.warning("speech route warm-up answered %d by this server's middleware: skipped, the "
+                                   "first requests pay for what it would have run: %s", r.status_code, r.text[:500])
                     break
                 if r.status_code != HTTPStatus.OK:
                     raise RuntimeError(f"the speech route's warm-up request failed ({r.status_code}): {r.text[:500]}")
