@@ -454,10 +454,11 @@ def test_finish_outputs_the_channel_makes_carry_the_requests_trace_headers(tmp_p
         sched.add_request(request)
     _channel_step(sched, {"a": [40], "b": [40]}, opened=["a", "b"])
     _channel_step(sched, {"a": [stop], "b": [41]}, _packed(torch.arange(2.0), "a"))  # "a" stops with data
-    assert "b" not in _received(_channel_step(sched, {"b": [42]}))  # (its token is held)
+    assert "b" not in _received(_channel_step(sched, {"b": [43]}))  # (its token is held)
     got = _received(_channel_step(sched, {}, _packed(torch.arange(2.0, 4.0), "a", final={"a"}),
                                   errors={"b": TensorAccumulationError("boom", request_id="b", key="audio")}))
     (final_a,), _ = got["a"]
     (final_b,), _ = got["b"]
     assert final_a.finish_reason == FinishReason.STOP and final_a.trace_headers == trace
     assert final_b.finish_reason == FinishReason.ERROR and final_b.trace_headers == trace
+    assert final_b.new_token_ids == [41, 43]  # the tokens held for it go with its error
