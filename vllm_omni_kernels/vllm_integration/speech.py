@@ -483,7 +483,7 @@ async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
     kind = RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY
     # made for this request alone, so vLLM's engine need not deep-copy it (as its chat route does)
     params = SamplingParams(max_tokens=frames, output_kind=kind, detokenize=False, skip_clone=True)
-    request_logger = _request_logger(state)
+    request_logger = state.serving_tokenization.request_logger  # vLLM's routes' one (--enable-log-requests)
     if request_logger is not None:  # (as vLLM's routes log theirs)
         request_logger.log_inputs(request_id, request.input, prompt, None, params, None)
     stream = SpeechStream(engine, admission, request_id,
@@ -499,16 +499,6 @@ async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
     finally:
         if not handed_over:
             await stream.close()
-
-
-def _request_logger(state) -> RequestLogger | None:
-    """vLLM's request logger as its routes have one (``--enable-log-requests``, ``--max-log-len``),
-    made once per process."""
-    if not hasattr(state, "omni_speech_request_logger"):
-        args = getattr(state, "args", None)
-        state.omni_speech_request_logger = RequestLogger(max_log_len=args.max_log_len) \
-            if args is not None and args.enable_log_requests else None
-    return state.omni_speech_request_logger
 
 
 def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) -> Response:
