@@ -116,6 +116,12 @@ class OmniRequestState(RequestState):
     made: weakref.ref | None = None  # the output this state made last: the one a failure marks (by
     #                                  identity: several requests may share an external id)
 
+    @property
+    def has_multimodal_output(self) -> bool:
+        """Whether the request's outputs carry multimodal output: its processor's modality has it, or
+        data came for it."""
+        return self.multimodal or self.arrived is not None or self.accumulator is not None
+
     def add_multimodal_tensor(self, payload: Mapping[str, Any] | None) -> list[TensorAccumulationError]:
         """Accumulate one step's ``{key: value}`` for this request (the per-request form of what the
         processor does for a whole step); returns the errors (logged and counted)."""
@@ -245,7 +251,7 @@ class OmniRequestState(RequestState):
         ``stream_interval`` as vLLM thins DELTA ones (a text-only request's are vLLM's, every step)."""
         if (not self.upstream and self.output_kind == RequestOutputKind.CUMULATIVE and self.stream_interval > 1
                 and finish_reason is None and pooling_output is None and self.detokenizer is not None
-                and (self.multimodal or self.arrived is not None or self.accumulator is not None)):
+                and self.has_multimodal_output):
             tokens = self.detokenizer.num_output_tokens()
             if self.cumulative_sent and tokens - self.cumulative_sent < self.stream_interval:
                 return None
@@ -264,7 +270,7 @@ class OmniRequestState(RequestState):
         the processor's output modality has it, a ``MultimodalCompletionOutput``, every one (an
         abort's and one with nothing new included: ``multimodal_output`` None)."""
         base = super()._new_completion_output(token_ids, finish_reason, stop_reason)
-        if self.accumulator is None and self.arrived is None and not self.multimodal:
+        if not self.has_multimodal_output:
             return base
         out = recast(base, MultimodalCompletionOutput)
         # (the end of a streamed input's chunk says why the chunk ended; the request goes on)

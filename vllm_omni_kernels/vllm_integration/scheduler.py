@@ -91,8 +91,7 @@ class MultimodalChannel:
             self._worker_open.difference_update(packed.final)
         errors = {rid: MultimodalError.of(exc) for rid, exc in (out.multimodal_errors or {}).items()}
         plain, tensors = _carried(out.multimodal_outputs or {}, errors)
-        failed = {rid: (self.requests[rid].client_index, self.requests[rid].trace_headers) for rid in errors
-                  if rid in self.requests}  # (finish_requests forgets them)
+        failed = {rid: self.requests[rid] for rid in errors if rid in self.requests}  # (finish_requests forgets them)
         if errors:
             # (their held tokens go on their error outputs: finish_requests forgets what it holds)
             held = {rid: self.held.take(rid) for rid in errors}
@@ -114,22 +113,21 @@ class MultimodalChannel:
             outputs[client] = outputs_with_channel(batch, packed, plain, errors, self._worker_open, emitted, tensors)
         for rid in (set(plain) | delivered | set(errors)) - emitted:
             awaiting = self._awaiting.get(rid)
-            request = self.requests.get(rid)
+            request = self.requests.get(rid) or failed.get(rid)
             if awaiting is not None:
                 client = awaiting[0]  # finished, its finish waiting for this data's rest
             elif rid in failed:
-                client = failed[rid][0]  # failed by the worker in a step that gave it no output
+                client = request.client_index  # failed by the worker in a step that gave it no output
             elif request is None or request.is_finished():
                 continue  # finished requests already got their final output above
             else:
                 client = request.client_index
             batch = outputs.setdefault(client, OmniEngineCoreOutputs())
             tokens, events = self.held.take(rid)  # (the data belongs to them; an error output ends the request)
-            trace = failed[rid][1] if rid in failed else None if request is None else request.trace_headers
             batch.outputs.append(OmniEngineCoreOutput(
                 request_id=rid, new_token_ids=tokens, events=events or None, multimodal_output=plain.get(rid) or None,
                 multimodal_error=errors.get(rid), finish_reason=FinishReason.ERROR if rid in errors else None,
-                multimodal_tensors=tensors.get(rid), trace_headers=trace))
+                multimodal_tensors=tensors.get(rid), trace_headers=None if request is None else request.trace_headers))
             if rid in delivered:
                 outputs[client] = _with_outputs(batch, batch.outputs, packed)
         if self._text_stop:
