@@ -4,9 +4,12 @@ TRITON_INTERPRET must be set before triton decorates the kernels, so it is set h
 Fixtures give each test the backends it should compare against the torch reference.
 """
 
+import importlib.util
 import os
 import signal
+import sys
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -72,3 +75,19 @@ def stable_seed(*parts) -> int:
     """A seed from a test's parameters that is the same in every process (``hash()`` of a string is
     randomised per process, so a failing case could not be replayed)."""
     return zlib.crc32(repr(tuple(str(p) for p in parts)).encode())
+
+
+def profiling_script(name: str):
+    """``profiling/<name>.py`` imported as module ``name`` (the scripts are not a package, and the
+    tests put nothing of theirs on ``sys.path``)."""
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "profiling" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # (its dataclasses look their module up while it runs)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]

@@ -356,13 +356,10 @@ def test_the_output_path_benchmark_checks_every_stream_and_its_check_can_fail():
     """``profiling/bench_output_path.py`` at a toy size on the CPU, both paths: every stream that
     finished was checked exact; its check fails a stream with one code changed."""
     pytest.importorskip("vllm")
-    import sys
-    from pathlib import Path
-
     import torch
+    from conftest import profiling_script
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiling"))
-    import bench_output_path as bop
+    bop = profiling_script("bench_output_path")
 
     from vllm_omni_kernels.serving import talker as tk
 

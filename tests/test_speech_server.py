@@ -20,12 +20,13 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 import httpx  # noqa: E402  (the test extra installs it)
 
+from conftest import profiling_script  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.serving.server_process import speech_server  # noqa: E402
 from vllm_omni_kernels.serving.wav import pcm16, read_wav  # noqa: E402
@@ -955,8 +956,7 @@ def test_the_load_scripts_check_counts_what_is_lost_altered_or_extra_and_every_u
     nothing after its 200 loses every sample, one sample more is extra, one bit is altered, and only
     exact streams count as exact; a player started at the first byte runs dry at each chunk that
     comes later than the audio before it lasts, the first gap included."""
-    sys.path.insert(0, str(ROOT / "profiling"))
-    import load_speech as ls
+    ls = profiling_script("load_speech")
     from transformers import AutoTokenizer
 
     model = make_model_dir(tmp_path / "talker")
