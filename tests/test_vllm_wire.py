@@ -177,6 +177,9 @@ def test_worker_data_travels_in_one_frame_and_arrives_as_views():
     ({"frame": [0]}, "malformed"),  # frames of no elements
     ({"frames": [-1]}, "malformed"),
     ({"axis": 1}, "malformed"),  # pieces grow along 0 or -1 only
+    # no frames, of frames no tensor can have: fits no buffer however few (int64's range, and past it)
+    ({"frame": [2 ** 62, 8], "frames": [0]}, "malformed"),
+    ({"frame": [2 ** 63], "frames": [0]}, "malformed"),
 ])
 @pytest.mark.parametrize("bad_first", [False, True])
 def test_a_region_that_does_not_fit_fails_only_the_requests_it_names(change, message, bad_first):

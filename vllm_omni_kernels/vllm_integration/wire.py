@@ -167,7 +167,10 @@ def _cut(buffer: torch.Tensor, region: MultimodalRegion) -> list[torch.Tensor]:
     if region.offset < 0 or region.offset % item or end > buffer.numel():
         raise ValueError(f"a region of bytes {region.offset}..{end} does not fit the step's buffer of "
                          f"{buffer.numel()} bytes on a {item}-byte boundary")
-    return split_region(buffer, dtype, frame, region.axis, region.offset, region.frames)
+    try:
+        return split_region(buffer, dtype, frame, region.axis, region.offset, region.frames)
+    except (RuntimeError, TypeError, OverflowError) as exc:  # no frames, of a shape no tensor has
+        raise ValueError(f"malformed region of {region.dtype!r}, frame {frame}: {exc}") from None
 
 
 _DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtype, torch.dtype)}
