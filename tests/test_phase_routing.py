@@ -185,7 +185,8 @@ def test_gaps_between_decode_rows_are_refused_only_where_one_block_is_written():
     plan = RoutingPlan.build(decode, ["a", "b"], num_tokens=3, batch_hook=True, mtp=True)
     assert plan.mtp_offsets.tolist() == [0, 2]
     empty = PhaseBatch.compute([5, 3], [0, 3], [3, 0], start=[0, 1])  # no token: inside the other's span
-    RoutingPlan.build(empty, ["p", "q"], num_tokens=3, batch_hook=True, mtp=True)
+    plan = RoutingPlan.build(empty, ["p", "q"], num_tokens=3, batch_hook=True, mtp=True)
+    assert [step.row for step in plan.steps] == [0] and plan.mtp_rows.size == 0  # and no hook call for it
 
 
 @pytest.mark.parametrize("mtp", [True, False])
@@ -199,6 +200,47 @@ def test_a_request_on_two_rows_of_a_step_is_refused_before_any_hook(use_backend,
     with pytest.raises(PhaseRoutingError, match="two rows") as err:
         runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
     assert err.value.request_id == "a" and runner.model.calls == [] and torch.equal(runner.inputs_embeds, before)
+
+
+@pytest.mark.parametrize("embeds", ["fewer rows", "other width", "flat"])
+def test_an_embedding_buffer_without_a_row_of_the_width_for_each_token_is_refused_before_any_hook(use_backend,
+                                                                                                 embeds):
+    """The step's ``inputs_embeds`` must hold a row of the hidden size for every token of
+    ``input_ids``: a kernel writes a decode row at its token offset (past a shorter buffer's end).
+    Refused, naming a request, with no hook called and nothing written."""
+    runner = make_runner(use_backend, "triton", mtp=False, prompts={"a": 5, "b": 5})
+    spans = runner.schedule([("a", 5, 1), ("b", 0, 5)])
+    whole = runner.inputs_embeds.clone()
+    bad = {"fewer rows": runner.inputs_embeds[:5], "other width": runner.inputs_embeds[:, :H - 1],
+           "flat": runner.inputs_embeds.reshape(-1)}[embeds]
+    with pytest.raises(PhaseRoutingError, match="inputs_embeds") as err:
+        runner._omni_preprocess(runner.input_ids[:6], bad, spans)
+    assert err.value.request_id == "a" and runner.model.calls == [] and torch.equal(runner.inputs_embeds, whole)
+
+
+def test_an_mtp_without_codes_leaves_no_row_flagged_as_having_codes(use_backend):
+    """``talker_mtp`` may return no codes: the rows its first launch flagged are cleared, and no
+    request's info gets a codes view (the code buffer holds an earlier step's codes)."""
+    runner = make_runner(use_backend, "torch", prompts={"a": 5, "b": 5})
+    check_step(runner, [("a", 5, 1), ("b", 6, 1)])  # codes for both
+    mtp = runner.model.talker_mtp
+    runner.model.talker_mtp = lambda *args: (mtp(*args)[0], None)
+    runner.model_intermediate_buffer.clear()
+    runner.step([("a", 6, 1), ("b", 7, 1)])
+    assert runner._omni_gather.code_valid[:2].tolist() == [0, 0]
+    assert all("codes" not in runner.model_intermediate_buffer[r] for r in "ab")
+
+
+def test_gather_rows_must_be_integers():
+    """Row indices that are not integers are refused (2.7 would be cut to row 2, a mask taken for
+    rows 0 and 1)."""
+    from vllm_omni_kernels.gather import GatherJobs
+
+    dst, src = torch.zeros(4, H), torch.ones(2, H)
+    for rows in (np.array([0.9, 2.7]), np.array([True, False])):
+        jobs = GatherJobs(torch.float32, H, "cpu")
+        with pytest.raises(TypeError, match="integers"):
+            jobs.rows(dst, rows, src)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -41,7 +41,7 @@ class DecodeGather:
         ``mtp_input_ids`` int32 ``[max_rows]``; ``mtp_inputs_embeds``, ``last_hidden``, ``text_step``
         ``[max_rows, hidden_size]``; ``codes`` int64 ``[max_rows, Q]`` indexed by a request's code
         slot (``code_slot``); ``code_valid`` int32 ``[max_rows]`` by batch row, 1 where that row got
-        codes this step.
+        codes this step (the first launch flags the MTP rows; an MTP that returns no codes clears them).
     """
 
     def __init__(self, *, hidden_size: int, dtype: torch.dtype, device: torch.device | str, max_rows: int,
@@ -56,7 +56,7 @@ class DecodeGather:
                              max_int_rows=int(max_tokens) + 2 * self.max_rows + 1, max_values=self.max_rows,
                              check_rows=False)
         self.post = RowGather(dtype, hidden_size, self.device, max_float_rows=self.max_rows,
-                              max_int_rows=self.max_rows, check_rows=False)
+                              max_int_rows=self.max_rows, max_values=self.max_rows if mtp else 0, check_rows=False)
         if mtp:
             self.mtp_input_ids = torch.zeros(self.max_rows, dtype=torch.int32, device=self.device)
             self.mtp_inputs_embeds = torch.zeros(self.max_rows, hidden_size, dtype=dtype, device=self.device)

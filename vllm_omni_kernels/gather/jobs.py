@@ -88,7 +88,12 @@ def _read_sources(srcs: list[torch.Tensor], floating: bool) -> Sources:
 
 
 def _as_rows(rows) -> np.ndarray:
-    return np.asarray(rows, dtype=np.int64).reshape(-1)
+    """Row indices as int64; TypeError for anything but integers (2.7 is no row, and a mask is not
+    a list of rows)."""
+    r = np.asarray(rows)
+    if r.size and r.dtype.kind not in "iu":
+        raise TypeError(f"rows must be integers, got {r.dtype}")
+    return r.astype(np.int64, copy=False).reshape(-1)
 
 
 def _rows(rows, count: int, what: str) -> np.ndarray:

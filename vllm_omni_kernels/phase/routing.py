@@ -97,8 +97,9 @@ class RoutingPlan:
                 steps.append(run)
                 r = end
             else:
-                steps.append(ScalarRow(r, int(phase.start[r]), int(phase.span[r]),
-                                       int(mtp_pos[r]) if in_mtp[r] else -1))
+                if phase.span[r]:  # a row that schedules no token has no hook call (nothing of it moves on)
+                    steps.append(ScalarRow(r, int(phase.start[r]), int(phase.span[r]),
+                                           int(mtp_pos[r]) if in_mtp[r] else -1))
                 r += 1
         mtp_rows = np.flatnonzero(in_mtp).astype(np.int64)
         return cls(tuple(steps), mtp_rows, phase.start[mtp_rows].copy(), int(num_tokens))

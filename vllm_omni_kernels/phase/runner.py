@@ -16,7 +16,10 @@ reads only what such a runner has, so tests drive it with CPU buffers and a fake
 
 A step (``_omni_preprocess``): phase metadata for every row; the routing plan, validated before any
 hook runs; the hooks in batch order, each output validated as it returns, copies recorded, not done
-(a decode run's at once, the scalar rows' collected and recorded together after the last hook);
+(a decode run's at once, the scalar rows' collected and recorded together after the last hook): a
+hook's outputs are read after the step's last hook, so a model must not rewrite, in a later hook
+call of the same step, memory it returned earlier (a scratch buffer reused per call would give
+every row the last call's values; a constant it never rewrites is fine);
 then one fused launch (ids, non-MTP embeddings, packed MTP inputs, code flags), with MTP
 ``_talker_mtp_forward`` (MTP model, one fused launch: MTP embeddings to their token offsets, codes
 to the per-request code buffer), and the updates merged. On any ``PhaseRoutingError`` no update has
@@ -141,6 +144,11 @@ class OmniPhaseRunnerMixin:
             model = self.model
             req_ids = list(self.input_batch.req_ids)
             phase = self._omni_phase_batch(np.asarray(num_scheduled_tokens))
+            h = self._omni_gather.hidden_size
+            if inputs_embeds.dim() != 2 or inputs_embeds.shape[0] < input_ids.shape[0] or inputs_embeds.shape[1] != h:
+                raise PhaseRoutingError(f"the step's inputs_embeds of shape {tuple(inputs_embeds.shape)} has no row of "
+                                        f"{h} for each of its {input_ids.shape[0]} tokens",
+                                        request_id=req_ids[0] if req_ids else None)
             batch_hook = callable(getattr(model, "preprocess_decode_batch", None))
             plan = RoutingPlan.build(phase, req_ids, num_tokens=int(input_ids.shape[0]), batch_hook=batch_hook,
                                      mtp=self.has_talker_mtp)
@@ -306,6 +314,8 @@ class OmniPhaseRunnerMixin:
             except _RECORD_ERRORS as exc:
                 gather.post.jobs.clear()
                 raise PhaseRoutingError(f"talker_mtp outputs: {exc}", request_id=decode_req_ids[0]) from exc
+            if codes is None:  # no row got codes this step (the first launch flagged the MTP rows)
+                gather.post.jobs.values(gather.code_valid, np.zeros(gather.max_rows, np.int32))
             gather.post.launch()
             if codes is None:
                 return []
