@@ -218,6 +218,34 @@ def test_an_embedding_buffer_without_a_row_of_the_width_for_each_token_is_refuse
     assert err.value.request_id == "a" and runner.model.calls == [] and torch.equal(runner.inputs_embeds, whole)
 
 
+def test_a_text_only_models_rows_reach_its_hooks_and_the_model_as_their_token_embeddings(use_backend):
+    """vLLM's runner embeds no token for a text-only model (it passes ids): with ``embedded=False``
+    the step's token embeddings are written first, so a hook reads them and a row it leaves in
+    place goes to the model as its tokens' embeddings, not as what the buffer held from the step
+    before (-1 here); the buffer past the step's tokens is left alone."""
+    use_backend("torch")
+    model = FakeTalker(H, torch.float32, mtp=False, batch_hook=False)
+    table = torch.randn(64, H, generator=torch.Generator().manual_seed(0))
+    model.embed_input_ids = lambda ids: table[ids.long()]
+    seen = []
+
+    def in_place(input_ids, input_embeds, **info):
+        seen.append(input_embeds.clone())
+        return input_ids, input_embeds, None
+
+    model.preprocess = in_place
+    runner = FakeRunner(model)
+    runner.add_request("a", 5)
+    runner.add_request("b", 2)
+    spans = runner.schedule([("a", 0, 3), ("b", 0, 2)])
+    tokens = torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32)
+    runner.input_ids[:5] = tokens
+    runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans, embedded=False)
+    want = table[tokens.long()]
+    assert torch.equal(seen[0], want[:3]) and torch.equal(seen[1], want[3:])
+    assert torch.equal(runner.inputs_embeds[:5], want) and (runner.inputs_embeds[5:] == -1).all()
+
+
 def test_an_mtp_without_codes_leaves_no_row_flagged_as_having_codes(use_backend):
     """``talker_mtp`` may return no codes: the rows its first launch flagged are cleared, and no
     request's info gets a codes view (the code buffer holds an earlier step's codes)."""

@@ -46,4 +46,5 @@ class TensorConsolidationError(MultimodalOutputError):
 class PhaseRoutingError(MultimodalOutputError, ValueError):
     """A step of the prefill/decode routing cannot run: corrupt token offsets, or a hook returned
     outputs that do not match its rows. Raised before any runner buffer is written, except for MTP's
-    outputs, which exist only after the step's first launch (``phase.runner``)."""
+    outputs, which exist only after the step's first launch, and a text-only model's token
+    embeddings, which its hooks read (``phase.runner``)."""

@@ -24,7 +24,8 @@ then one fused launch (ids, non-MTP embeddings, packed MTP inputs, code flags), 
 ``_talker_mtp_forward`` (MTP model, one fused launch: MTP embeddings to their token offsets, codes
 to the per-request code buffer), and the updates merged. On any ``PhaseRoutingError`` no update has
 been merged, and nothing has been written to a runner buffer unless the error is in MTP's outputs
-(MTP reads the packed inputs that the first launch writes along with the step's ids and embeddings).
+(MTP reads the packed inputs that the first launch writes along with the step's ids and embeddings)
+or comes from a hook (a text-only model's token embeddings, written before the hooks, are there).
 
 Code updates are ``{key: {sub: codes_view}}`` with ``codes_view`` the request's row of the
 persistent code buffer ``[1, Q]``: it always holds that request's latest codes (copy it to keep a
@@ -128,13 +129,17 @@ class OmniPhaseRunnerMixin:
         return phase.refresh(row, info)
 
     def _omni_preprocess(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor,
-                         num_scheduled_tokens: np.ndarray) -> None:
+                         num_scheduled_tokens: np.ndarray, embedded: bool = True) -> None:
         """Run the model's hooks for every row of the step and fill ``input_ids``/``inputs_embeds``.
 
         Args:
             input_ids: the runner's ``[num_tokens]`` token buffer (int32) for this step.
             inputs_embeds: the runner's ``[num_tokens, H]`` embedding buffer.
             num_scheduled_tokens: host ``[rows]`` span of each row of ``input_batch.req_ids``.
+            embedded: whether ``inputs_embeds`` holds the step's token embeddings (vLLM writes them
+                for multimodal models and prompt embeddings only); if not, they are written first,
+                with the model's ``embed_input_ids``, once the offsets are checked: the hooks read
+                them, and a row a hook leaves in place goes to the model as it is.
 
         Raises:
             PhaseRoutingError: corrupt offsets (before any hook) or a hook output that does not match
@@ -153,6 +158,9 @@ class OmniPhaseRunnerMixin:
             plan = RoutingPlan.build(phase, req_ids, num_tokens=int(input_ids.shape[0]), batch_hook=batch_hook,
                                      mtp=self.has_talker_mtp)
             self._omni_last_plan = plan
+            if not embedded and len(req_ids):
+                n = int((phase.start + phase.span).max())
+                inputs_embeds[:n].copy_(model.embed_input_ids(input_ids[:n]))
             gather = self._omni_gather
             pending: list[tuple[str, Any]] = []
             scalar = _ScalarRows()

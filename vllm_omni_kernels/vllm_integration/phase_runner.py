@@ -65,7 +65,8 @@ class OmniPhaseGPUModelRunner(OmniPhaseRunnerMixin, GPUModelRunner):
         inputs_embeds = self.inputs_embeds.gpu[:num_input_tokens]
         spans = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in self.input_batch.req_ids),
                             dtype=np.int64, count=len(self.input_batch.req_ids))
-        self._omni_preprocess(input_ids, inputs_embeds, spans)
+        # (a text-only model: vLLM passes token ids and leaves the embedding buffer as the last step left it)
+        self._omni_preprocess(input_ids, inputs_embeds, spans, embedded=out[1] is not None)
         return (input_ids, inputs_embeds, *out[2:])
 
     def _omni_call_talker_mtp(self, ids, embeds, hidden, text, request_ids):
