@@ -304,7 +304,8 @@ def test_frames_past_an_end_found_a_step_late_never_reach_the_request(backend_na
 @pytest.mark.parametrize("landed", [False, True], ids=["before-the-copy-landed", "after"])
 def test_the_newest_frames_of_a_multichannel_concat_last_key_are_left_out(landed):
     """A ``[C, n]`` piece shortened to ``[C, keep]``: each channel's kept frames, closed up in host
-    memory once the copy has landed; the requests before and after it in the region keep theirs."""
+    memory once the copy has landed (``tensors`` waits for it); the requests before and after it
+    in the region keep theirs."""
     acc = WorkerAccumulator([OutputKey("stereo", S.CONCAT_LAST, torch.float32, (2,), cadence=0)], "cpu")
     for rid in "arb":
         acc.add_request(rid, EmitPolicy.DELTA)
@@ -315,7 +316,6 @@ def test_the_newest_frames_of_a_multichannel_concat_last_key_are_left_out(landed
         packed.wait()
     packed.drop_newest("r", {"stereo": 1})
     packed.drop_newest("r", {"stereo": 1})  # twice: [2, 4] -> [2, 3] -> [2, 2]
-    packed.wait()
     assert torch.equal(packed.tensors("r")["stereo"], pieces["r"][:, :2])
     for rid in "ab":
         assert torch.equal(packed.tensors(rid)["stereo"], pieces[rid])

@@ -203,7 +203,8 @@ class PackedStep:
                 for who, mine in parts.items()}
 
     def tensors(self, request_id: str) -> dict[str, torch.Tensor]:
-        """The request's data as views into ``host`` (after ``wait``)."""
+        """The request's data as views into ``host`` (waits for the step's copy first: ``wait``)."""
+        self.wait()
         out = {}
         for r in self.regions:
             if request_id in r.request_ids:
