@@ -296,3 +296,57 @@ def test_a_pool_that_starts_with_no_slots_makes_one_for_its_first_request(use_ba
     acc.add_request("a")
     assert acc.append_step(["a"], {"audio": [torch.ones(3)]}) == []
     assert torch.equal(acc.collect(["a"])["a"].tensors["audio"], torch.ones(3))
+
+
+def test_a_key_declared_append_list_collects_any_value(acc):
+    """Strings, numbers and 0-d tensors of a key declared APPEND_LIST are items of its list, not
+    metadata that each step replaces (an undeclared key's such values are metadata)."""
+    acc.add_request("a")
+    items = ["w0", 7, torch.tensor(3), torch.tensor([1, 2])]
+    for item in items:
+        assert acc.append_step(["a"], {"frames": [item], "sr": [24000]}) == []
+    (p,) = acc.collect(["a"]).values()
+    assert p.tensors["frames"][:2] == ["w0", 7] and all(x is y for x, y in zip(p.tensors["frames"], items))
+    assert "frames" not in p.metadata and p.metadata == {"sr": 24000}
+
+
+def test_a_tensor_that_is_not_plain_strided_memory_fails_its_request_only(acc):
+    """A nested or sparse chunk is an error for its request and key; the other request of the
+    step keeps every chunk (before, the step raised and every request lost its chunk)."""
+    acc.add_request("a")
+    acc.add_request("b")
+    for bad in (torch.nested.nested_tensor([torch.randn(3), torch.randn(2)]), torch.randn(4).to_sparse()):
+        errs = acc.append_step(["a", "b"], {"audio": [bad, torch.arange(4.0)]})
+        assert [(e.request_id, e.key) for e in errs] == [("a", "audio")] and "strided" in str(errs[0])
+        errs = acc.append_step(["a", "b"], {"audio": PaddedBatch(bad.unsqueeze(0) if bad.is_sparse else bad, [2, 2])})
+        assert [e.request_id for e in errs] == ["a", "b"] and "strided" in str(errs[0])
+    assert torch.equal(acc.collect(["b"])["b"].tensors["audio"], torch.arange(4.0).repeat(2))
+
+
+def test_pools_that_hold_no_request_are_kept_for_a_few_shapes_only(acc):
+    """Each frame shape has a pool (an arena of its own): a stage whose shapes vary, images of many
+    sizes, would keep an arena for every shape it ever saw. Pools left holding no request are kept
+    for the four shapes used last; a shape that comes again finds its pool."""
+    from vllm_omni_kernels.accumulator import _IDLE_POOLS
+
+    for width in [*range(4, 12), 10]:
+        rid = f"image-{width}-{len(acc.pools())}"
+        acc.add_request(rid)
+        chunk = torch.arange(2 * width).view(2, width)
+        assert acc.append_step([rid], {"codes": [chunk]}) == []
+        assert torch.equal(acc.collect([rid])[rid].tensors["codes"], chunk)
+    assert sorted(p.frame_shape for p in acc.pools()) == [(8,), (9,), (10,), (11,)] and _IDLE_POOLS == 4
+
+
+def test_a_request_moves_to_another_accumulator_only_while_it_holds_no_data(acc):
+    """``move`` hands a request with metadata only to another accumulator (its first tensor is on
+    that one's device), metadata and all; once it holds data, or the other holds the id, nothing moves."""
+    other = MultimodalAccumulator(acc.config, "cpu")
+    for rid in "ab":
+        acc.add_request(rid)
+    assert acc.append_step(["a", "b"], {"sr": [24000, 16000], "audio": [None, torch.arange(3.0)]}) == []
+    assert acc.move("a", other) and "a" not in acc and "a" in other
+    assert not acc.move("b", other) and not acc.move("x", other) and "b" in acc
+    assert other.append_step(["a"], {"audio": [torch.arange(2.0)]}) == []
+    (p,) = other.collect(["a"]).values()
+    assert torch.equal(p.tensors["audio"], torch.arange(2.0)) and p.metadata == {"sr": 24000}

@@ -343,6 +343,7 @@ def _holding_itself() -> dict:
     ({"audio": torch.ones(2), "deep": _nested(2000)}, "deep"),  # past the encoder's depth
     ({"audio": torch.ones(2), "loop": _holding_itself()}, "loop"),
     ({"audio": torch.eye(2).to_sparse()}, "audio"),  # a tensor that is not strided memory
+    ({"audio": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}, "audio"),  # strided, but nested
 ])
 def test_a_plain_value_the_wire_cannot_carry_fails_its_request_alone(tmp_path, unfit, key):
     """A model output for one request that vLLM's msgpack wire would not carry as it is fails that

@@ -157,6 +157,22 @@ def mm_step(rid, token, payload, finish=None):
                                 finish_reason=finish)
 
 
+@pytest.mark.gpu
+def test_a_request_whose_first_outputs_are_metadata_goes_where_its_first_tensor_is():
+    """Metadata-only outputs ({"sr": 24000}) tie a request to no device: its first tensor, on CUDA
+    (an in-process engine's producer), takes it and its metadata to that device's accumulator;
+    before, every tensor of it was refused as having moved from the CPU."""
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    p.add_request(core_request("r", [3, 4], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=3)), None)
+    audio = torch.randn(2, 5, device="cuda")
+    p.process_outputs([mm_step("r", 5, {"sr": 24000})])
+    p.process_outputs([mm_step("r", 6, {"audio": audio[0]})])
+    (out,) = p.process_outputs([mm_step("r", 7, {"audio": audio[1]}, FinishReason.LENGTH)]).request_outputs
+    payload = out.outputs[0].multimodal_output
+    assert p.accumulation_errors == 0 and torch.equal(payload.tensors["audio"], audio.reshape(-1))
+    assert payload.metadata == {"sr": 24000}
+
+
 def run_stream(kind, key, chunks, *, strategy=None, metadata=None):
     """One request streaming ``chunks`` under ``key``; returns the payloads of its outputs."""
     p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio",

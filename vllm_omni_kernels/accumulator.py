@@ -35,6 +35,16 @@ from .ring.pool import MAX_SLOTS, more_slots
 
 logger = logging.getLogger(__name__)
 
+_IDLE_POOLS = 4  # pools kept while they hold no request (``MultimodalAccumulator._free``)
+_NOT_PLAIN = ("a tensor of layout {} (nested: {}, quantized: {}; or on the meta device): values are plain "
+              "strided tensors with data")
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is plain strided memory (not sparse, nested, quantized or a meta tensor without
+    data), as the pools copy it."""
+    return t.layout is torch.strided and not (t.is_nested or t.is_quantized or t.is_meta)
+
 
 class EmitPolicy(enum.Enum):
     FINAL_ONLY = "final_only"
@@ -78,6 +88,7 @@ class MultimodalAccumulator:
         self.config = config or AccumulatorConfig()
         self.device = backend.resolve_device(device)
         self._pools: dict[tuple, RingPool] = {}
+        self._idle: dict[tuple, None] = {}  # pools that hold no request, the longest idle first
         self._requests: dict[str, _Request] = {}
         self.accumulation_errors = 0
 
@@ -96,8 +107,30 @@ class MultimodalAccumulator:
         req = self._requests.pop(request_id, None)
         if req is None:
             raise TensorAccumulationError("abort of an unknown or finished request", request_id=request_id)
+        self._free(request_id, req)
+
+    def move(self, request_id: str, to: MultimodalAccumulator) -> bool:
+        """Hand a request that holds no data yet (metadata at most) to accumulator ``to``, as it is:
+        its first tensor came on ``to``'s device. False, nothing moved, once it holds data here."""
+        req = self._requests.get(request_id)
+        if req is None or req.pools or req.lists or request_id in to._requests:
+            return False
+        to._requests[request_id] = self._requests.pop(request_id)
+        return True
+
+    def _free(self, request_id: str, req: _Request) -> None:
+        """Free the request's slots. A pool left holding no request stays for the requests to come,
+        up to ``_IDLE_POOLS`` of them (each holds its arena): a stage whose frame shapes vary (images
+        of many sizes) would otherwise keep an arena for every shape it ever saw."""
         for pool in req.pools.values():
             pool.free(request_id)
+            if not len(pool):
+                ident = (pool.key, pool.dtype, pool.frame_shape)
+                self._idle.pop(ident, None)
+                self._idle[ident] = None
+        while len(self._idle) > _IDLE_POOLS:
+            ident = next(iter(self._idle))
+            del self._idle[ident], self._pools[ident]
 
     # --------------------------------------------------------------- append
 
@@ -169,8 +202,7 @@ class MultimodalAccumulator:
                 initial_frames=frames, max_slots=cfg.max_slots, growth=cfg.growth)
         return pool
 
-    @staticmethod
-    def _attach(key: str, rid: str, req: _Request, pool: RingPool, errors: list) -> bool:
+    def _attach(self, key: str, rid: str, req: _Request, pool: RingPool, errors: list) -> bool:
         """Make sure request ``rid`` holds a slot of ``pool`` for ``key``; False (error recorded) if not."""
         held = req.pools.get(key)
         if held is pool:
@@ -189,13 +221,15 @@ class MultimodalAccumulator:
             return False
         req.pools[key] = pool
         req.order[key] = None
+        self._idle.pop((pool.key, pool.dtype, pool.frame_shape), None)
         return True
 
     def _append_batch(self, key: str, request_ids: Sequence[str], batch: PaddedBatch, errors: list) -> None:
         data = batch.data
-        if not isinstance(data, torch.Tensor) or len(request_ids) == 0:
-            errors.extend(TensorAccumulationError(f"PaddedBatch.data must be a tensor, got {type(data).__name__}",
-                                                  request_id=rid, key=key) for rid in request_ids)
+        if not isinstance(data, torch.Tensor) or len(request_ids) == 0 or not _plain(data):
+            why = _NOT_PLAIN.format(data.layout, data.is_nested, data.is_quantized) if isinstance(data, torch.Tensor) \
+                else f"PaddedBatch.data must be a tensor, got {type(data).__name__}"
+            errors.extend(TensorAccumulationError(why, request_id=rid, key=key) for rid in request_ids)
             return
         strategy = resolve_strategy(key, data[0] if data.dim() > 1 else data, self.config.modality,
                                     self.config.strategies)
@@ -227,6 +261,10 @@ class MultimodalAccumulator:
         groups: dict[int, tuple[RingPool, list[str], list[torch.Tensor]]] = {}
         for rid, value in zip(request_ids, values):
             if value is None:
+                continue
+            if isinstance(value, torch.Tensor) and not _plain(value):
+                errors.append(TensorAccumulationError(_NOT_PLAIN.format(value.layout, value.is_nested, value.is_quantized),
+                                                      request_id=rid, key=key))
                 continue
             strategy = resolve_strategy(key, value, self.config.modality, self.config.strategies)
             req = self._holds(rid, key, strategy, errors)
@@ -309,8 +347,7 @@ class MultimodalAccumulator:
             payloads[rid] = payload
             if done:
                 del self._requests[rid]
-                for pool in req.pools.values():
-                    pool.free(rid)
+                self._free(rid, req)
         return payloads
 
     # --------------------------------------------------------------- introspection
@@ -335,9 +372,9 @@ class MultimodalAccumulator:
 
 def _check_batch(key: str, batch: PaddedBatch, requests: int) -> None:
     """ValueError unless ``batch`` has one row and one length per request (TypeError for lengths on
-    a device or not integers); a batch whose data is no tensor is left to the per-request errors."""
+    a device or not integers); a batch whose data is no plain tensor is left to the per-request errors."""
     data, lengths = batch.data, batch.lengths
-    if isinstance(data, torch.Tensor) and (data.dim() < 1 or data.shape[0] != requests):
+    if isinstance(data, torch.Tensor) and _plain(data) and (data.dim() < 1 or data.shape[0] != requests):
         rows = data.shape[0] if data.dim() else 0
         raise ValueError(f"outputs[{key!r}] is a PaddedBatch of {rows} rows for {requests} requests")
     try:

@@ -107,9 +107,12 @@ def resolve_strategy(
 ) -> TensorAccumulationStrategy:
     """The strategy for ``key`` given one of its values.
 
-    Non-tensors and 0-d tensors are metadata (REPLACE) whatever is declared: a scalar has no axis to
+    A key declared APPEND_LIST collects any value (strings, scalars, tensors of any shape). Otherwise
+    non-tensors and 0-d tensors are metadata (REPLACE) whatever is declared: a scalar has no axis to
     concatenate. Otherwise a declared strategy wins, then the modality default.
     """
+    if declared and declared.get(key) is TensorAccumulationStrategy.APPEND_LIST:
+        return TensorAccumulationStrategy.APPEND_LIST
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return TensorAccumulationStrategy.REPLACE
     if declared and key in declared:

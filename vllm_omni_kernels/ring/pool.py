@@ -375,6 +375,10 @@ class RingPool:
         if not isinstance(t, torch.Tensor):
             raise TensorAccumulationError(f"expected a tensor, got {type(t).__name__}",
                                           request_id=request_id, key=self.key)
+        if t.layout is not torch.strided or t.is_nested or t.is_quantized:
+            raise TensorAccumulationError(f"a tensor of layout {t.layout} (nested: {t.is_nested}, quantized: "
+                                          f"{t.is_quantized}): chunks are plain strided tensors",
+                                          request_id=request_id, key=self.key)
         if t.device != self.device:
             raise TensorAccumulationError(f"tensor on {t.device} but the pool is on {self.device}",
                                           request_id=request_id, key=self.key)

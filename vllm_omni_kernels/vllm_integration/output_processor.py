@@ -452,6 +452,14 @@ class MultimodalOutputProcessor(OutputProcessor):
 
     def _attach(self, state: OmniRequestState, eco: EngineCoreOutput, device: torch.device | None,
                 errors: list) -> MultimodalAccumulator | None:
+        held = state.accumulator
+        if held is not None and device is not None and device.type != held.device.type:
+            # (a request whose first outputs were metadata only goes where its first tensor is)
+            acc = self._accumulators.get(device) or self._accumulators.setdefault(
+                device, MultimodalAccumulator(self._config, device))
+            if held.move(state.request_id, acc):
+                state.accumulator = acc
+                return acc
         if state.accumulator is not None:
             if device is not None and device.type != state.accumulator.device.type:
                 errors.append(TensorAccumulationError(

@@ -184,7 +184,7 @@ _MAX_DEPTH = 512  # containers within containers that ``tensor_paths`` looks int
 
 
 def _tensor_or_refuse(obj: Any) -> None:
-    if isinstance(obj, torch.Tensor) and obj.layout is torch.strided and not obj.is_meta:
+    if isinstance(obj, torch.Tensor) and obj.layout is torch.strided and not (obj.is_meta or obj.is_nested):
         return None  # vLLM's encoder writes it as a [dtype, shape, data] list
     if isinstance(obj, torch.Tensor):
         raise TypeError(f"a tensor of layout {obj.layout} on {obj.device}: tensors go as strided memory")
