@@ -213,9 +213,12 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
         # what the talker's sampling cannot honour is refused at admission (TalkerSampling), not ignored
         from vllm.sampling_params import StructuredOutputsParams
 
+        from vllm.sampling_params import RepetitionDetectionParams
+
         for refused in ({"logprobs": 2}, {"prompt_logprobs": 1}, {"min_tokens": 3, "stop_token_ids": [1100]},
                         {"allowed_token_ids": [1500]}, {"bad_words": ["x"]},
-                        {"structured_outputs": StructuredOutputsParams(choice=["yes", "no"])}):
+                        {"structured_outputs": StructuredOutputsParams(choice=["yes", "no"])},
+                        {"repetition_detection": RepetitionDetectionParams(max_pattern_size=4, min_count=3)}):
             with pytest.raises(VLLMValidationError, match="the talker") as caught:
                 engine.add_request("refused", TokensPrompt(prompt_token_ids=[5, 6, 7]),
                                    SamplingParams(max_tokens=7, detokenize=False, **refused))
@@ -736,7 +739,8 @@ def test_a_request_the_worker_fails_on_its_last_frame_ends_once(tmp_path, async_
 
 def test_every_output_of_a_talker_request_has_multimodal_output_an_aborted_whole_file_too(tmp_path):
     """A whole-file (FINAL_ONLY) request aborted before its audio: its last output is still a
-    ``MultimodalCompletionOutput``, ``multimodal_output`` None, as the README's loop reads it."""
+    ``MultimodalCompletionOutput``, ``multimodal_output`` None, as the README's loop reads it.
+    Streaming input to the talker is refused with vLLM's validation error."""
     model = make_model_dir(tmp_path / "model")
     args = talker_engine_args(model, device="cpu", max_num_seqs=4, args_cls=AsyncEngineArgs, disable_log_stats=True)
 
@@ -757,6 +761,16 @@ def test_every_output_of_a_talker_request_has_multimodal_output_an_aborted_whole
                 await asyncio.sleep(0.02)
             await engine.abort("w")
             await asyncio.wait_for(task, 30)
+            # streaming input (vLLM's resumable requests) is refused: the talker does not continue one
+            from vllm.engine.protocol import StreamingInput
+
+            async def chunks():
+                yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=[5, 6, 7]))
+
+            delta = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA, detokenize=False)
+            with pytest.raises(VLLMValidationError, match="streaming input"):
+                async for _ in engine.generate(chunks(), delta, request_id="s"):
+                    pass
             return outs
         finally:
             engine.shutdown()

@@ -18,6 +18,7 @@ platform decides for vLLM's own worker, not for where ``TalkerExecutor`` puts th
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import os
 import socket
@@ -31,7 +32,7 @@ from typing import Any
 import vllm.envs as envs
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
-from vllm.exceptions import RetryableRequestError
+from vllm.exceptions import RetryableRequestError, VLLMValidationError
 from vllm.logger import configure_logging_if_needed, init_logger
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.profiler.wrapper import create_frontend_profiler
@@ -64,10 +65,14 @@ from .worker import TalkerExecutor, WorkerOptions
 logger = init_logger("vllm.omni_kernels.llm")  # under "vllm.": vLLM's handler prints it
 
 
+_PROCESS_INPUTS = inspect.signature(InputProcessor.process_inputs)
+
+
 class OmniInputProcessor(InputProcessor):
     """vLLM's ``InputProcessor`` that, for this package's talker, also asks the model class whether
     it can honour a request's sampling parameters (``OmniTalkerForTTS.validate_sampling_params``,
-    raising vLLM's ``VLLMValidationError``: it refuses logprobs, say) before vLLM's own checks.
+    raising vLLM's ``VLLMValidationError``: it refuses logprobs, say) before vLLM's own checks, and
+    refuses streaming input (vLLM's resumable requests), which the talker does not continue.
     (Other models' classes are not imported here: vLLM keeps them out of the frontend process.)"""
 
     def __init__(self, vllm_config: VllmConfig, renderer=None):
@@ -76,8 +81,12 @@ class OmniInputProcessor(InputProcessor):
         self._model_check = OmniTalkerForTTS.validate_sampling_params if talker else None
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
-        if self._model_check is not None and isinstance(params, SamplingParams):
-            self._model_check(params)
+        if self._model_check is not None:
+            if isinstance(params, SamplingParams):
+                self._model_check(params)
+            if _PROCESS_INPUTS.bind(self, request_id, prompt, params, *args, **kwargs).arguments.get("resumable"):
+                raise VLLMValidationError("the talker does not take streaming input (its frames follow from the whole "
+                                          "prompt): send the whole text in one request", parameter="prompt")
         return super().process_inputs(request_id, prompt, params, *args, **kwargs)
 
 

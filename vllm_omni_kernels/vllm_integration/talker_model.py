@@ -49,8 +49,9 @@ class OmniTalkerForTTS(nn.Module):
         (``llm.OmniInputProcessor``: vLLM's validation error, a 400 in the API server). The talker
         picks each frame's codes itself, greedily (``serving.talker``): ``n``, ``seed`` and the
         temperature and penalty parameters change nothing; logprobs it has none of, it keeps to no
-        constraint on its tokens (allowed tokens, bad words, a grammar), and it does not hold back a
-        stop token until ``min_tokens``."""
+        constraint on its tokens (allowed tokens, bad words, a grammar), it does not hold back a
+        stop token until ``min_tokens``, and it does not stop on repeated patterns (vLLM would end
+        the request where the worker cannot see it, after all its frames were computed)."""
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name, None) is not None:
                 raise VLLMValidationError("the talker returns no logprobs", parameter=name)
@@ -58,6 +59,10 @@ class OmniTalkerForTTS(nn.Module):
             if getattr(params, name, None):
                 raise VLLMValidationError("the talker picks its codes itself and keeps to no constraint on them",
                                           parameter=name)
+        detect = getattr(params, "repetition_detection", None)
+        if detect is not None and detect.max_pattern_size > 0:  # vLLM's end of it is one the worker cannot see
+            raise VLLMValidationError("the talker does not end a request on a repeated pattern of its codes",
+                                      parameter="repetition_detection")
         if params.min_tokens and any(tk.TEXT_VOCAB <= t < tk.VOCAB for t in params.stop_token_ids or ()):
             raise VLLMValidationError("the talker does not hold back a stop token until min_tokens",
                                       parameter="min_tokens", value=params.min_tokens)
