@@ -36,14 +36,17 @@ from .ring.pool import MAX_SLOTS, more_slots
 logger = logging.getLogger(__name__)
 
 _IDLE_POOLS = 4  # pools kept while they hold no request (``MultimodalAccumulator._free``)
-_NOT_PLAIN = ("a tensor of layout {} (nested: {}, quantized: {}; or on the meta device): values are plain "
-              "strided tensors with data")
 
 
 def _plain(t: torch.Tensor) -> bool:
     """Whether ``t`` is plain strided memory (not sparse, nested, quantized or a meta tensor without
     data), as the pools copy it."""
     return t.layout is torch.strided and not (t.is_nested or t.is_quantized or t.is_meta)
+
+
+def _not_plain(t: torch.Tensor) -> str:
+    return (f"a tensor of layout {t.layout} (nested: {t.is_nested}, quantized: {t.is_quantized}, on {t.device}): "
+            "values are plain strided tensors with data")
 
 
 class EmitPolicy(enum.Enum):
@@ -227,8 +230,8 @@ class MultimodalAccumulator:
     def _append_batch(self, key: str, request_ids: Sequence[str], batch: PaddedBatch, errors: list) -> None:
         data = batch.data
         if not isinstance(data, torch.Tensor) or len(request_ids) == 0 or not _plain(data):
-            why = _NOT_PLAIN.format(data.layout, data.is_nested, data.is_quantized) if isinstance(data, torch.Tensor) \
-                else f"PaddedBatch.data must be a tensor, got {type(data).__name__}"
+            why = _not_plain(data) if isinstance(data, torch.Tensor) else \
+                f"PaddedBatch.data must be a tensor, got {type(data).__name__}"
             errors.extend(TensorAccumulationError(why, request_id=rid, key=key) for rid in request_ids)
             return
         strategy = resolve_strategy(key, data[0] if data.dim() > 1 else data, self.config.modality,
@@ -263,8 +266,7 @@ class MultimodalAccumulator:
             if value is None:
                 continue
             if isinstance(value, torch.Tensor) and not _plain(value):
-                errors.append(TensorAccumulationError(_NOT_PLAIN.format(value.layout, value.is_nested, value.is_quantized),
-                                                      request_id=rid, key=key))
+                errors.append(TensorAccumulationError(_not_plain(value), request_id=rid, key=key))
                 continue
             strategy = resolve_strategy(key, value, self.config.modality, self.config.strategies)
             req = self._holds(rid, key, strategy, errors)

@@ -453,27 +453,26 @@ class MultimodalOutputProcessor(OutputProcessor):
     def _attach(self, state: OmniRequestState, eco: EngineCoreOutput, device: torch.device | None,
                 errors: list) -> MultimodalAccumulator | None:
         held = state.accumulator
-        if held is not None and device is not None and device.type != held.device.type:
-            # (a request whose first outputs were metadata only goes where its first tensor is)
-            acc = self._accumulators.get(device) or self._accumulators.setdefault(
-                device, MultimodalAccumulator(self._config, device))
-            if held.move(state.request_id, acc):
+        if held is not None:
+            if device is None or device.type == held.device.type:
+                return held
+            acc = self._accumulator_on(device)
+            if held.move(state.request_id, acc):  # its values so far were metadata: it goes with its first tensor
                 state.accumulator = acc
                 return acc
-        if state.accumulator is not None:
-            if device is not None and device.type != state.accumulator.device.type:
-                errors.append(TensorAccumulationError(
-                    f"tensors moved from {state.accumulator.device} to {device} mid-stream",
-                    request_id=state.request_id))
-                return None
-            return state.accumulator
-        device = device if device is not None else torch.device("cpu")
-        acc = self._accumulators.get(device)
-        if acc is None:
-            acc = self._accumulators[device] = MultimodalAccumulator(self._config, device)
+            errors.append(TensorAccumulationError(f"tensors moved from {held.device} to {device} mid-stream",
+                                                  request_id=state.request_id))
+            return None
+        acc = self._accumulator_on(device if device is not None else torch.device("cpu"))
         acc.add_request(state.request_id, emit=EmitPolicy[state.output_kind.name])
         state.accumulator = acc
         self._hook(state, eco)
+        return acc
+
+    def _accumulator_on(self, device: torch.device) -> MultimodalAccumulator:
+        acc = self._accumulators.get(device)
+        if acc is None:
+            acc = self._accumulators[device] = MultimodalAccumulator(self._config, device)
         return acc
 
     def _hook(self, state: OmniRequestState, eco: EngineCoreOutput) -> None:
