@@ -312,7 +312,7 @@ def test_a_key_declared_append_list_collects_any_value(acc):
 
 def test_a_tensor_that_is_not_plain_strided_memory_fails_its_request_only(acc):
     """A nested or sparse chunk is an error for its request and key; the other request of the
-    step keeps every chunk (before, the step raised and every request lost its chunk)."""
+    step keeps every chunk."""
     acc.add_request("a")
     acc.add_request("b")
     for bad in (torch.nested.nested_tensor([torch.randn(3), torch.randn(2)]), torch.randn(4).to_sparse()):
@@ -323,30 +323,51 @@ def test_a_tensor_that_is_not_plain_strided_memory_fails_its_request_only(acc):
     assert torch.equal(acc.collect(["b"])["b"].tensors["audio"], torch.arange(4.0).repeat(2))
 
 
-def test_pools_that_hold_no_request_are_kept_for_a_few_shapes_only(acc):
+def test_pools_that_hold_no_request_are_kept_for_a_few_shapes_of_each_key(acc):
     """Each frame shape has a pool (an arena of its own): a stage whose shapes vary, images of many
-    sizes, would keep an arena for every shape it ever saw. Pools left holding no request are kept
-    for the four shapes used last; a shape that comes again finds its pool."""
+    sizes, would keep an arena for every shape it ever saw. Of each key's pools that hold no
+    request, those of the four shapes used last are kept (a shape that comes again finds its
+    pool); another key's pools do not count; a pool no request could join goes the same way."""
     from vllm_omni_kernels.accumulator import _IDLE_POOLS
 
-    for width in [*range(4, 12), 10]:
-        rid = f"image-{width}-{len(acc.pools())}"
+    def shapes():
+        return sorted(p.frame_shape for p in acc.pools() if p.key == "codes")
+
+    acc.add_request("voice")
+    assert acc.append_step(["voice"], {"audio": [torch.arange(3.0)]}) == []  # another key, held throughout
+    for width in range(4, 12):
+        rid = f"image-{width}"
         acc.add_request(rid)
         chunk = torch.arange(2 * width).view(2, width)
         assert acc.append_step([rid], {"codes": [chunk]}) == []
         assert torch.equal(acc.collect([rid])[rid].tensors["codes"], chunk)
-    assert sorted(p.frame_shape for p in acc.pools()) == [(8,), (9,), (10,), (11,)] and _IDLE_POOLS == 4
+    assert shapes() == [(8,), (9,), (10,), (11,)] and _IDLE_POOLS == 4
+    kept = {p.frame_shape: p for p in acc.pools()}[(10,)]
+    acc.add_request("again")
+    assert acc.append_step(["again"], {"codes": [torch.zeros(1, 10, dtype=torch.int64)]}) == []
+    assert acc.collect(["again"]) and {p.frame_shape: p for p in acc.pools()}[(10,)] is kept
+    # a pool made for a request that cannot join it (its key's frame changed mid-stream) is let go too
+    acc.add_request("changing")
+    assert acc.append_step(["changing"], {"codes": [torch.zeros(1, 4, dtype=torch.int64)]}) == []
+    for width in range(20, 26):
+        errs = acc.append_step(["changing"], {"codes": PaddedBatch(torch.zeros(1, 1, width, dtype=torch.int64), [1])})
+        assert [e.request_id for e in errs] == ["changing"]
+    assert len(shapes()) == _IDLE_POOLS + 1  # the four kept and the one "changing" holds
+    assert [p.key for p in acc.pools()].count("audio") == 1
 
 
 def test_a_request_moves_to_another_accumulator_only_while_it_holds_no_data(acc):
-    """``move`` hands a request with metadata only to another accumulator (its first tensor is on
-    that one's device), metadata and all; once it holds data, or the other holds the id, nothing moves."""
+    """``move`` hands a request without a slot (metadata and list items only) to another accumulator
+    (its first tensor is on that one's device), all it holds with it; once it holds a slot, or the
+    other holds the id, nothing moves."""
     other = MultimodalAccumulator(acc.config, "cpu")
     for rid in "ab":
         acc.add_request(rid)
-    assert acc.append_step(["a", "b"], {"sr": [24000, 16000], "audio": [None, torch.arange(3.0)]}) == []
+    assert acc.append_step(["a", "b"], {"sr": [24000, 16000], "frames": ["w", None],
+                                        "audio": [None, torch.arange(3.0)]}) == []
     assert acc.move("a", other) and "a" not in acc and "a" in other
     assert not acc.move("b", other) and not acc.move("x", other) and "b" in acc
     assert other.append_step(["a"], {"audio": [torch.arange(2.0)]}) == []
     (p,) = other.collect(["a"]).values()
-    assert torch.equal(p.tensors["audio"], torch.arange(2.0)) and p.metadata == {"sr": 24000}
+    assert torch.equal(p.tensors["audio"], torch.arange(2.0)) and p.tensors["frames"] == ["w"]
+    assert p.metadata == {"sr": 24000}

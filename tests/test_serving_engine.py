@@ -211,9 +211,7 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
                                      SamplingParams(n=2, max_tokens=5, output_kind=kind, detokenize=False))
             assert [list(c.token_ids) for c in two.request_output.outputs] == [want, want], kind
         # what the talker's sampling cannot honour is refused at admission (TalkerSampling), not ignored
-        from vllm.sampling_params import StructuredOutputsParams
-
-        from vllm.sampling_params import RepetitionDetectionParams
+        from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
 
         for refused in ({"logprobs": 2}, {"prompt_logprobs": 1}, {"min_tokens": 3, "stop_token_ids": [1100]},
                         {"allowed_token_ids": [1500]}, {"bad_words": ["x"]},

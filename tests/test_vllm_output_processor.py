@@ -160,8 +160,8 @@ def mm_step(rid, token, payload, finish=None):
 @pytest.mark.gpu
 def test_a_request_whose_first_outputs_are_metadata_goes_where_its_first_tensor_is():
     """Metadata-only outputs ({"sr": 24000}) tie a request to no device: its first tensor, on CUDA
-    (an in-process engine's producer), takes it and its metadata to that device's accumulator;
-    before, every tensor of it was refused as having moved from the CPU."""
+    (an in-process engine's producer), takes it and its metadata to that device's accumulator,
+    where every later tensor of it goes."""
     p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
     p.add_request(core_request("r", [3, 4], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=3)), None)
     audio = torch.randn(2, 5, device="cuda")

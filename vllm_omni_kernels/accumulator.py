@@ -35,7 +35,7 @@ from .ring.pool import MAX_SLOTS, more_slots
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POOLS = 4  # pools kept while they hold no request (``MultimodalAccumulator._free``)
+_IDLE_POOLS = 4  # pools of a key kept while they hold no request (``MultimodalAccumulator._note_idle``)
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -113,27 +113,34 @@ class MultimodalAccumulator:
         self._free(request_id, req)
 
     def move(self, request_id: str, to: MultimodalAccumulator) -> bool:
-        """Hand a request that holds no data yet (metadata at most) to accumulator ``to``, as it is:
-        its first tensor came on ``to``'s device. False, nothing moved, once it holds data here."""
+        """Hand a request that holds no slot yet (metadata and list items at most) to accumulator
+        ``to``, as it is: its first tensor came on ``to``'s device. False, nothing moved, once it
+        holds a slot here."""
         req = self._requests.get(request_id)
-        if req is None or req.pools or req.lists or request_id in to._requests:
+        if req is None or req.pools or request_id in to._requests:  # (list items are kept as given, anywhere)
             return False
         to._requests[request_id] = self._requests.pop(request_id)
         return True
 
     def _free(self, request_id: str, req: _Request) -> None:
         """Free the request's slots. A pool left holding no request stays for the requests to come,
-        up to ``_IDLE_POOLS`` of them (each holds its arena): a stage whose frame shapes vary (images
-        of many sizes) would otherwise keep an arena for every shape it ever saw."""
+        up to ``_IDLE_POOLS`` of each key (each holds its arena): a stage whose frame shapes vary
+        (images of many sizes) would otherwise keep an arena for every shape it ever saw."""
         for pool in req.pools.values():
             pool.free(request_id)
             if not len(pool):
-                ident = (pool.key, pool.dtype, pool.frame_shape)
-                self._idle.pop(ident, None)
-                self._idle[ident] = None
-        while len(self._idle) > _IDLE_POOLS:
-            ident = next(iter(self._idle))
-            del self._idle[ident], self._pools[ident]
+                self._note_idle(pool)
+
+    def _note_idle(self, pool: RingPool) -> None:
+        """``pool`` holds no request (made, or left by its last): of its key's pools that hold
+        none, the ``_IDLE_POOLS`` that became so last are kept. (Dropping a CUDA pool waits for
+        the kernels queued with its staging buffers: rare, where a key's frame shapes vary.)"""
+        ident = (pool.key, pool.dtype, pool.frame_shape)
+        self._idle.pop(ident, None)
+        self._idle[ident] = None
+        same_key = [i for i in self._idle if i[0] == pool.key]
+        if len(same_key) > _IDLE_POOLS:
+            del self._idle[same_key[0]], self._pools[same_key[0]]
 
     # --------------------------------------------------------------- append
 
@@ -203,6 +210,7 @@ class MultimodalAccumulator:
             pool = self._pools[ident] = RingPool(
                 key, dtype, frame, device, strategy, budget_bytes=cfg.pool_budget_bytes,
                 initial_frames=frames, max_slots=cfg.max_slots, growth=cfg.growth)
+            self._note_idle(pool)  # until a request holds a slot of it (it may never)
         return pool
 
     def _attach(self, key: str, rid: str, req: _Request, pool: RingPool, errors: list) -> bool:

@@ -4,7 +4,8 @@ Rules (``shared/DESIGN.md``, "Phase metadata and routing"):
 
 * a row goes to the batched decode hook only if the hook exists, its span is exactly 1 and it is
   not prefill; maximal runs of consecutive such rows form one hook call (``DecodeRun``);
-* any other row is a ``ScalarRow`` for the normal ``preprocess`` hook; it ends the run before it;
+* any other row is a ``ScalarRow`` for the normal ``preprocess`` hook; it ends the run before it
+  (a row that schedules no token has no hook call);
 * runner MTP takes only single-token decode rows (from either hook), packed densely in batch order;
   prefill rows, one-token prompt tails included, never reach MTP; decode spans longer than one token
   go to the scalar hook and not to MTP.

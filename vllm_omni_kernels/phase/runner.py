@@ -143,7 +143,8 @@ class OmniPhaseRunnerMixin:
 
         Raises:
             PhaseRoutingError: corrupt offsets (before any hook) or a hook output that does not match
-                its rows (after that hook); buffers unchanged, no update merged.
+                its rows (after that hook); no update merged, buffers unchanged (but for the token
+                embeddings written when ``embedded`` is False, before the hooks).
         """
         with nvtx_range("omni.preprocess"):
             model = self.model

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from vllm.distributed.parallel_state import get_pp_group
 from vllm.forward_context import set_forward_context
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -65,8 +66,10 @@ class OmniPhaseGPUModelRunner(OmniPhaseRunnerMixin, GPUModelRunner):
         inputs_embeds = self.inputs_embeds.gpu[:num_input_tokens]
         spans = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in self.input_batch.req_ids),
                             dtype=np.int64, count=len(self.input_batch.req_ids))
-        # (a text-only model: vLLM passes token ids and leaves the embedding buffer as the last step left it)
-        self._omni_preprocess(input_ids, inputs_embeds, spans, embedded=out[1] is not None)
+        # (a text-only model on the first pipeline rank: vLLM passes token ids and leaves the embedding
+        # buffer as the last step left it; a later rank takes the hidden states of the rank before)
+        embedded = out[1] is not None or not get_pp_group().is_first_rank
+        self._omni_preprocess(input_ids, inputs_embeds, spans, embedded=embedded)
         return (input_ids, inputs_embeds, *out[2:])
 
     def _omni_call_talker_mtp(self, ids, embeds, hidden, text, request_ids):
