@@ -105,6 +105,8 @@ class FakeTalker:
             updates = updates[:-1]
         elif self.break_batch == "update type":  # the last row's update is not a dict
             updates[-1] = 5
+        elif self.break_batch == "update key":  # the last row's update has a key preprocess takes itself
+            updates[-1]["input_embeds"] = None
         elif self.break_batch == "arity":
             return ids, emb
         if not self.mtp:

@@ -272,7 +272,7 @@ def test_gather_rows_must_be_integers():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("broken", ["rows", "ids", "updates", "update type", "arity"])
+@pytest.mark.parametrize("broken", ["rows", "ids", "updates", "update type", "update key", "arity"])
 @pytest.mark.parametrize("mtp", [True, False])
 def test_incomplete_hook_outputs_raise_with_buffers_unchanged(use_backend, backend, broken, mtp):
     runner = make_runner(use_backend, backend, mtp=mtp, prompts={"p": 4, "x": 2, "y": 2})
@@ -281,7 +281,7 @@ def test_incomplete_hook_outputs_raise_with_buffers_unchanged(use_backend, backe
     before = runner.inputs_embeds.clone(), runner.input_ids.clone()
     with pytest.raises(PhaseRoutingError) as err:
         runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
-    assert err.value.request_id == ("y" if broken == "update type" else "x")
+    assert err.value.request_id == ("y" if broken in ("update type", "update key") else "x")
     assert torch.equal(runner.inputs_embeds, before[0]) and torch.equal(runner.input_ids, before[1])
     assert "meta" not in runner.model_intermediate_buffer["p"]  # no update merged, not even row p's
     runner.model.break_batch = None  # the runner is usable again

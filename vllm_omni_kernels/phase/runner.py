@@ -53,6 +53,22 @@ def _shape_error(request_id: str, what: str, got: Any, want: tuple) -> PhaseRout
     return PhaseRoutingError(f"{what} has shape {shape}, expected {want}", request_id=request_id)
 
 
+_HOOK_ARGUMENTS = ("input_ids", "input_embeds")  # what preprocess takes besides the request's info
+
+
+def _check_update(hook: str, request_id: str, update: Any) -> None:
+    """A hook's update: None or a dict, merged into the request's info, which ``preprocess`` takes
+    as keywords besides its own arguments (a key named as one of them could never be passed)."""
+    if update is None:
+        return
+    if not isinstance(update, dict):
+        raise PhaseRoutingError(f"{hook} update must be a dict, got {type(update).__name__}", request_id=request_id)
+    clash = [k for k in _HOOK_ARGUMENTS if k in update]
+    if clash:
+        raise PhaseRoutingError(f"{hook} update has the key {clash[0]!r}, an argument of preprocess: the request's "
+                                "info goes to preprocess as keywords", request_id=request_id)
+
+
 class _ScalarRows:
     """The copies of a step's scalar rows, collected while their hooks run and recorded into the
     gather with one call per destination (a mixed batch has one hook run per row: one record call
@@ -217,9 +233,7 @@ class OmniPhaseRunnerMixin:
                                     f"{len(updates) if isinstance(updates, list | tuple) else type(updates).__name__}",
                                     request_id=rids[0])
         for rid, update in zip(rids, updates):
-            if update is not None and not isinstance(update, dict):
-                raise PhaseRoutingError(f"preprocess_decode_batch update must be a dict, got {type(update).__name__}",
-                                        request_id=rid)
+            _check_update("preprocess_decode_batch", rid, update)
         try:
             if not same_ids:
                 self._omni_gather.pre.jobs.ints(input_ids, run.offsets, ids.reshape(-1))
@@ -244,8 +258,7 @@ class OmniPhaseRunnerMixin:
         h = inputs_embeds.shape[1]
         if not isinstance(embeds, torch.Tensor) or tuple(embeds.shape) != (step.span, h):
             raise _shape_error(rid, "preprocess embeddings", embeds, (step.span, h))
-        if update is not None and not isinstance(update, dict):
-            raise PhaseRoutingError(f"preprocess update must be a dict, got {type(update).__name__}", request_id=rid)
+        _check_update("preprocess", rid, update)
         new_ids = ids is not None and ids is not ids_in
         if new_ids and (not isinstance(ids, torch.Tensor) or ids.numel() != step.span):
             raise _shape_error(rid, "preprocess input_ids", ids, (step.span,))
