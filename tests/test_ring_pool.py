@@ -724,3 +724,52 @@ def test_more_slots_keep_every_held_slots_data_and_repeated_steps_go_on(backend)
         assert torch.equal(got, torch.cat(want[r])), r
     with pytest.raises(ValueError, match="at most 65535 rows"):
         pool.grow_slots(1 << 16)
+
+
+def test_a_lazily_negated_batch_is_appended_with_its_sign_on_the_planned_and_the_repeated_path(backend):
+    """A ``PaddedBatch`` whose data is a lazy view (``.imag`` of a conjugated complex tensor carries
+    a negative bit, not negated memory) is appended as it reads, as ``torch.cat`` would take it,
+    also when it repeats a kept step's shape and strides."""
+    def lazy(values):  # float32 [1, 4, 1], strides (8, 2, 1), negative bit set
+        return torch.complex(torch.zeros(1, 4), values.reshape(1, 4)).conj().imag[..., None]
+
+    def plain(values):  # the same shape and strides, no negative bit
+        buf = torch.zeros(8)
+        buf[1::2] = values
+        return torch.as_strided(buf, (1, 4, 1), (8, 2, 1), 1)
+
+    for makes in ([lazy], [plain, plain, plain, lazy]):
+        pool = make_pool(S.CONCAT_DIM0, (1,), initial_frames=16)
+        pool.alloc("a")
+        want = []
+        for k, make in enumerate(makes):
+            data = make(torch.arange(1.0, 5.0) + 10 * k)
+            assert data.is_neg() == (make is lazy)
+            want.append(data[0].resolve_neg().clone())
+            assert pool.append(["a"], PaddedBatch(data, [4])).errors == ()
+        assert torch.equal(pool.consolidate(["a"])[0], torch.cat(want))
+
+
+def test_a_batch_that_is_not_plain_strided_memory_fails_each_of_its_requests(backend):
+    """Nested and sparse (CSR too, once a step of its shape was kept) batches: one
+    ``TensorAccumulationError`` per request, naming it, and nothing appended."""
+    for data in (torch.nested.nested_tensor([torch.ones(4, 1), torch.ones(4, 1)]),
+                 torch.ones(2, 4).to_sparse_csr()):
+        pool = make_pool(S.CONCAT_LAST, (), initial_frames=16)
+        for rid in "ab":
+            pool.alloc(rid)
+        for _ in range(3):
+            assert pool.append(["a", "b"], PaddedBatch(torch.ones(2, 4), [4, 4])).errors == ()
+        errors = pool.append(["a", "b"], PaddedBatch(data, [4, 4])).errors
+        assert [e.request_id for e in errors] == ["a", "b"] and "plain strided" in str(errors[0])
+        assert pool.unread_frames("a") == pool.unread_frames("b") == 12
+
+
+def test_a_read_of_a_negative_count_is_refused_with_nothing_moved(backend):
+    pool = make_pool(S.CONCAT_LAST, (), initial_frames=16)
+    pool.alloc("a")
+    pool.append(["a"], [torch.arange(4.0)])
+    out = torch.empty(8)
+    with pytest.raises(ValueError, match="negative"):
+        pool.read_into(["a"], out, drain=True, frames=np.array([-2]))
+    assert pool.unread_frames("a") == 4 and torch.equal(pool.drain(["a"])[0], torch.arange(4.0))

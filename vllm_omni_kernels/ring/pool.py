@@ -372,13 +372,9 @@ class RingPool:
     def _chunk_frames(self, t: torch.Tensor, request_id: str, lead: int = 0) -> int:
         """Validate one chunk (``lead`` 1: a batch of chunks, ``[B, *chunk]``) against the pool;
         return its frame count (a batch: its padded length)."""
-        if not isinstance(t, torch.Tensor):
-            raise TensorAccumulationError(f"expected a tensor, got {type(t).__name__}",
-                                          request_id=request_id, key=self.key)
-        if t.layout is not torch.strided or t.is_nested or t.is_quantized:
-            raise TensorAccumulationError(f"a tensor of layout {t.layout} (nested: {t.is_nested}, quantized: "
-                                          f"{t.is_quantized}): chunks are plain strided tensors",
-                                          request_id=request_id, key=self.key)
+        why = _not_plain(t)
+        if why:
+            raise TensorAccumulationError(why, request_id=request_id, key=self.key)
         if t.device != self.device:
             raise TensorAccumulationError(f"tensor on {t.device} but the pool is on {self.device}",
                                           request_id=request_id, key=self.key)
@@ -488,6 +484,13 @@ class RingPool:
             if isinstance(chunks, PaddedBatch):
                 ids = tuple(request_ids)  # once: the repeat check, the slot lookup and the kept plan use it
                 data = chunks.data.detach() if chunks.data.requires_grad else chunks.data
+                if isinstance(data, torch.Tensor) and (data.is_neg() or data.is_conj()):
+                    data = data.resolve_conj().resolve_neg()  # a lazy view: the kernels read memory, not flags
+                why = _not_plain(data)
+                if why:
+                    errors = [TensorAccumulationError(why, request_id=r, key=self.key) for r in ids]
+                    self.rejected += len(errors)
+                    return AppendResult(0, tuple(errors))
                 if slots is None and self._launch_repeat(ids, data, chunks.lengths):
                     return self._repeat.result
                 rows = self._rows_from_batch(ids, data, chunks.lengths, errors, slots)
@@ -736,6 +739,8 @@ class RingPool:
         CONCAT_LAST, ``[n, *frame]`` for CONCAT_DIM0. ``slots``: the requests' slots, as for ``append``.
         ``frames``: at most this many frames of each span, its oldest (int64, aligned; None: all);
         a drain leaves the rest unread."""
+        if frames is not None and len(frames) and int(np.min(frames)) < 0:
+            raise ValueError(f"pool {self.key!r}: frames to read must not be negative, got {np.asarray(frames).tolist()}")
         if not drain:
             self.check_consolidate(request_ids)
         self._settle()
@@ -815,6 +820,9 @@ class RingPool:
         ``src`` (a ``PaddedBatch``'s data) for ``request_ids``. Raises its first error; ValueError
         for a source whose rows are not of unit stride (the view would be a copy taken now, and
         every launch would append that instead of what the source holds then)."""
+        if src.is_neg() or src.is_conj():
+            raise ValueError(f"pool {self.key!r}: a static append reads its source's memory at every launch, and a "
+                             "lazily negated or conjugated view is not what its memory holds")
         errors: list[TensorAccumulationError] = []
         rows = self._rows_from_batch(list(request_ids), src, lengths, errors)
         if errors or rows is None:
@@ -824,6 +832,16 @@ class RingPool:
                              f"rows of shape {tuple(src.shape)} and strides {src.stride()} cannot be read so "
                              "(make it contiguous once, and write the step's chunks there)")
         return rows[:5]
+
+
+def _not_plain(t) -> str | None:
+    """Why ``t`` is not a chunk the kernels can read (a tensor of plain strided memory), or None."""
+    if not isinstance(t, torch.Tensor):
+        return f"expected a tensor, got {type(t).__name__}"
+    if t.layout is not torch.strided or t.is_nested or t.is_quantized:
+        return (f"a tensor of layout {t.layout} (nested: {t.is_nested}, quantized: {t.is_quantized}): chunks are "
+                "plain strided tensors")
+    return None
 
 
 def host_lengths(lengths) -> np.ndarray:
