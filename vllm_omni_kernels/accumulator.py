@@ -31,22 +31,20 @@ from .errors import TensorAccumulationError, TensorConsolidationError
 from .modality import OutputModality, TensorAccumulationStrategy as Strategy, resolve_strategy
 from .payload import MultimodalPayload
 from .ring import PaddedBatch, PoolStats, RingPool, host_lengths
-from .ring.pool import MAX_SLOTS, more_slots
+from .ring.pool import MAX_SLOTS, more_slots, not_plain
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POOLS = 4  # pools of a key kept while they hold no request (``MultimodalAccumulator._note_idle``)
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` is plain strided memory (not sparse, nested, quantized or a meta tensor without
-    data), as the pools copy it."""
-    return t.layout is torch.strided and not (t.is_nested or t.is_quantized or t.is_meta)
-
-
-def _not_plain(t: torch.Tensor) -> str:
-    return (f"a tensor of layout {t.layout} (nested: {t.is_nested}, quantized: {t.is_quantized}, on {t.device}): "
-            "values are plain strided tensors with data")
+def _unfit(t: torch.Tensor) -> str | None:
+    """Why tensor ``t`` cannot be accumulated, or None: what the pools refuse (``ring.pool.not_plain``),
+    and a meta tensor, which has no data (refused before it is taken for metadata too)."""
+    why = not_plain(t)
+    if why is None and t.is_meta:
+        why = "a tensor on the meta device has no data: values are plain strided tensors with data"
+    return why
 
 
 class EmitPolicy(enum.Enum):
@@ -237,9 +235,9 @@ class MultimodalAccumulator:
 
     def _append_batch(self, key: str, request_ids: Sequence[str], batch: PaddedBatch, errors: list) -> None:
         data = batch.data
-        if not isinstance(data, torch.Tensor) or len(request_ids) == 0 or not _plain(data):
-            why = _not_plain(data) if isinstance(data, torch.Tensor) else \
-                f"PaddedBatch.data must be a tensor, got {type(data).__name__}"
+        why = _unfit(data) if isinstance(data, torch.Tensor) else \
+            f"PaddedBatch.data must be a tensor, got {type(data).__name__}"
+        if why or len(request_ids) == 0:
             errors.extend(TensorAccumulationError(why, request_id=rid, key=key) for rid in request_ids)
             return
         strategy = resolve_strategy(key, data[0] if data.dim() > 1 else data, self.config.modality,
@@ -273,8 +271,9 @@ class MultimodalAccumulator:
         for rid, value in zip(request_ids, values):
             if value is None:
                 continue
-            if isinstance(value, torch.Tensor) and not _plain(value):
-                errors.append(TensorAccumulationError(_not_plain(value), request_id=rid, key=key))
+            why = _unfit(value) if isinstance(value, torch.Tensor) else None
+            if why:
+                errors.append(TensorAccumulationError(why, request_id=rid, key=key))
                 continue
             strategy = resolve_strategy(key, value, self.config.modality, self.config.strategies)
             req = self._holds(rid, key, strategy, errors)
@@ -384,7 +383,7 @@ def _check_batch(key: str, batch: PaddedBatch, requests: int) -> None:
     """ValueError unless ``batch`` has one row and one length per request (TypeError for lengths on
     a device or not integers); a batch whose data is no plain tensor is left to the per-request errors."""
     data, lengths = batch.data, batch.lengths
-    if isinstance(data, torch.Tensor) and _plain(data) and (data.dim() < 1 or data.shape[0] != requests):
+    if isinstance(data, torch.Tensor) and _unfit(data) is None and (data.dim() < 1 or data.shape[0] != requests):
         rows = data.shape[0] if data.dim() else 0
         raise ValueError(f"outputs[{key!r}] is a PaddedBatch of {rows} rows for {requests} requests")
     try:
