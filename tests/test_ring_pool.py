@@ -247,6 +247,19 @@ def test_slots_are_reused_and_stats_track_high_water():
     assert st.high_water_bytes == 32 * 4 and st.growths == 50
 
 
+def test_the_slots_a_caller_is_given_cannot_change_the_pools_own():
+    pool = make_pool()
+    for r in ("a", "b"):
+        pool.alloc(r)
+    pool.append(["a", "b"], [torch.ones(3), torch.ones(2)])  # the pool remembers this step's slots
+    given = pool.slots(["a", "b"])
+    with pytest.raises(ValueError):
+        given[0] = given[1]
+    pool.append(["a", "b"], [torch.full((1,), 2.0), torch.full((1,), 3.0)])
+    a, b = pool.drain(["a", "b"])
+    assert a.tolist() == [1, 1, 1, 2] and b.tolist() == [1, 1, 3]
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), dtype=st.sampled_from(ALL_DTYPES),

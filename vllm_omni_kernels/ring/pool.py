@@ -561,6 +561,7 @@ class RingPool:
                                                           request_id=r, key=self.key))
                 seen.add(r)
         if keep.all():
+            slots.flags.writeable = False  # shared with later steps (and ``slots()``' callers)
             self._ids_cache = (ids, slots, self.version)
         return slots, keep
 
