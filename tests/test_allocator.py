@@ -93,3 +93,20 @@ def test_random_allocs_and_frees_match_a_model_of_the_arena(seed):
     for off in list(live):
         a.free(off)
     assert a.is_merged() and a.used_frames == 0
+
+
+@pytest.mark.parametrize("total, least", [(64, 8), (96, 8), (1000, 16), (56, 8), (8, 8), (8, 2)])
+def test_ever_fits_is_whether_a_region_can_be_had_with_only_the_held_one_taken(total, least):
+    """Checked against the allocator itself: every smallest region taken, all but the held one given
+    back, then the region asked for."""
+    blocks = BuddyAllocator(total, least).total_frames // least
+    for held in range(blocks):
+        for frames in sorted({f for k in range(12) for f in ((least << k) - 1, least << k, (least << k) + 1)}):
+            a = BuddyAllocator(total, least)
+            offsets = [a.alloc(least)[0] for _ in range(blocks)]
+            for off in offsets:
+                if off != held * least:
+                    a.free(off)
+            assert a.ever_fits(frames, held * least) == (a.alloc(frames) is not None), (held, frames)
+            assert BuddyAllocator(total, least).ever_fits(frames) == (BuddyAllocator(total, least).alloc(frames)
+                                                                      is not None)

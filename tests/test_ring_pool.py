@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ALL_DTYPES, random_tensor
-from vllm_omni_kernels.errors import TensorAccumulationError, TensorConsolidationError
+from vllm_omni_kernels.errors import OutputMemoryError, TensorAccumulationError, TensorConsolidationError
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
@@ -224,6 +224,33 @@ def test_budget_spent_and_slot_limit():
     small.alloc("x")
     with pytest.raises(TensorAccumulationError, match="slots"):
         small.alloc("y")
+
+
+def test_a_request_that_needs_more_than_the_budget_can_ever_give_it_is_not_told_to_retry():
+    """A slot keeps its region while it grows into a new one: in an arena of one 32-frame block a
+    request can hold at most 16 frames, however many others finish. Past that its error is not an
+    OutputMemoryError (which says a retry can succeed: a speech client would be told 503, retry,
+    for ever); short of it, with the others' regions in the way, it is."""
+    pool = make_pool(budget_bytes=32 * 4, initial_frames=8, max_slots=4)
+    pool.alloc("a")
+    res = pool.append(["a"], [torch.ones(9)])  # grows to 16 frames
+    assert not res.errors
+    pool.alloc("b")
+    res = pool.append(["a"], [torch.ones(8)])  # 17: a 32-frame region, the whole arena
+    (err,) = res.errors
+    assert type(err) is TensorAccumulationError and err.request_id == "a" and "more than one request can hold" in str(err)
+    assert pool.unread_frames("a") == 9
+    wide = make_pool(budget_bytes=64 * 4, initial_frames=8, max_slots=4)
+    wide.alloc("a")
+    wide.append(["a"], [torch.ones(9)])  # 16 frames
+    for r in ("b", "c"):
+        wide.alloc(r)
+    wide.append(["b", "c"], [torch.ones(9), torch.ones(9)])  # 16 each: no 32-frame region free now
+    (err,) = wide.append(["a"], [torch.ones(8)]).errors
+    assert type(err) is OutputMemoryError and err.request_id == "a"
+    wide.free("b")
+    wide.free("c")
+    assert not wide.append(["a"], [torch.ones(8)]).errors and wide.unread_frames("a") == 17
 
 
 def test_consolidate_after_drain_is_a_consolidation_error():

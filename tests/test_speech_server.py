@@ -279,15 +279,18 @@ def _posted(server, body: dict):
         yield sock
 
 
-def test_a_client_that_stops_reading_loses_its_stream_and_frees_its_slot(server):
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_client_that_stops_reading_loses_its_stream_and_frees_its_slot(server, streamed):
     """A client that keeps its connection open and reads nothing past the headers: once the server's
     send has waited ``--stall-timeout`` seconds for room, its stream is given up (the request aborted
     if it still runs: a CPU talker may have made all of its audio by then), its slot and output
     memory are given back, it counts as cancelled, and the connection closes. Without the timeout
-    the slot stays held as long as the client keeps its connection."""
+    the slot stays held as long as the client keeps its connection. A whole file (22 MB here) goes
+    out the same way: handed to the HTTP server at once, it stayed in the server's memory for as
+    long as its client kept the connection, and counted as served."""
     counted = idle(server)
     with _posted(server, {"input": "a" * 2900, "response_format": "pcm", "sample_format": "f32",
-                          "stream": True}) as sock:
+                          "stream": streamed}) as sock:
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
         t0 = time.time()
         time.sleep(1.0)
@@ -581,6 +584,16 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("text", [" " * 3001, "\ud800" * 3001])
+def test_an_input_past_the_limit_is_refused_for_its_length_before_its_characters_are_read(server, text):
+    """The length is checked first: the checks of what the characters are read every one of them
+    (megabytes of spaces held the event loop for half a second, to be called empty)."""
+    r = httpx.post(f"{server['url']}/v1/audio/speech", content=json.dumps({"input": text}), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert "3001 characters; at most 3000" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("body, param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
 def test_bad_requests_get_400_and_leave_the_engine_alone(server, body, param):
     before = idle(server)
@@ -605,6 +618,29 @@ def test_a_server_that_takes_short_inputs_only_starts_and_serves(short_inputs):
     r = httpx.post(f"{short_inputs['url']}/v1/audio/speech", json={"input": "hi", "response_format": "pcm",
                                                                    "sample_format": "f32"}, timeout=60)
     assert r.status_code == 200 and np.array_equal(np.frombuffer(r.content, "<f4"), expected(short_inputs, "hi"))
+
+
+def test_a_large_piece_is_converted_while_the_event_loop_serves_others():
+    """A piece of more than ``_LOOP_SAMPLES`` samples (a whole file's) is converted to bytes in a
+    thread: another task runs before the conversion ends (done on the event loop, it held every
+    stream of the process for tens of milliseconds); the bytes are the same either way."""
+    from vllm_omni_kernels.vllm_integration import speech
+
+    async def convert(audio, fmt):
+        ran = []
+
+        async def other():
+            ran.append(True)
+        task = asyncio.ensure_future(other())
+        got = await speech._samples_bytes(audio, fmt)
+        other_ran_first = bool(ran)
+        await task
+        return got, other_ran_first, speech.samples_bytes(audio, fmt)
+
+    audio = torch.linspace(-1.5, 1.5, speech._LOOP_SAMPLES + 1)
+    for fmt in ("s16", "f32"):
+        got, other_ran_first, same = asyncio.run(convert(audio, fmt))
+        assert got == same and other_ran_first
 
 
 def test_every_character_is_a_token_and_pcm16_clips_at_one(tmp_path):

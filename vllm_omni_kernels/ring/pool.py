@@ -27,7 +27,8 @@ and the kernel reads device memory. Its frames are counted in the host table whe
 Overflow: when a chunk would overwrite unread data the slot grows to the next size class that fits
 (at least double), copying its unread span on the device; with growth off that request gets a
 ``TensorAccumulationError``, with the budget spent an ``OutputMemoryError`` (a retry can succeed once
-other requests free theirs), and nothing of it is written, while the other requests of the step go
+other requests free theirs; a request that needs more than the budget could ever give it gets a
+``TensorAccumulationError``), and nothing of it is written, while the other requests of the step go
 through.
 """
 
@@ -438,6 +439,11 @@ class RingPool:
                                            f"(capacity {cap}, unread {unread}) and growth is off",
                                            request_id=request_id, key=self.key)
         region = self.allocator.alloc(max(needed, 2 * cap))
+        if region is None and not self.allocator.ever_fits(needed, int(self.table[slot, BASE]) // self.frame_elems):
+            return TensorAccumulationError(  # (not an OutputMemoryError: a retry would fail the same way)
+                f"{needed} {self.unit} unread are more than one request can hold in this pool's budget of "
+                f"{self.arena.numel() * self.arena.element_size()} bytes (a growing slot keeps its old region "
+                "until its data has moved); raise the budget", request_id=request_id, key=self.key)
         if region is None:
             return OutputMemoryError(f"cannot grow to {needed} {self.unit}: pool budget of "
                                      f"{self.arena.numel() * self.arena.element_size()} bytes is spent",

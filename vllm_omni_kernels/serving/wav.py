@@ -31,8 +31,11 @@ def wav_header(sample_rate: int, *, float32: bool, data_bytes: int = STREAMING_S
 def pcm16(samples: np.ndarray) -> bytes:
     """Float samples as little-endian 16-bit PCM: clipped to [-1, 1], times 32767, rounded to nearest
     (so -1 and anything below it are -32767, as 1 and above are 32767; NaN is 0)."""
-    x = np.nan_to_num(np.asarray(samples, np.float64), nan=0.0)
-    return np.rint(np.clip(x, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+    x = np.array(samples, np.float64)  # (one copy, worked on in place)
+    np.nan_to_num(x, copy=False, nan=0.0)
+    np.clip(x, -1.0, 1.0, out=x)
+    x *= 32767.0
+    return np.rint(x, out=x).astype("<i2").tobytes()
 
 
 def write_wav_f32(path: Path, samples: np.ndarray, sample_rate: int) -> None:

@@ -74,8 +74,8 @@ def make_parser() -> FlexibleArgumentParser:
     g.add_argument("--max-input-chars", type=_whole(1), default=4096, help="longest input text, in characters")
     g.add_argument("--retry-after", type=_whole(0), default=1, help="seconds a 503 answer asks the client to wait")
     g.add_argument("--stall-timeout", type=_whole(1), default=60,
-                   help="seconds a streamed response waits for its client to take more bytes before it aborts the "
-                        "request and closes the connection (a client that stops reading holds a slot till then)")
+                   help="seconds a response waits for its client to take more bytes before it aborts the request "
+                        "and closes the connection (a client that stops reading holds a slot till then)")
     return parser
 
 

@@ -15,11 +15,12 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
   "usage": {...}}`` (prompt tokens in, codec frames out); it streams without ``stream``, and with
   ``stream: false`` it is a 400. The deltas' bytes are what ``stream: true`` would send.
 - A client that disconnects aborts its request in the engine (its worker slots are freed); so does
-  one that takes none of a stream's bytes for ``stall_s`` seconds, whose connection is closed.
+  one that takes none of a stream's bytes for ``stall_s`` seconds, whose connection is closed (a
+  whole file goes out the same way, so a client that reads none of it does not keep it in memory).
 - Over ``max_inflight`` requests in flight: ``503`` with ``Retry-After``; nothing is queued. The same
   for a request that fails before its first audio because the engine's output memory cannot hold it
   (``OutputMemoryError``: the worker's ``pool_budget_bytes``, which a FINAL_ONLY request fills with
-  all its audio until it finishes), for one that vLLM refuses as retryable (a paused engine), and
+  all its audio until it finishes; one that needs more than any retry could get fails, a 500), for one that vLLM refuses as retryable (a paused engine), and
   for one the engine itself aborts before its first audio (its shutdown, a pause that aborts); each
   counts as turned away, not served.
 - Bad requests: ``400`` with an OpenAI-style error body naming the parameter; the engine is not touched.
@@ -103,7 +104,7 @@ class SpeechLimits:
     max_inflight: int = 64
     max_input_chars: int = 4096
     retry_after_s: int = 1
-    stall_s: float = 60.0  # a streamed response gives its request up when its client takes no bytes this long
+    stall_s: float = 60.0  # a response gives its request up when its client takes no bytes this long
     request_id_headers: bool = False  # vLLM's --enable-request-id-headers: its middleware sets X-Request-Id
 
 
@@ -217,6 +218,18 @@ def samples_bytes(audio: torch.Tensor, sample_format: str) -> bytes:
     return pcm16(a) if sample_format == "s16" else a.astype("<f4").tobytes()
 
 
+# A piece of more samples than this is converted in a thread (numpy lets the event loop run meanwhile):
+# a whole file's or a slow reader's merged piece takes tens of milliseconds, which every other
+# stream of the process would wait.
+_LOOP_SAMPLES = 1 << 16
+
+
+async def _samples_bytes(audio: torch.Tensor, sample_format: str) -> bytes:
+    if audio.numel() > _LOOP_SAMPLES:
+        return await asyncio.to_thread(samples_bytes, audio, sample_format)
+    return samples_bytes(audio, sample_format)
+
+
 class SpeechStream:
     """One request's engine stream and the slot it holds in ``Admission``; ``close()`` (idempotent)
     aborts the engine request if it has not finished and releases the slot, whatever happened to
@@ -280,7 +293,7 @@ class SpeechStream:
         if not self.first_at:
             self.first_at, self.first_metrics = time.time(), out.metrics
         self.samples += audio.numel()
-        return (samples_bytes(audio, self.sample_format) if audio.numel() else None), out.finished
+        return (await _samples_bytes(audio, self.sample_format) if audio.numel() else None), out.finished
 
     @property
     def outcome(self) -> str:
@@ -317,9 +330,9 @@ _SEND_BYTES = 1 << 16
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """A streaming response that closes its ``SpeechStream`` however the response ends (its body
-    marks the stream delivered after its last piece was sent). A client that takes none of the
-    next bytes for ``stall_s`` seconds (its connection open, nothing read: the HTTP server's send
+    """A streamed response (or a whole file, sent the same way) that closes its ``SpeechStream``
+    however the response ends (its body marks the stream delivered after its last piece was sent).
+    A client that takes none of the next bytes for ``stall_s`` seconds (its connection open, nothing read: the HTTP server's send
     waits for room) loses its stream: the request is aborted, its slot given back, and the
     connection closed, so that stalled clients cannot hold every slot of the server. The body goes
     out ``_SEND_BYTES`` at a time, so a client that plays the audio as it comes makes room for the
@@ -344,21 +357,6 @@ class _ClosingStreamingResponse(StreamingResponse):
                            self.stream.request_id, self._stall_s)
         except SpeechFailedError:  # logged by the body: the response is left incomplete, and the HTTP
             pass  # server closes the connection without the last chunk (raised on, it would log the route's frames)
-        finally:
-            await self.stream.close()
-
-
-class _ClosingFileResponse(Response):
-    """A whole file that closes its ``SpeechStream`` once it was sent (delivered) or failed to be."""
-
-    def __init__(self, stream: SpeechStream, content: bytes, **kwargs):
-        super().__init__(content, **kwargs)
-        self.stream = stream
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-            self.stream.delivered = True
         finally:
             await self.stream.close()
 
@@ -394,14 +392,14 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
     if request.instructions:
         return _error("this model speaks its voices as they are and takes no instructions; leave instructions out",
                       "instructions")
+    if len(request.input) > limits.max_input_chars:  # (first: the checks below read every character)
+        return _error(f"input has {len(request.input)} characters; at most {limits.max_input_chars}", "input")
     if not any(ch.isprintable() and not ch.isspace() for ch in request.input):  # (control, format characters)
         return _error("input must not be empty: it has no character to speak", "input")
     try:
         request.input.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" is valid JSON): no text to speak
         return _error(f"input is not valid text: {exc.reason} at character {exc.start}", "input")
-    if len(request.input) > limits.max_input_chars:
-        return _error(f"input has {len(request.input)} characters; at most {limits.max_input_chars}", "input")
     return None
 
 
@@ -451,7 +449,7 @@ async def create_speech(request: SpeechRequest, raw_request: Request):
         raise
     finally:
         if load is not None:
-            if isinstance(response, (_ClosingStreamingResponse, _ClosingFileResponse)):
+            if isinstance(response, _ClosingStreamingResponse):
                 response.stream.load = load
             else:
                 load.server_load_metrics -= 1
@@ -494,7 +492,7 @@ async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
     handed_over = False
     try:
         response = await _respond(stream, request, streamed, state.omni_speech_first_audio, limits, len(prompt))
-        handed_over = isinstance(response, (_ClosingStreamingResponse, _ClosingFileResponse))
+        handed_over = isinstance(response, _ClosingStreamingResponse)
         return response
     finally:
         if not handed_over:
@@ -524,11 +522,23 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
         return _failed(exc, stream, limits)
     f32 = request.sample_format == "f32"
     headers = _headers(request, stream.request_id, limits.request_id_headers)
-    if not streamed:
-        data = b"".join(pieces)
+
+    async def sent(body):  # resumed after its last yield only once the server has sent that piece
+        async for piece in body:
+            for at in range(0, len(piece), _SEND_BYTES):
+                yield piece[at:at + _SEND_BYTES]
+        stream.delivered = True
+
+    if not streamed:  # one file of known length, sent as a stream is (a client that takes none of it is let go)
         if request.response_format == "wav":
-            data = wav_header(tk.SAMPLE_RATE, float32=f32, data_bytes=len(data)) + data
-        return _ClosingFileResponse(stream, data, media_type=MEDIA[request.response_format], headers=headers)
+            pieces.insert(0, wav_header(tk.SAMPLE_RATE, float32=f32, data_bytes=sum(map(len, pieces))))
+
+        async def whole():
+            for piece in pieces:
+                yield piece
+
+        return _ClosingStreamingResponse(stream, sent(whole()), limits.stall_s, media_type=MEDIA[request.response_format],
+                                         headers={**headers, "Content-Length": str(sum(map(len, pieces)))})
     first = b"".join(pieces)  # (at most one)
     if request.response_format == "wav":
         first = wav_header(tk.SAMPLE_RATE, float32=f32) + first
@@ -547,12 +557,6 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
                 raise
             if piece:
                 yield piece
-
-    async def sent(body):  # resumed after its last yield only once the server has sent that piece
-        async for piece in body:
-            for at in range(0, len(piece), _SEND_BYTES):
-                yield piece[at:at + _SEND_BYTES]
-        stream.delivered = True
 
     async def events():
         async for piece in audio():
