@@ -182,10 +182,13 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
     """``OmniLLM.generate`` takes every output ``step`` returns: with a request of the caller's own
     in flight (id "0", which ``generate`` once used itself) it refuses to run; a prompt vLLM refuses
     (longer than ``max_model_len``) raises, and the prompts added before it are aborted. One prompt
-    is one request; sampling parameters that are neither one nor one per prompt are refused, and
-    so are those the talker cannot honour, as vLLM refuses a bad parameter."""
+    is one request (a list of token ids too, as vLLM's ``LLM.generate`` takes it); sampling
+    parameters that are neither one nor one per prompt are refused, and so are those the talker
+    cannot honour, as vLLM refuses a bad parameter, and prompt embeddings (the talker speaks token
+    ids: it gave every embeddings prompt the audio of token 0)."""
     engine = OmniLLM.from_engine_args(talker_engine_args(make_model_dir(tmp_path / "model"), max_num_seqs=4,
-                                                         max_model_len=64, disable_log_stats=True),
+                                                         max_model_len=64, disable_log_stats=True,
+                                                         enable_prompt_embeds=True),
                                       enable_multiprocessing=False)
     final = SamplingParams(max_tokens=7, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
     try:
@@ -201,6 +204,13 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
         assert out.multimodal.tensors["audio"].equal(tk.expected_audio(tk.rollout(tk.ToyTalker(0), [5, 6, 7], 7)))
         (one,) = engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), final)  # one prompt, not a list of keys
         assert one.multimodal.tensors["audio"].equal(out.multimodal.tensors["audio"])
+        (ids,) = engine.generate([5, 6, 7], final)  # one prompt of token ids
+        assert ids.multimodal.tensors["audio"].equal(out.multimodal.tensors["audio"])
+        from vllm.inputs import EmbedsPrompt
+
+        with pytest.raises(VLLMValidationError, match="takes no prompt embeddings") as caught:
+            engine.generate(EmbedsPrompt(prompt_embeds=torch.zeros(5, 64)), final)
+        assert caught.value.parameter == "prompt_embeds" and not engine.has_unfinished_requests()
         with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
             engine.generate([TokensPrompt(prompt_token_ids=[5, 6, 7 + i]) for i in range(3)], [final, final])
         # n samples: the whole of each, CUMULATIVE as FINAL_ONLY (vLLM sends a streaming kind's outputs
@@ -613,7 +623,8 @@ def test_requests_the_output_memory_cannot_hold_fail_alone_and_the_engine_serves
     (each reserves a 1 MiB region for all its audio at once); twelve arrive together over ZMQ. The
     ones it cannot hold fail with an ``OutputMemoryError`` naming them (the engine core stays up, and
     no other request is touched); the rest get every sample; the memory is given back, and
-    the same twelve served again afterwards fit as they arrive."""
+    the same twelve served again afterwards fit as they arrive. Twelve that may stop early (a stop
+    token, as a talker ends) reserve nothing for ``max_tokens``: all of them fit together."""
     model = make_model_dir(tmp_path / "model")
     args = talker_engine_args(model, device="cpu", max_num_seqs=12, args_cls=AsyncEngineArgs, disable_log_stats=True,
                               additional_config={"omni": {"pool_budget_bytes": 9 << 20}})
@@ -622,8 +633,9 @@ def test_requests_the_output_memory_cannot_hold_fail_alone_and_the_engine_serves
     async def serve():
         engine = OmniAsyncLLM.from_engine_args(args)
         try:
-            async def one(rid):
-                params = SamplingParams(max_tokens=frames, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+            async def one(rid, **stop):
+                params = SamplingParams(max_tokens=frames, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+                                        **stop)
                 try:
                     async for out in engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), params, request_id=rid):
                         last = out
@@ -634,12 +646,16 @@ def test_requests_the_output_memory_cannot_hold_fail_alone_and_the_engine_serves
             together = await asyncio.gather(*(one(f"r{i}") for i in range(12)))
             stats = (await engine.collective_rpc("output_path_stats"))[0]
             one_by_one = [await one(f"again{i}") for i in range(12)]
-            return together, stats, one_by_one
+            stopping = await asyncio.gather(*(one(f"s{i}", stop_token_ids=[stop]) for i in range(12)))
+            return together, stats, one_by_one, stopping
         finally:
             engine.shutdown()
 
-    together, stats, one_by_one = asyncio.run(serve())
-    want = tk.expected_audio(tk.rollout(tk.ToyTalker(0), [5, 6, 7], frames))
+    rollout = tk.rollout(tk.ToyTalker(0), [5, 6, 7], frames)
+    stop = int(rollout[3, 0]) + tk.TEXT_VOCAB  # the 4th frame's token (it appears first there)
+    assert stop not in (rollout[:3, 0] + tk.TEXT_VOCAB).tolist()
+    together, stats, one_by_one, stopping = asyncio.run(serve())
+    want = tk.expected_audio(rollout)
     failed = [r for r in together if isinstance(r, MultimodalOutputError)]
     assert len(failed) == 3, failed
     for i, result in enumerate(together):
@@ -650,6 +666,9 @@ def test_requests_the_output_memory_cannot_hold_fail_alone_and_the_engine_serves
             assert result.finish_reason == "length" and result.multimodal_output.tensors["audio"].equal(want)
     assert all(p["slots_used"] == 0 for p in stats["accumulator"]["pools"].values())
     assert all(not isinstance(r, Exception) and r.multimodal_output.tensors["audio"].equal(want) for r in one_by_one)
+    short = tk.expected_audio(rollout[:4])
+    assert all(not isinstance(r, Exception) and r.finish_reason == "stop"
+               and r.multimodal_output.tensors["audio"].equal(short) for r in stopping), stopping
 
 
 BAD = 1  # the prompt token that makes the talker's second chunk malformed (the worker's ``bad_prompt_token``)

@@ -37,6 +37,7 @@ from vllm.logger import configure_logging_if_needed, init_logger
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.profiler.wrapper import create_frontend_profiler
 from vllm.renderers import renderer_from_config
+from vllm.renderers.inputs.preprocess import prompt_to_seq
 from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.tracing import init_tracer
@@ -72,7 +73,8 @@ class OmniInputProcessor(InputProcessor):
     """vLLM's ``InputProcessor`` that, for this package's talker, also asks the model class whether
     it can honour a request's sampling parameters (``OmniTalkerForTTS.validate_sampling_params``,
     raising vLLM's ``VLLMValidationError``: it refuses logprobs, say) before vLLM's own checks, and
-    refuses streaming input (vLLM's resumable requests), which the talker does not continue.
+    refuses streaming input (vLLM's resumable requests), which the talker does not continue, and
+    prompt embeddings (``enable_prompt_embeds``): its context comes from token ids alone.
     (Other models' classes are not imported here: vLLM keeps them out of the frontend process.)"""
 
     def __init__(self, vllm_config: VllmConfig, renderer=None):
@@ -87,7 +89,11 @@ class OmniInputProcessor(InputProcessor):
             if _PROCESS_INPUTS.bind(self, request_id, prompt, params, *args, **kwargs).arguments.get("resumable"):
                 raise VLLMValidationError("the talker does not take streaming input (its frames follow from the whole "
                                           "prompt): send the whole text in one request", parameter="prompt")
-        return super().process_inputs(request_id, prompt, params, *args, **kwargs)
+        request = super().process_inputs(request_id, prompt, params, *args, **kwargs)
+        if self._model_check is not None and request.prompt_embeds is not None:
+            raise VLLMValidationError(f"request {request_id}: the talker speaks token ids and takes no prompt "
+                                      "embeddings: send the text or its token ids", parameter="prompt_embeds")
+        return request
 
 
 @dataclass
@@ -284,8 +290,9 @@ class OmniLLM(LLMEngine):
         if self.has_unfinished_requests():
             raise RuntimeError("generate() runs on an idle engine: requests added with add_request() are in flight "
                                "(step() returns their outputs)")
-        if isinstance(prompts, str | Mapping) or not isinstance(prompts, Sequence):  # one prompt
-            prompts = [prompts]
+        # one prompt (a string, a dict, a list of token ids, as vLLM's LLM.generate tells them) or several
+        prompts = [prompts] if isinstance(prompts, Mapping) or not isinstance(prompts, Sequence) else \
+            prompt_to_seq(prompts)
         if sampling_params is None:
             defaults = self.model_config.get_diff_sampling_param()
             sampling_params = SamplingParams.from_optional(**defaults) if defaults else SamplingParams()

@@ -402,8 +402,12 @@ class TalkerWorker:
         whose output the accumulator now holds."""
         opened, rows, prompts = [], [], []
         for new in new_reqs:
-            prompt = new.prompt_token_ids or [0]
+            prompt = new.prompt_token_ids
             params = new.sampling_params  # (None for a pooling request: the getattr defaults below)
+            if not prompt:  # prompt embeddings (OmniInputProcessor refuses them where vLLM's frontend runs)
+                self._discard(new.req_id, TensorAccumulationError("the talker speaks token ids and was given none",
+                                                                  request_id=new.req_id))
+                continue
             if not self._free_rows and not self._grow_rows():  # (module docstring: rows)
                 self._discard(new.req_id, TensorAccumulationError(f"all {self.max_requests} request rows are in use",
                                                                   request_id=new.req_id))
@@ -427,9 +431,12 @@ class TalkerWorker:
             self._stoppable[row] = self._eos[row] >= 0 or bool(stop)
             if self.options.output_path == "worker":
                 kind = getattr(params, "output_kind", RequestOutputKind.FINAL_ONLY)
-                frames = int(min(self._max_tokens[row], self.max_model_len - len(prompt)))  # what it will hold
-                final = kind == RequestOutputKind.FINAL_ONLY
-                held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if final else None
+                # A FINAL_ONLY request holds all its audio: its slots are sized for all of it at once
+                # when that is known (no stop token can end it early; a reservation for max_tokens
+                # would let a few requests that stop early take the whole budget), else they grow.
+                frames = int(min(self._max_tokens[row], self.max_model_len - len(prompt)))
+                sized = kind == RequestOutputKind.FINAL_ONLY and not self._stoppable[row]
+                held = {"audio": frames * tk.FRAME_SAMPLES, "codes": frames} if sized else None
                 try:
                     self.acc.add_request(new.req_id, EmitPolicy[kind.name], row=row, frames=held)
                     opened.append(new.req_id)
