@@ -323,6 +323,18 @@ def test_a_tensor_that_is_not_plain_strided_memory_fails_its_request_only(acc):
     assert torch.equal(acc.collect(["b"])["b"].tensors["audio"], torch.arange(4.0).repeat(2))
 
 
+def test_complex_chunks_accumulate_and_those_no_kernel_copies_fail_their_request_only(acc):
+    acc.add_request("a")
+    acc.add_request("b")
+    spec = torch.randn(3, 2, dtype=torch.complex64)
+    assert acc.append_step(["a", "b"], {"spec": [spec, spec[:1]]}) == []
+    errs = acc.append_step(["a", "b"], {"wide": [torch.randn(2, dtype=torch.complex128), torch.arange(2.0)]})
+    assert [(e.request_id, e.key) for e in errs] == [("a", "wide")] and "16 bytes" in str(errs[0])
+    got = acc.collect(["a", "b"])
+    assert torch.equal(got["a"].tensors["spec"], spec) and torch.equal(got["b"].tensors["spec"], spec[:1])
+    assert torch.equal(got["b"].tensors["wide"], torch.arange(2.0))
+
+
 def test_pools_that_hold_no_request_are_kept_for_a_few_shapes_of_each_key(acc):
     """Each frame shape has a pool (an arena of its own): a stage whose shapes vary, images of many
     sizes, would keep an arena for every shape it ever saw. Of each key's pools that hold no

@@ -4,7 +4,8 @@
         Append each metadata row's chunk of ``src`` into its ring region and advance the device
         heads. ``arena``: 1-D pool storage; ``state``: int64 ``[slots]`` head words; ``meta``: int64
         ``[>= rows, META_COLS]`` (``layout.py``; on the device, or pinned host memory read in place);
-        ``src``: a tensor of the arena's dtype addressed by element offsets.
+        ``src``: a tensor of the arena's dtype addressed by element offsets. Elements of 1, 2, 4 or 8
+        bytes (a complex one is copied as an integer of its size).
     ring_read(arena, meta, out, *, rows, frame_elems, last, max_elems)
         Copy each row's ring span (from POS, N frames) into ``out`` at LIN_OFF.
     row_gather(jobs, table, base, *, grid_rows=None, aligned=None)
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+
+import torch
 
 from .. import backend as _backend
 from . import pdl, reference
@@ -50,13 +53,21 @@ def set_programmatic_launch(enabled: bool) -> None:
     pdl.set_enabled(enabled)
 
 
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a complex element's bits: what the kernels copy
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as integers of its element size (the rings copy bits); any other as it is."""
+    return t.view(_BITS[t.element_size()]) if t.is_complex() else t
+
+
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
-    _impl(arena.is_cuda).ring_write(arena, state, meta, src, rows=rows, frame_elems=frame_elems, last=last,
-                                    max_elems=max_elems)
+    _impl(arena.is_cuda).ring_write(_bits(arena), state, meta, _bits(src), rows=rows, frame_elems=frame_elems,
+                                    last=last, max_elems=max_elems)
 
 
 def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
-    _impl(arena.is_cuda).ring_read(arena, meta, out, rows=rows, frame_elems=frame_elems, last=last,
+    _impl(arena.is_cuda).ring_read(_bits(arena), meta, _bits(out), rows=rows, frame_elems=frame_elems, last=last,
                                    max_elems=max_elems)
 
 

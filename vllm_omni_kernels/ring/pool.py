@@ -54,6 +54,8 @@ from .staging import PinnedStaging
 
 _INT32_MAX = 2**31 - 1
 MAX_SLOTS = 65535  # slots of a pool: the rows one launch takes (the grid's second axis)
+ELEMENT_BYTES = (1, 2, 4, 8)  # the element sizes the ring kernels copy
+_MAX_FRAMES = (1 << (63 - HEAD_SHIFT)) - 1  # the frames of an arena: a head word's position field is signed
 UPLOAD_ELEMS = 4096  # rows longer than this: several programs per row, metadata copied to the device first
 
 
@@ -148,6 +150,9 @@ class RingPool:
         self.frame_elems = math.prod(self.frame_shape)
         if self.frame_elems == 0 or min(self.frame_shape, default=1) < 0:
             raise ValueError(f"pool {key!r}: a frame of shape {self.frame_shape} holds no element")
+        if dtype.itemsize not in ELEMENT_BYTES:
+            raise ValueError(f"pool {key!r}: {dtype} has elements of {dtype.itemsize} bytes; the ring kernels copy "
+                             f"elements of {', '.join(map(str, ELEMENT_BYTES))} bytes")
         self.device = backend.resolve_device(device)
         self._on_device = backend.on_device(self.device)
         self.strategy = strategy
@@ -163,6 +168,9 @@ class RingPool:
             raise ValueError(f"pool {key!r}: a budget of {budget_bytes} bytes holds no frame of {self.frame_bytes}")
         # a new slot's frames: initial_frames rounded up to a power of two, as many as the budget holds
         budget_frames = budget_bytes // self.frame_bytes
+        if budget_frames > _MAX_FRAMES:
+            raise ValueError(f"pool {key!r}: a budget of {budget_frames} frames; a head word holds positions below "
+                             f"{_MAX_FRAMES + 1}")
         min_frames = min(1 << max(0, int(initial_frames) - 1).bit_length(), 1 << (budget_frames.bit_length() - 1))
         self.allocator = BuddyAllocator(budget_frames, min_frames)
         self.arena = torch.empty(self.allocator.total_frames * self.frame_elems, dtype=dtype, device=self.device)
@@ -746,8 +754,11 @@ class RingPool:
         CONCAT_LAST, ``[n, *frame]`` for CONCAT_DIM0. ``slots``: the requests' slots, as for ``append``.
         ``frames``: at most this many frames of each span, its oldest (int64, aligned; None: all);
         a drain leaves the rest unread."""
-        if frames is not None and len(frames) and int(np.min(frames)) < 0:
-            raise ValueError(f"pool {self.key!r}: frames to read must not be negative, got {np.asarray(frames).tolist()}")
+        if frames is not None and (not isinstance(frames, np.ndarray) or frames.dtype != np.int64
+                                   or frames.shape != (len(request_ids),) or (len(frames) and frames.min() < 0)):
+            # (another dtype made the planned counts floats: cut, while the tails had moved by them)
+            raise ValueError(f"pool {self.key!r}: frames to read must be {len(request_ids)} int64 counts, none "
+                             f"negative; got {frames!r}")
         if not drain:
             self.check_consolidate(request_ids)
         self._settle()
