@@ -185,7 +185,7 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
     is one request (a list of token ids too, as vLLM's ``LLM.generate`` takes it); sampling
     parameters that are neither one nor one per prompt are refused, and so are those the talker
     cannot honour, as vLLM refuses a bad parameter, and prompt embeddings (the talker speaks token
-    ids: it gave every embeddings prompt the audio of token 0)."""
+    ids: served, every embeddings prompt would get the audio of token 0)."""
     engine = OmniLLM.from_engine_args(talker_engine_args(make_model_dir(tmp_path / "model"), max_num_seqs=4,
                                                          max_model_len=64, disable_log_stats=True,
                                                          enable_prompt_embeds=True),

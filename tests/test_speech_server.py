@@ -286,8 +286,8 @@ def test_a_client_that_stops_reading_loses_its_stream_and_frees_its_slot(server,
     if it still runs: a CPU talker may have made all of its audio by then), its slot and output
     memory are given back, it counts as cancelled, and the connection closes. Without the timeout
     the slot stays held as long as the client keeps its connection. A whole file (22 MB here) goes
-    out the same way: handed to the HTTP server at once, it stayed in the server's memory for as
-    long as its client kept the connection, and counted as served."""
+    out the same way: handed to the HTTP server at once, it would stay in the server's memory for as
+    long as its client kept the connection, and count as served."""
     counted = idle(server)
     with _posted(server, {"input": "a" * 2900, "response_format": "pcm", "sample_format": "f32",
                           "stream": streamed}) as sock:
@@ -587,7 +587,7 @@ BAD = [
 @pytest.mark.parametrize("text", [" " * 3001, "\ud800" * 3001])
 def test_an_input_past_the_limit_is_refused_for_its_length_before_its_characters_are_read(server, text):
     """The length is checked first: the checks of what the characters are read every one of them
-    (megabytes of spaces held the event loop for half a second, to be called empty)."""
+    (megabytes of spaces would hold the event loop for half a second, to be called empty)."""
     r = httpx.post(f"{server['url']}/v1/audio/speech", content=json.dumps({"input": text}), timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
@@ -622,7 +622,7 @@ def test_a_server_that_takes_short_inputs_only_starts_and_serves(short_inputs):
 
 def test_a_large_piece_is_converted_while_the_event_loop_serves_others():
     """A piece of more than ``_LOOP_SAMPLES`` samples (a whole file's) is converted to bytes in a
-    thread: another task runs before the conversion ends (done on the event loop, it held every
+    thread: another task runs before the conversion ends (on the event loop it would hold every
     stream of the process for tens of milliseconds); the bytes are the same either way."""
     from vllm_omni_kernels.vllm_integration import speech
 

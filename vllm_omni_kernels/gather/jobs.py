@@ -114,8 +114,8 @@ class GatherJobs:
         check_rows: validate row ranges and that no two jobs write one row (``check_disjoint``);
             off for callers whose rows are valid and disjoint by construction (the runner's plan).
 
-    A source row must not be a row that another job of the launch writes: each row is read and
-    written by its own program, in no set order (the reference reads every source first).
+    No source row may be a row the launch writes, but a job's own destination row: each row is
+    copied by its own program, in no set order.
 
     Every method validates on the host (device, dtype, width, last-dim contiguity and, with
     ``check_rows``, row ranges) and raises ``TypeError``/``ValueError``/``IndexError`` before anything

@@ -57,8 +57,9 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a complex element's 
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as integers of its element size (the rings copy bits); any other as it is."""
-    return t.view(_BITS[t.element_size()]) if t.is_complex() else t
+    """A complex tensor as integers of its element size (the rings copy bits; complex128, which only
+    the reference copies, stays as it is); any other as it is."""
+    return t.view(_BITS[t.element_size()]) if t.is_complex() and t.element_size() in _BITS else t
 
 
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:

@@ -54,7 +54,7 @@ from .staging import PinnedStaging
 
 _INT32_MAX = 2**31 - 1
 MAX_SLOTS = 65535  # slots of a pool: the rows one launch takes (the grid's second axis)
-ELEMENT_BYTES = (1, 2, 4, 8)  # the element sizes the ring kernels copy
+ELEMENT_BYTES = (1, 2, 4, 8)  # the element sizes the ring kernels copy (the torch reference: any)
 _MAX_FRAMES = (1 << (63 - HEAD_SHIFT)) - 1  # the frames of an arena: a head word's position field is signed
 UPLOAD_ELEMS = 4096  # rows longer than this: several programs per row, metadata copied to the device first
 
@@ -150,10 +150,10 @@ class RingPool:
         self.frame_elems = math.prod(self.frame_shape)
         if self.frame_elems == 0 or min(self.frame_shape, default=1) < 0:
             raise ValueError(f"pool {key!r}: a frame of shape {self.frame_shape} holds no element")
-        if dtype.itemsize not in ELEMENT_BYTES:
+        self.device = backend.resolve_device(device)
+        if not copies(dtype, self.device):
             raise ValueError(f"pool {key!r}: {dtype} has elements of {dtype.itemsize} bytes; the ring kernels copy "
                              f"elements of {', '.join(map(str, ELEMENT_BYTES))} bytes")
-        self.device = backend.resolve_device(device)
         self._on_device = backend.on_device(self.device)
         self.strategy = strategy
         self.last = strategy is Strategy.CONCAT_LAST
@@ -756,7 +756,6 @@ class RingPool:
         a drain leaves the rest unread."""
         if frames is not None and (not isinstance(frames, np.ndarray) or frames.dtype != np.int64
                                    or frames.shape != (len(request_ids),) or (len(frames) and frames.min() < 0)):
-            # (another dtype made the planned counts floats: cut, while the tails had moved by them)
             raise ValueError(f"pool {self.key!r}: frames to read must be {len(request_ids)} int64 counts, none "
                              f"negative; got {frames!r}")
         if not drain:
@@ -860,6 +859,12 @@ def not_plain(t) -> str | None:
         return (f"a tensor of layout {t.layout} (nested: {t.is_nested}, quantized: {t.is_quantized}): chunks are "
                 "plain strided tensors")
     return None
+
+
+def copies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the ring ops on ``device``'s backend copy elements of ``dtype`` (the kernels: 1, 2,
+    4 or 8 bytes, a complex one as an integer of its size; the torch reference: any)."""
+    return dtype.itemsize in ELEMENT_BYTES or not ops.uses_kernel(device.type == "cuda")
 
 
 def host_lengths(lengths) -> np.ndarray:

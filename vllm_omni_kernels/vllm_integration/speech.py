@@ -20,9 +20,10 @@ the default) or ``f32`` (the talker's float32 samples, bit for bit).
 - Over ``max_inflight`` requests in flight: ``503`` with ``Retry-After``; nothing is queued. The same
   for a request that fails before its first audio because the engine's output memory cannot hold it
   (``OutputMemoryError``: the worker's ``pool_budget_bytes``, which a FINAL_ONLY request fills with
-  all its audio until it finishes; one that needs more than any retry could get fails, a 500), for one that vLLM refuses as retryable (a paused engine), and
+  all its audio until it finishes), for one that vLLM refuses as retryable (a paused engine), and
   for one the engine itself aborts before its first audio (its shutdown, a pause that aborts); each
-  counts as turned away, not served.
+  counts as turned away, not served. A request that needs more than the output memory could ever
+  give it fails (a 500): no retry would hold it.
 - Bad requests: ``400`` with an OpenAI-style error body naming the parameter; the engine is not touched.
   OpenAI's ``instructions`` (how to speak) is one: the talker's voices take none, and a request that
   asks for a manner of speech is refused rather than served without it (empty is no instruction).
@@ -332,9 +333,9 @@ _SEND_BYTES = 1 << 16
 class _ClosingStreamingResponse(StreamingResponse):
     """A streamed response (or a whole file, sent the same way) that closes its ``SpeechStream``
     however the response ends (its body marks the stream delivered after its last piece was sent).
-    A client that takes none of the next bytes for ``stall_s`` seconds (its connection open, nothing read: the HTTP server's send
-    waits for room) loses its stream: the request is aborted, its slot given back, and the
-    connection closed, so that stalled clients cannot hold every slot of the server. The body goes
+    A client that takes none of the next bytes for ``stall_s`` seconds (its connection open,
+    nothing read: the HTTP server's send waits for room) loses its stream: the request is aborted
+    (if it still runs), its slot given back, and the connection closed, so that stalled clients cannot hold every slot of the server. The body goes
     out ``_SEND_BYTES`` at a time, so a client that plays the audio as it comes makes room for the
     next send within a second or two of audio, however far ahead of it the engine is."""
 
@@ -353,8 +354,8 @@ class _ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send_unless_stalled)
         except _ClientStalled:  # (the HTTP server closes a connection whose response did not complete)
-            logger.warning("speech stream %s: its client took no bytes for %g s; the request is aborted",
-                           self.stream.request_id, self._stall_s)
+            logger.warning("speech response %s: its client took no bytes for %g s; the response is dropped "
+                           "(and the request aborted if it still runs)", self.stream.request_id, self._stall_s)
         except SpeechFailedError:  # logged by the body: the response is left incomplete, and the HTTP
             pass  # server closes the connection without the last chunk (raised on, it would log the route's frames)
         finally:
@@ -537,7 +538,8 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
             for piece in pieces:
                 yield piece
 
-        return _ClosingStreamingResponse(stream, sent(whole()), limits.stall_s, media_type=MEDIA[request.response_format],
+        return _ClosingStreamingResponse(stream, sent(whole()), limits.stall_s,
+                                         media_type=MEDIA[request.response_format],
                                          headers={**headers, "Content-Length": str(sum(map(len, pieces)))})
     first = b"".join(pieces)  # (at most one)
     if request.response_format == "wav":
