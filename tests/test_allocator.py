@@ -95,18 +95,32 @@ def test_random_allocs_and_frees_match_a_model_of_the_arena(seed):
     assert a.is_merged() and a.used_frames == 0
 
 
-@pytest.mark.parametrize("total, least", [(64, 8), (96, 8), (1000, 16), (56, 8), (8, 8), (8, 2)])
-def test_ever_fits_is_whether_a_region_can_be_had_with_only_the_held_one_taken(total, least):
-    """Checked against the allocator itself: every smallest region taken, all but the held one given
-    back, then the region asked for."""
+@pytest.mark.parametrize("total, least", [(64, 8), (96, 8), (1000, 16), (56, 8), (8, 8), (8, 2), (72, 8)])
+def test_ever_fits_is_whether_some_placement_of_the_held_region_leaves_room(total, least):
+    """Checked against the allocator itself: for every aligned place of a held region (its blocks
+    taken, every other smallest block given back), whether the region asked for can be had."""
     blocks = BuddyAllocator(total, least).total_frames // least
-    for held in range(blocks):
-        for frames in sorted({f for k in range(12) for f in ((least << k) - 1, least << k, (least << k) + 1)}):
+
+    def fits_somewhere(frames, held):
+        for first in range(0, blocks, held // least):
+            if first + held // least > blocks:
+                break
             a = BuddyAllocator(total, least)
             offsets = [a.alloc(least)[0] for _ in range(blocks)]
+            kept = range(first * least, (first + held // least) * least)
             for off in offsets:
-                if off != held * least:
+                if off not in kept:
                     a.free(off)
-            assert a.ever_fits(frames, held * least) == (a.alloc(frames) is not None), (held, frames)
-            assert BuddyAllocator(total, least).ever_fits(frames) == (BuddyAllocator(total, least).alloc(frames)
-                                                                      is not None)
+            if a.alloc(frames) is not None:
+                return True
+        return False
+
+    sizes = sorted({f for k in range(12) for f in ((least << k) - 1, least << k, (least << k) + 1)})
+    for held in (least << k for k in range(8) if least << k <= blocks * least):
+        for frames in sizes:
+            if BuddyAllocator(total, least).order_for(frames) > BuddyAllocator(total, least).order_for(held):
+                assert BuddyAllocator(total, least).ever_fits(frames, held) == fits_somewhere(frames, held), \
+                    (held, frames)
+    for frames in sizes:
+        assert BuddyAllocator(total, least).ever_fits(frames) == (BuddyAllocator(total, least).alloc(frames)
+                                                                  is not None)

@@ -251,6 +251,13 @@ def test_a_request_that_needs_more_than_the_budget_can_ever_give_it_is_not_told_
     wide.free("b")
     wide.free("c")
     assert not wide.append(["a"], [torch.ones(8)]).errors and wide.unread_frames("a") == 17
+    # 48 frames: blocks of 32 and 16. A request grown to 16 inside the 32-frame block cannot grow to
+    # 32 where it is, but sent again it could (from the 16-frame block): that is a retry's error.
+    split = make_pool(budget_bytes=48 * 4, initial_frames=8, max_slots=4)
+    split.alloc("a")
+    assert not split.append(["a"], [torch.ones(9)]).errors
+    (err,) = split.append(["a"], [torch.ones(8)]).errors
+    assert type(err) is OutputMemoryError
 
 
 def test_consolidate_after_drain_is_a_consolidation_error():

@@ -60,20 +60,16 @@ class BuddyAllocator:
     def frames_of(self, order: int) -> int:
         return self.min_frames << order
 
-    def ever_fits(self, frames: int, holding: int | None = None) -> bool:
-        """Whether a region of ``frames`` could be had once everything else is freed, while a
-        smaller region at offset ``holding`` stays taken (a slot that grows keeps its old region
-        until its data has moved): an initial block of a larger class, or one of the same class that
-        ``holding`` does not lie in."""
+    def ever_fits(self, frames: int, holding: int = 0) -> bool:
+        """Whether a region of ``frames`` could be had, with nothing else taken but a smaller region
+        of ``holding`` frames somewhere (a slot that grows keeps its old region until its data has
+        moved; a request sent again starts anywhere): an initial block of a larger class holds both,
+        or the one of its class holds the new one and a smaller one the old one."""
         order = self.order_for(frames)
-        offset = 0
-        for root in range(self.max_order, order - 1, -1):  # the initial blocks, largest first
-            if self.total_frames // self.min_frames >> root & 1:
-                size = self.frames_of(root)
-                if root > order or holding is None or not offset <= holding < offset + size:
-                    return True
-                offset += size
-        return False
+        roots = [k for k in range(self.max_order + 1) if self.total_frames // self.min_frames >> k & 1]  # (each once)
+        if any(k > order for k in roots):
+            return True
+        return order in roots and (not holding or any(self.order_for(holding) <= k < order for k in roots))
 
     def alloc(self, frames: int) -> tuple[int, int] | None:
         order = self.order_for(frames)

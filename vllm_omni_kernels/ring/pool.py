@@ -447,7 +447,7 @@ class RingPool:
                                            f"(capacity {cap}, unread {unread}) and growth is off",
                                            request_id=request_id, key=self.key)
         region = self.allocator.alloc(max(needed, 2 * cap))
-        if region is None and not self.allocator.ever_fits(needed, int(self.table[slot, BASE]) // self.frame_elems):
+        if region is None and not self.allocator.ever_fits(needed, cap):
             return TensorAccumulationError(  # (not an OutputMemoryError: a retry would fail the same way)
                 f"{needed} {self.unit} unread are more than one request can hold in this pool's budget of "
                 f"{self.arena.numel() * self.arena.element_size()} bytes (a growing slot keeps its old region "

@@ -38,8 +38,8 @@ scheduler fails);
 ``pool_budget_bytes`` (the audio's ring arena on the device, 1 GiB by default: a FINAL_ONLY request
 holds all its audio, 7.5 KiB a frame; a request it cannot hold while others hold theirs fails alone
 with ``OutputMemoryError``, a 503 before its first audio, and one that needs more than the budget
-could ever give it (a slot grows into a new region before it gives up its old one: at most half the
-largest power-of-two block of the budget) with ``TensorAccumulationError``, a 500;
+could ever give it (a slot grows into a new region before it gives up its old one: about half the
+budget at most) with ``TensorAccumulationError``, a 500;
 it must hold the first slots of ``max_num_seqs`` streams);
 ``cpu_threads`` (torch's threads for a CPU talker; None: half the cores unless ``OMP_NUM_THREADS`` is
 set, since idle OpenMP threads spin and would slow the API servers beside the engine); ``rows``
