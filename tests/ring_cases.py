@@ -13,6 +13,7 @@ import math
 import os
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import random_tensor
@@ -129,3 +130,26 @@ def check_graph_of_appends(launches: int, replays: int = 2) -> None:
         graph.replay()
     for b, out in enumerate(pool.consolidate(ids)):
         assert torch.equal(out, src[b, : lens[b]].repeat(1 + launches * replays, 1))
+
+
+def check_complex_pool(device: str, strategy: S, frame: tuple, *, wide_refused: bool) -> None:
+    """complex64 chunks of two requests appended over three steps come back bit for bit; complex128
+    is refused when a pool is made (``wide_refused``: a kernel backend), naming it, or kept."""
+    def make(dtype):
+        return RingPool("audio", dtype, frame, device, strategy, budget_bytes=1 << 16, initial_frames=8)
+
+    last = strategy is S.CONCAT_LAST
+    pool = make(torch.complex64)
+    chunks = {r: [torch.randn(*((*frame, n) if last else (n, *frame)), dtype=torch.complex64, device=device)
+                  for n in (3, 0, 5)] for r in ("a", "b")}
+    for r in chunks:
+        pool.alloc(r)
+    for step in range(3):
+        assert not pool.append(list(chunks), [chunks[r][step] for r in chunks]).errors
+    for r, got in zip(chunks, pool.consolidate(list(chunks))):
+        assert torch.equal(got.view(torch.int64), torch.cat(chunks[r], dim=-1 if last else 0).view(torch.int64))
+    if wide_refused:
+        with pytest.raises(ValueError, match="'audio'.*16 bytes"):
+            make(torch.complex128)
+    else:
+        assert make(torch.complex128).dtype == torch.complex128

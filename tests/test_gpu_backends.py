@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import ALL_DTYPES
 from gather_cases import check_far_apart_rows, check_gather_case
 from phase_fakes import FakeRunner, FakeTalker
-from ring_cases import check_case, check_graph_of_appends, make_case
+from ring_cases import check_case, check_complex_pool, check_graph_of_appends, make_case
 from test_phase_routing import MIXED, PROMPTS, check_step
 from vllm_omni_kernels import backend as _backend
 from vllm_omni_kernels.gather import RowGather
@@ -342,18 +342,4 @@ def test_row_gather_registration():
 
 @pytest.mark.parametrize("strategy, frame", [(S.CONCAT_LAST, (2,)), (S.CONCAT_DIM0, (3,))])
 def test_complex_chunks_go_through_as_their_bits_and_wider_ones_are_refused(kernel_backend, strategy, frame):
-    def make(dtype):
-        return RingPool("spec", dtype, frame, "cuda", strategy, budget_bytes=1 << 16, initial_frames=8)
-
-    last = strategy is S.CONCAT_LAST
-    pool = make(torch.complex64)
-    chunks = {r: [torch.randn(*((*frame, n) if last else (n, *frame)), dtype=torch.complex64, device="cuda")
-                  for n in (3, 0, 5)] for r in ("a", "b")}
-    for r in chunks:
-        pool.alloc(r)
-    for step in range(3):
-        assert not pool.append(list(chunks), [chunks[r][step] for r in chunks]).errors
-    for r, got in zip(chunks, pool.consolidate(list(chunks))):
-        assert torch.equal(got.view(torch.int64), torch.cat(chunks[r], dim=-1 if last else 0).view(torch.int64))
-    with pytest.raises(ValueError, match="16 bytes"):
-        make(torch.complex128)
+    check_complex_pool("cuda", strategy, frame, wide_refused=True)

@@ -6,6 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ALL_DTYPES, random_tensor
+from ring_cases import check_complex_pool
 from vllm_omni_kernels.errors import OutputMemoryError, TensorAccumulationError, TensorConsolidationError
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
@@ -833,21 +834,7 @@ def test_complex_chunks_are_kept_bit_for_bit_and_wider_elements_are_refused_nami
     """The kernels copy elements of 1, 2, 4 or 8 bytes: a complex64 chunk goes as its bits, on every
     backend; complex128 is refused when a pool of a kernel backend is made (the torch reference
     copies it)."""
-    pool = make_pool(strategy, frame, torch.complex64)
-    chunks = {r: [torch.randn(*((*frame, n) if strategy is S.CONCAT_LAST else (n, *frame)), dtype=torch.complex64)
-                  for n in (3, 0, 5)] for r in ("a", "b")}
-    for r in chunks:
-        pool.alloc(r)
-    for step in range(3):
-        assert not pool.append(list(chunks), [chunks[r][step] for r in chunks]).errors
-    got = pool.consolidate(list(chunks))
-    for r, g in zip(chunks, got):
-        assert torch.equal(g.view(torch.int64), cat(chunks[r], strategy is S.CONCAT_LAST).view(torch.int64))
-    if backend == "torch":
-        assert make_pool(strategy, frame, torch.complex128).dtype == torch.complex128
-    else:
-        with pytest.raises(ValueError, match="'audio'.*16 bytes"):
-            make_pool(strategy, frame, torch.complex128)
+    check_complex_pool("cpu", strategy, frame, wide_refused=backend != "torch")
 
 
 def test_a_budget_past_what_a_head_word_addresses_is_refused_before_anything_is_allocated():

@@ -31,7 +31,7 @@ from .errors import TensorAccumulationError, TensorConsolidationError
 from .modality import OutputModality, TensorAccumulationStrategy as Strategy, resolve_strategy
 from .payload import MultimodalPayload
 from .ring import PaddedBatch, PoolStats, RingPool, host_lengths
-from .ring.pool import ELEMENT_BYTES, MAX_SLOTS, copies, more_slots, not_plain
+from .ring.pool import MAX_SLOTS, more_slots, not_plain, uncopied
 
 logger = logging.getLogger(__name__)
 
@@ -202,9 +202,9 @@ class MultimodalAccumulator:
             frames = cfg.initial_frames.get(key, 4096) if isinstance(cfg.initial_frames, Mapping) \
                 else cfg.initial_frames
             frame_bytes = math.prod(frame) * dtype.itemsize
-            if not copies(dtype, device):
-                raise TensorAccumulationError(f"{dtype} has elements of {dtype.itemsize} bytes; the ring kernels copy "
-                                              f"elements of {', '.join(map(str, ELEMENT_BYTES))} bytes", key=key)
+            why = uncopied(dtype, device)
+            if why:
+                raise TensorAccumulationError(why, key=key)
             if frame_bytes > cfg.pool_budget_bytes:
                 raise TensorAccumulationError(f"a frame of {frame_bytes} bytes exceeds the pool budget of "
                                               f"{cfg.pool_budget_bytes} bytes", key=key)

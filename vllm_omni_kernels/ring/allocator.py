@@ -66,7 +66,7 @@ class BuddyAllocator:
         moved; a request sent again starts anywhere): an initial block of a larger class holds both,
         or the one of its class holds the new one and a smaller one the old one."""
         order = self.order_for(frames)
-        roots = [k for k in range(self.max_order + 1) if self.total_frames // self.min_frames >> k & 1]  # (each once)
+        roots = [k for k, blocks in enumerate(self._initial_blocks(self.total_frames // self.min_frames)) if blocks]
         if any(k > order for k in roots):
             return True
         return order in roots and (not holding or any(self.order_for(holding) <= k < order for k in roots))

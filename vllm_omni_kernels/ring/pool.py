@@ -151,9 +151,9 @@ class RingPool:
         if self.frame_elems == 0 or min(self.frame_shape, default=1) < 0:
             raise ValueError(f"pool {key!r}: a frame of shape {self.frame_shape} holds no element")
         self.device = backend.resolve_device(device)
-        if not copies(dtype, self.device):
-            raise ValueError(f"pool {key!r}: {dtype} has elements of {dtype.itemsize} bytes; the ring kernels copy "
-                             f"elements of {', '.join(map(str, ELEMENT_BYTES))} bytes")
+        why = uncopied(dtype, self.device)
+        if why:
+            raise ValueError(f"pool {key!r}: {why}")
         self._on_device = backend.on_device(self.device)
         self.strategy = strategy
         self.last = strategy is Strategy.CONCAT_LAST
@@ -264,8 +264,8 @@ class RingPool:
             region = self.allocator.alloc(frames)  # none free: the smallest one, grown when needed
         region = region or self.allocator.alloc(self.allocator.min_frames)
         if region is None:
-            raise OutputMemoryError(f"pool budget of {self.arena.numel() * self.arena.element_size()} bytes is "
-                                    "spent", request_id=request_id, key=self.key)
+            raise OutputMemoryError(f"pool budget of {self.arena_bytes} bytes is spent", request_id=request_id,
+                                    key=self.key)
         self._slot_free[slot] = False
         self._owner[request_id] = slot
         offset, capacity = region
@@ -276,6 +276,11 @@ class RingPool:
         self.version += 1
         self._note_usage()
         return slot
+
+    @property
+    def arena_bytes(self) -> int:
+        """The pool's budget as allocated: its arena's size in bytes."""
+        return self.arena.numel() * self.arena.element_size()
 
     def free(self, request_id: str) -> None:
         """Return the request's slot and region. Unknown or already freed → TensorAccumulationError."""
@@ -354,7 +359,7 @@ class RingPool:
         return PoolStats(
             slots_used=len(self._owner), slots_capacity=self.max_slots,
             bytes_used=self.allocator.used_frames * self.frame_bytes,
-            bytes_reserved=self.arena.numel() * self.arena.element_size(),
+            bytes_reserved=self.arena_bytes,
             high_water_bytes=self.high_water_bytes,
             unread_bytes=int(self.table[:, UNREAD].sum()) * self.frame_bytes,
             growths=self.growths, rejected=self.rejected, repeated_launches=self.repeated_launches)
@@ -447,16 +452,15 @@ class RingPool:
                                            f"(capacity {cap}, unread {unread}) and growth is off",
                                            request_id=request_id, key=self.key)
         region = self.allocator.alloc(max(needed, 2 * cap))
-        if region is None and not self.allocator.ever_fits(needed, cap):
-            return TensorAccumulationError(  # (not an OutputMemoryError: a retry would fail the same way)
+        if region is not None:
+            return region
+        if not self.allocator.ever_fits(needed, cap):  # (not an OutputMemoryError: a retry would fail the same way)
+            return TensorAccumulationError(
                 f"{needed} {self.unit} unread are more than one request can hold in this pool's budget of "
-                f"{self.arena.numel() * self.arena.element_size()} bytes (a growing slot keeps its old region "
-                "until its data has moved); raise the budget", request_id=request_id, key=self.key)
-        if region is None:
-            return OutputMemoryError(f"cannot grow to {needed} {self.unit}: pool budget of "
-                                     f"{self.arena.numel() * self.arena.element_size()} bytes is spent",
-                                     request_id=request_id, key=self.key)
-        return region
+                f"{self.arena_bytes} bytes (a growing slot keeps its old region until its data has moved); raise "
+                "the budget", request_id=request_id, key=self.key)
+        return OutputMemoryError(f"cannot grow to {needed} {self.unit}: pool budget of {self.arena_bytes} bytes is "
+                                 "spent", request_id=request_id, key=self.key)
 
     def _move(self, grown: list[tuple[int, int, int]]) -> None:
         """Move slots to their new regions: every unread span is copied, linearized, to the start of
@@ -861,10 +865,14 @@ def not_plain(t) -> str | None:
     return None
 
 
-def copies(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the ring ops on ``device``'s backend copy elements of ``dtype`` (the kernels: 1, 2,
-    4 or 8 bytes, a complex one as an integer of its size; the torch reference: any)."""
-    return dtype.itemsize in ELEMENT_BYTES or not ops.uses_kernel(device.type == "cuda")
+def uncopied(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the ring ops on ``device``'s backend cannot copy elements of ``dtype``, or None (the
+    kernels copy 1, 2, 4 or 8 bytes, a complex one as an integer of its size; the torch reference
+    any)."""
+    if dtype.itemsize in ELEMENT_BYTES or not ops.uses_kernel(device.type == "cuda"):
+        return None
+    return (f"{dtype} has elements of {dtype.itemsize} bytes; the ring kernels copy elements of "
+            f"{', '.join(map(str, ELEMENT_BYTES))} bytes")
 
 
 def host_lengths(lengths) -> np.ndarray:
