@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The test command. On a machine without a GPU the Triton kernels run under TRITON_INTERPRET=1
 # (tests/conftest.py sets it) and GPU-marked tests are deselected.
+# With pytest-xdist (the test extra) the CPU run takes two worker processes, each test module on one
+# of them (its servers and engines start once); most of the suite waits on engine and server
+# processes starting, which a second worker overlaps. `-n 0` runs it in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -8,4 +11,6 @@ PY=.venv/bin/python
 if "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   exec "$PY" -m pytest -q "$@"
 fi
-exec "$PY" -m pytest -q -m "not gpu" "$@"
+workers=()
+if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 2 --dist loadscope); fi
+exec "$PY" -m pytest -q -m "not gpu" "${workers[@]}" "$@"
