@@ -643,6 +643,41 @@ def test_a_large_piece_is_converted_while_the_event_loop_serves_others():
         assert got == same and other_ran_first
 
 
+def test_the_route_tokenizes_on_vllms_tokenizer_thread_as_the_oracle_does(tmp_path):
+    """The route's prompt and frames come from vLLM's renderer (its tokenizer thread, as vLLM's
+    routes tokenize), the same as the tokenizer's own in the oracle ``plan_request``; another task
+    runs while a long input is tokenized (on the event loop it would hold every stream of the
+    process for milliseconds)."""
+    from transformers import AutoTokenizer
+    from vllm.renderers import renderer_from_config
+    from vllm.usage.usage_lib import UsageContext
+
+    from vllm_omni_kernels.vllm_integration.llm import omni_vllm_config, talker_engine_args
+    from vllm_omni_kernels.vllm_integration.speech import plan_request, plan_request_async
+
+    model = make_model_dir(tmp_path)
+    renderer = renderer_from_config(omni_vllm_config(talker_engine_args(model), UsageContext.OPENAI_API_SERVER))
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+
+    async def plan(text, speed):
+        ran = []
+
+        async def other():
+            ran.append(True)
+        task = asyncio.ensure_future(other())
+        got = await plan_request_async(renderer, VOICES["echo"], text, speed)
+        other_ran_first = bool(ran)
+        await task
+        return got, other_ran_first
+
+    try:
+        for text, speed in [("Hello there.", 1.0), ("a\n\nb\tc", 0.5), ("é ü 中文", 2.0), ("long " * 800, 1.0)]:
+            got, other_ran_first = asyncio.run(plan(text, speed))
+            assert got == plan_request(tokenizer, VOICES["echo"], text, speed) and other_ran_first, text
+    finally:
+        renderer.shutdown()
+
+
 def test_every_character_is_a_token_and_pcm16_clips_at_one(tmp_path):
     """Runs of newlines too (a frame each: the regex "." left them one unknown token); 16-bit
     PCM is the sample clipped to [-1, 1] times 32767, rounded, NaN 0."""

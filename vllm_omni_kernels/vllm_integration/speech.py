@@ -65,6 +65,7 @@ from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_c
 from vllm.exceptions import RetryableRequestError, VLLMError, VLLMServerError
 from vllm.inputs.engine import tokens_input
 from vllm.logger import init_logger
+from vllm.renderers.params import TokenizeParams
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
@@ -407,7 +408,21 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
 
 def plan_request(tokenizer, voice_token: int, text: str, speed: float = 1.0) -> tuple[list[int], int]:
     """The prompt (the voice's token, then the text's) and the number of codec frames to speak."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return _plan(voice_token, tokenizer(text, add_special_tokens=False)["input_ids"], speed)
+
+
+# the text's tokens alone; no length limit here (the route checks prompt and frames against the model)
+_TEXT_TOKENS = TokenizeParams(max_total_tokens=None, max_output_tokens=None, add_special_tokens=False)
+
+
+async def plan_request_async(renderer, voice_token: int, text: str, speed: float = 1.0) -> tuple[list[int], int]:
+    """``plan_request`` with the text tokenized on the thread of vLLM's renderer, as vLLM's own
+    routes tokenize: a long input (milliseconds) holds up no other stream of the event loop."""
+    tokens = await renderer.tokenize_prompt_async({"prompt": text}, _TEXT_TOKENS)
+    return _plan(voice_token, tokens["prompt_token_ids"], speed)
+
+
+def _plan(voice_token: int, ids: list[int], speed: float) -> tuple[list[int], int]:
     return [voice_token, *ids], max(1, speech_frames(len(ids), speed))
 
 
@@ -466,7 +481,8 @@ async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
     if (bad := _validate(request, raw_request, limits)) is not None:
         return bad
     engine = state.engine_client
-    prompt, frames = plan_request(engine.get_tokenizer(), _voices(engine)[request.voice], request.input, request.speed)
+    prompt, frames = await plan_request_async(engine.renderer, _voices(engine)[request.voice], request.input,
+                                              request.speed)
     if len(prompt) + frames > engine.model_config.max_model_len:
         return _error(f"input needs {len(prompt) + frames} positions at speed {request.speed}; this model serves "
                       f"{engine.model_config.max_model_len}", "input")
@@ -649,5 +665,5 @@ def install(app, limits: SpeechLimits, shared_counts=None, api_server: tuple[int
         requests.labels(outcome=outcome)
 
 
-__all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "install", "plan_request", "router", "samples_bytes",
-           "speech_frames", "warm_up_route"]
+__all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "install", "plan_request", "plan_request_async",
+           "router", "samples_bytes", "speech_frames", "warm_up_route"]
