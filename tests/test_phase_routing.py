@@ -38,9 +38,10 @@ def check_step(runner, rows, offsets=None):
     for rid, want in codes.items():
         got = runner.model_intermediate_buffer[rid]["codes"]["audio"]
         np.testing.assert_array_equal(got.cpu().numpy(), want)
-    if runner.has_talker_mtp:
-        valid = runner._omni_gather.code_valid[:len(rows)].cpu().numpy()
-        np.testing.assert_array_equal(valid, [int(r in codes) for r, _, _ in rows])
+    if runner.has_talker_mtp:  # by batch row, every row past the batch 0 (an earlier step's too)
+        valid = runner._omni_gather.code_valid.cpu().numpy()
+        want = [int(r in codes) for r, _, _ in rows]
+        np.testing.assert_array_equal(valid, want + [0] * (len(valid) - len(want)))
     return codes
 
 
@@ -335,6 +336,81 @@ def test_bad_mtp_outputs_merge_no_update(use_backend, backend):
     with pytest.raises(PhaseRoutingError, match="talker_mtp embeddings") as err:
         runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
     assert err.value.request_id == "x" and "meta" not in runner.model_intermediate_buffer["p"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_whose_mtp_codes_fail_leaves_no_copy_for_the_next_step(use_backend, backend):
+    """MTP's embeddings are recorded before its codes are checked: codes the kernels cannot read
+    (sparse) fail the step naming a request, and the embeddings' copies recorded for it are dropped;
+    the next step, with other rows at those offsets, is exactly the contract's."""
+    runner = make_runner(use_backend, backend, prompts={"a": 3, "b": 3, "n": 6, "m": 3})
+    mtp = runner.model.talker_mtp
+    runner.model.talker_mtp = lambda *args: (mtp(*args)[0], mtp(*args)[1].to_sparse())
+    with pytest.raises(PhaseRoutingError, match="strided") as err:
+        runner.step([("a", 3, 1), ("b", 3, 1)])
+    assert err.value.request_id == "a"
+    runner.model.talker_mtp = mtp
+    check_step(runner, [("n", 0, 2), ("m", 3, 1)])
+
+
+@pytest.mark.parametrize("hook", ["scalar", "batch", "mtp_inputs"])
+def test_hook_tensors_the_kernels_cannot_read_fail_their_request(use_backend, hook):
+    """A sparse tensor of the right shape from a hook fails the step with a ``PhaseRoutingError``
+    naming the request, before the runner reads its memory (the layout had no check: an untyped
+    RuntimeError)."""
+    runner = make_runner(use_backend, "triton", batch_hook=hook == "batch", prompts={"p": 4, "x": 2, "y": 2})
+    if hook == "batch":
+        batch = runner.model.preprocess_decode_batch
+        runner.model.preprocess_decode_batch = lambda input_ids, req_infos: (
+            lambda out: (out[0], out[1].to_sparse(), *out[2:]))(batch(input_ids, req_infos))
+        rows, named = [("x", 2, 1), ("y", 2, 1)], "x"
+    else:
+        scalar = runner.model.preprocess
+
+        def sparse(input_ids, input_embeds, **info):
+            ids, embeds, update = scalar(input_ids, input_embeds, **info)
+            if hook == "scalar":
+                return ids, embeds.to_sparse(), update
+            hidden, text = update["mtp_inputs"]
+            return ids, embeds, {**update, "mtp_inputs": (hidden.to_sparse(), text)}
+        runner.model.preprocess = sparse
+        rows, named = ([("p", 0, 3)], "p") if hook == "scalar" else ([("x", 2, 1)], "x")
+    with pytest.raises(PhaseRoutingError, match="strided") as err:
+        runner.step(rows)
+    assert err.value.request_id == named
+
+
+def test_an_update_brings_a_dict_where_the_info_held_another_value(use_backend):
+    """A prefill hook that sets ``codes`` to None, then MTP's ``{"codes": {"audio": view}}``: the
+    dict takes the key's place (a merge into None raised an AttributeError after the step's copies,
+    with some requests' updates merged and others not)."""
+    runner = make_runner(use_backend, "torch", batch_hook=False, prompts={"a": 2, "b": 2})
+    scalar = runner.model.preprocess
+
+    def none_yet(input_ids, input_embeds, **info):
+        ids, embeds, update = scalar(input_ids, input_embeds, **info)
+        return ids, embeds, ({**update, "codes": None} if info["_omni_is_prefill"] else update)
+    runner.model.preprocess = none_yet
+    runner.step([("a", 0, 2)])
+    assert runner.model_intermediate_buffer["a"]["codes"] is None
+    codes = check_step(runner, [("b", 2, 1), ("a", 2, 1)])
+    assert set(codes) == {"a", "b"} and runner.model_intermediate_buffer["a"]["meta"]["decode_step"] == 2
+
+
+@pytest.mark.parametrize("offsets", [None, [0, 2]])
+def test_ids_a_batch_hook_rewrites_in_place_reach_the_step(use_backend, offsets):
+    """A hook that writes its new ids into the tensor it was given and returns it: with a gap
+    between the rows (runner MTP allows one) that tensor is a gathered copy, whose ids must still
+    reach the step's buffer, as a contiguous run's view does by itself."""
+    runner = make_runner(use_backend, "torch", prompts={"a": 1, "b": 1})
+    batch = runner.model.preprocess_decode_batch
+
+    def in_place(input_ids, req_infos):
+        out = batch(input_ids, req_infos)
+        input_ids.copy_(out[0])
+        return (input_ids, *out[1:])
+    runner.model.preprocess_decode_batch = in_place
+    check_step(runner, [("a", 1, 1), ("b", 1, 1)], offsets)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

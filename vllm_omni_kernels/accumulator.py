@@ -31,7 +31,8 @@ from .errors import TensorAccumulationError, TensorConsolidationError
 from .modality import OutputModality, TensorAccumulationStrategy as Strategy, resolve_strategy
 from .payload import MultimodalPayload
 from .ring import PaddedBatch, PoolStats, RingPool, host_lengths
-from .ring.pool import MAX_SLOTS, more_slots, not_plain, uncopied
+from .ops import not_plain
+from .ring.pool import MAX_SLOTS, more_slots, uncopied
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ _IDLE_POOLS = 4  # pools of a key kept while they hold no request (``MultimodalA
 
 
 def _unfit(t: torch.Tensor) -> str | None:
-    """Why tensor ``t`` cannot be accumulated, or None: what the pools refuse (``ring.pool.not_plain``),
+    """Why tensor ``t`` cannot be accumulated, or None: what the pools refuse (``ops.not_plain``),
     and a meta tensor, which has no data (refused before it is taken for metadata too)."""
     why = not_plain(t)
     if why is None and t.is_meta:

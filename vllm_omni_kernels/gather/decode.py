@@ -120,8 +120,9 @@ class DecodeGather:
         jobs.rows_each(self.text_step, index, text)
 
     def add_flags(self, flags: np.ndarray) -> None:
-        """``code_valid[:rows] = flags`` (int32, 1 for the rows that get codes this step)."""
-        self.pre.jobs.values(self.code_valid[:len(flags)], flags)
+        """``code_valid = flags``: ``max_rows`` int32 flags, 1 for the batch rows that get codes this
+        step, 0 for the others and every row past the batch (a captured step's padding)."""
+        self.pre.jobs.values(self.code_valid, flags)
 
     # ---------------------------------------------------------------- after MTP
 

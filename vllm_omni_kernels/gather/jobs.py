@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import backend
+from .. import backend, ops
 from ..ops.layout import (GATHER_BLOCK_BYTES, INT_DST64, INT_SRC64, JOB_FLOAT, JOB_INT, R_DST_ROW, R_SRC_ROW,
                           R_WORD, ROW_WORDS, RUN_ELEMS, gather_row_blocks)
 
@@ -166,8 +166,9 @@ class GatherJobs:
     # ------------------------------------------------------------------ recording
 
     def _check(self, t, what: str, dtypes, dims=(2,)) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
+        why = ops.not_plain(t)
+        if why:
+            raise TypeError(f"{what}: {why}")
         if not self._on_device(t):
             raise ValueError(f"{what} is on {t.device}, the launch is on {self.device}")
         if t.dtype not in dtypes:

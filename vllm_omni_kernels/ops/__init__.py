@@ -53,6 +53,17 @@ def set_programmatic_launch(enabled: bool) -> None:
     pdl.set_enabled(enabled)
 
 
+def not_plain(t) -> str | None:
+    """Why ``t`` is not a tensor the kernels can read (plain strided memory, which they address by
+    element offsets), or None."""
+    if not isinstance(t, torch.Tensor):
+        return f"expected a tensor, got {type(t).__name__}"
+    if t.layout is not torch.strided or t.is_nested or t.is_quantized:
+        return (f"a tensor of layout {t.layout} (nested: {t.is_nested}, quantized: {t.is_quantized}): the kernels "
+                "read plain strided tensors")
+    return None
+
+
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a complex element's bits: what the kernels copy
 
 

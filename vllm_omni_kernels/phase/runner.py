@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import ops
 from ..gather.decode import DecodeGather
 from ..errors import PhaseRoutingError
 from .batch import PhaseBatch
@@ -46,6 +47,14 @@ from ..profiling import nvtx_range
 from .routing import DecodeRun, RoutingPlan, ScalarRow
 
 _RECORD_ERRORS = (TypeError, ValueError, IndexError)
+
+
+def _check_plain(request_id: str, what: str, t: torch.Tensor) -> None:
+    """A hook's tensor that the gather kernels cannot read (sparse, nested, quantized) fails its
+    request, before the runner reads its memory."""
+    why = ops.not_plain(t)
+    if why:
+        raise PhaseRoutingError(f"{what}: {why}", request_id=request_id)
 
 
 def _shape_error(request_id: str, what: str, got: Any, want: tuple) -> PhaseRoutingError:
@@ -189,7 +198,7 @@ class OmniPhaseRunnerMixin:
                         pending.append(self._omni_scalar_row(step, phase, req_ids, input_ids, inputs_embeds, scalar))
                 scalar.record(gather, input_ids, inputs_embeds)
                 if self.has_talker_mtp:
-                    flags = np.zeros(len(req_ids), dtype=np.int32)
+                    flags = np.zeros(gather.max_rows, dtype=np.int32)
                     flags[plan.mtp_rows] = 1
                     gather.add_flags(flags)
             except BaseException:
@@ -225,7 +234,7 @@ class OmniPhaseRunnerMixin:
         for what, t in tensors:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (rows, h):
                 raise _shape_error(rids[0], f"preprocess_decode_batch {what}", t, (rows, h))
-        same_ids = ids is ids_in
+        same_ids = ids is ids_in and run.contiguous  # (a gap run's ids are a copy: a hook may rewrite it)
         if not same_ids and (not isinstance(ids, torch.Tensor) or ids.numel() != rows):
             raise _shape_error(rids[0], "preprocess_decode_batch input_ids", ids, (rows,))
         if not isinstance(updates, list | tuple) or len(updates) != rows:
@@ -258,10 +267,13 @@ class OmniPhaseRunnerMixin:
         h = inputs_embeds.shape[1]
         if not isinstance(embeds, torch.Tensor) or tuple(embeds.shape) != (step.span, h):
             raise _shape_error(rid, "preprocess embeddings", embeds, (step.span, h))
+        _check_plain(rid, "preprocess embeddings", embeds)
         _check_update("preprocess", rid, update)
         new_ids = ids is not None and ids is not ids_in
         if new_ids and (not isinstance(ids, torch.Tensor) or ids.numel() != step.span):
             raise _shape_error(rid, "preprocess input_ids", ids, (step.span,))
+        if new_ids:
+            _check_plain(rid, "preprocess input_ids", ids)
         # The copies are collected here and recorded for all scalar rows at once (_ScalarRows).
         if new_ids:
             scalar.add(scalar.ids, rid, s, ids.reshape(-1))
@@ -274,6 +286,7 @@ class OmniPhaseRunnerMixin:
             for what, t in zip(("mtp_inputs last_hidden", "mtp_inputs text_step"), mtp_inputs):
                 if not isinstance(t, torch.Tensor) or t.numel() != h:  # [1, H] or any shape of H elements
                     raise _shape_error(rid, what, t, (1, h))
+                _check_plain(rid, what, t)
             hidden, text = (t.reshape(1, h) for t in mtp_inputs)
             scalar.add(scalar.mtp, rid, step.mtp_index, (ids if new_ids else ids_in).reshape(-1), embeds, hidden, text)
         else:
@@ -332,10 +345,13 @@ class OmniPhaseRunnerMixin:
             key, sub = getattr(self.model, "talker_mtp_output_key", ("codes", "audio"))
             slots = self._omni_code_slots(decode_req_ids, key, sub)
             try:
-                gather.add_mtp_outputs(inputs_embeds, offsets, embeds, codes, slots)
-            except _RECORD_ERRORS as exc:
+                try:
+                    gather.add_mtp_outputs(inputs_embeds, offsets, embeds, codes, slots)
+                except _RECORD_ERRORS as exc:
+                    raise PhaseRoutingError(f"talker_mtp outputs: {exc}", request_id=decode_req_ids[0]) from exc
+            except BaseException:  # what was recorded before the failure must not run at the next launch
                 gather.post.jobs.clear()
-                raise PhaseRoutingError(f"talker_mtp outputs: {exc}", request_id=decode_req_ids[0]) from exc
+                raise
             if codes is None:  # no row got codes this step (the first launch flagged the MTP rows)
                 gather.post.jobs.values(gather.code_valid, np.zeros(gather.max_rows, np.int32))
             gather.post.launch()
@@ -363,13 +379,15 @@ class OmniPhaseRunnerMixin:
     # ---------------------------------------------------------------- updates
 
     def _update_intermediate_buffer(self, request_id: str, update: dict | None) -> None:
-        """Merge a hook's update into the request's info: one level of nested dicts, values as given
-        (device tensors stay where they are: no copy, no sync)."""
+        """Merge a hook's update into the request's info: one level of nested dicts (a dict replaces
+        a value that is not one), values as given (device tensors stay where they are: no copy, no
+        sync)."""
         if not update:
             return
         info = self.model_intermediate_buffer.setdefault(request_id, {})
         for k, v in update.items():
-            if isinstance(v, dict):
-                info.setdefault(k, {}).update(v)
-            else:
-                info[k] = v
+            held = info.get(k)
+            if isinstance(v, dict) and isinstance(held, dict):
+                held.update(v)
+            else:  # (a dict where the info held None or a value: the dict, a copy the info owns)
+                info[k] = dict(v) if isinstance(v, dict) else v

@@ -386,7 +386,7 @@ class RingPool:
     def _chunk_frames(self, t: torch.Tensor, request_id: str, lead: int = 0) -> int:
         """Validate one chunk (``lead`` 1: a batch of chunks, ``[B, *chunk]``) against the pool;
         return its frame count (a batch: its padded length)."""
-        why = not_plain(t)
+        why = ops.not_plain(t)
         if why:
             raise TensorAccumulationError(why, request_id=request_id, key=self.key)
         if t.device != self.device:
@@ -504,7 +504,7 @@ class RingPool:
                 data = chunks.data.detach() if chunks.data.requires_grad else chunks.data
                 if isinstance(data, torch.Tensor) and (data.is_neg() or data.is_conj()):
                     data = data.resolve_conj().resolve_neg()  # a lazy view: the kernels read memory, not flags
-                why = not_plain(data)
+                why = ops.not_plain(data)
                 if why:
                     errors = [TensorAccumulationError(why, request_id=r, key=self.key) for r in ids]
                     self.rejected += len(errors)
@@ -853,16 +853,6 @@ class RingPool:
                              f"rows of shape {tuple(src.shape)} and strides {src.stride()} cannot be read so "
                              "(make it contiguous once, and write the step's chunks there)")
         return rows[:5]
-
-
-def not_plain(t) -> str | None:
-    """Why ``t`` is not a chunk the kernels can read (a tensor of plain strided memory), or None."""
-    if not isinstance(t, torch.Tensor):
-        return f"expected a tensor, got {type(t).__name__}"
-    if t.layout is not torch.strided or t.is_nested or t.is_quantized:
-        return (f"a tensor of layout {t.layout} (nested: {t.is_nested}, quantized: {t.is_quantized}): chunks are "
-                "plain strided tensors")
-    return None
 
 
 def uncopied(dtype: torch.dtype, device: torch.device) -> str | None:
