@@ -27,7 +27,7 @@ from vllm_omni_kernels.errors import MultimodalOutputError, OutputMemoryError, T
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S  # noqa: E402
 from vllm_omni_kernels.vllm_integration.wire import MultimodalError, OmniEngineCoreOutput  # noqa: E402
 from vllm_omni_kernels.vllm_integration.output_processor import (  # noqa: E402
-    MultimodalOutputProcessor, OmniRequestState)
+    MultimodalOutputProcessor, OmniRequestState, OutputMemoryFailedError)
 from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -290,7 +290,18 @@ def test_multimodal_only_requests_without_text(params):
 
 # ------------------------------------------------------------------ bad input from the wire
 
+def failed_with(out, key: str | None) -> bool:
+    """An LLMEngine output of a request the processor failed: finish reason "error", the typed
+    error (naming the request and ``key``) in its stop reason."""
+    comp = out.outputs[0]
+    return out.finished and comp.finish_reason == "error" and f"request '{out.request_id}'" in comp.stop_reason \
+        and (key is None or f"key '{key}'" in comp.stop_reason)
+
+
 def test_bad_values_fail_only_their_request():
+    """A bad value fails its request visibly in the step it comes (its data would have a hole: a
+    skipped step's value passed off as whole), naming the key; the others are exact, and output
+    for a request never seen is an error only counted."""
     p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio",
                                   strategies={"audio": S.CONCAT_LAST, "codes": S.CONCAT_DIM0})
     ids = ["good", "nontensor", "dtype", "frame", "notdict"]
@@ -301,22 +312,23 @@ def test_bad_values_fail_only_their_request():
     step1 = [mm_step(r, 5, {"audio": good[0], "codes": codes[0]}) for r in ids[:-1]]
     step1.append(mm_step("notdict", 5, ["not", "a", "dict"]))
     step1.append(mm_step("ghost", 5, {"audio": good[0]}))  # unknown request id
-    p.process_outputs(step1)
+    (notdict,) = p.process_outputs(step1).request_outputs
+    assert notdict.request_id == "notdict" and failed_with(notdict, None) and "dict" in notdict.outputs[0].stop_reason
     step2 = [mm_step("good", 6, {"audio": good[1], "codes": codes[1]}, FinishReason.LENGTH),
              mm_step("nontensor", 6, {"audio": "abc", "codes": codes[1]}, FinishReason.LENGTH),
              mm_step("dtype", 6, {"audio": good[1].double(), "codes": codes[1]}, FinishReason.LENGTH),
              mm_step("frame", 6, {"audio": good[1], "codes": torch.zeros(3, 8, dtype=torch.int64)}, FinishReason.LENGTH),
-             mm_step("notdict", 6, None, FinishReason.LENGTH)]
+             mm_step("notdict", 6, None, FinishReason.LENGTH)]  # (it failed: vLLM drops its output)
     res = p.process_outputs(step2)
-    got = {o.request_id: getattr(o.outputs[0], "multimodal_output", None) for o in res.request_outputs}
-    assert torch.equal(got["good"].tensors["audio"], torch.cat(good))
-    assert torch.equal(got["good"].tensors["codes"], torch.cat(codes))
-    assert torch.equal(got["nontensor"].tensors["audio"], good[0])  # the bad step skipped
-    assert torch.equal(got["nontensor"].tensors["codes"], torch.cat(codes))
-    assert torch.equal(got["dtype"].tensors["audio"], good[0])
-    assert torch.equal(got["frame"].tensors["codes"], codes[0])
-    assert got["notdict"] is None
+    got = {o.request_id: o for o in res.request_outputs}
+    assert set(got) == {"good", "nontensor", "dtype", "frame"}
+    assert torch.equal(got["good"].outputs[0].multimodal_output.tensors["audio"], torch.cat(good))
+    assert torch.equal(got["good"].outputs[0].multimodal_output.tensors["codes"], torch.cat(codes))
+    assert got["good"].outputs[0].finish_reason == "length"
+    assert failed_with(got["nontensor"], "audio") and failed_with(got["dtype"], "audio")
+    assert failed_with(got["frame"], "codes")
     assert p.accumulation_errors == 5
+    assert p.accumulator_stats()["devices"]["cpu"]["requests"] == 0
 
 
 def test_consolidation_error_fails_the_request_visibly():
@@ -366,21 +378,57 @@ def test_per_request_add_multimodal_tensor():
     assert np.isclose(float(state.take_payload(True).tensors["audio"].sum()), 2.0)
 
 
-def test_a_payload_with_a_key_and_its_alias_fails_only_that_key_of_that_request():
+@pytest.mark.parametrize("kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE])
+def test_a_value_the_output_memory_cannot_hold_now_fails_its_request_to_be_retried(kind):
+    """Three requests of 3 x 200 samples through 8 KiB of output memory: a request whose value finds
+    the memory taken fails at once with the retryable ``OutputMemoryFailedError`` naming it (one
+    used to lose that value and finish normally, 400 of its 600 samples with a hole in the middle);
+    every other keeps every sample."""
+    from vllm_omni_kernels.accumulator import AccumulatorConfig
+
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio",
+                                  accumulator_config=AccumulatorConfig(pool_budget_bytes=8192, initial_frames=256))
+    queues = {r: RequestOutputCollector(kind, r) for r in "abc"}
+    for i, r in enumerate("abc"):
+        p.add_request(core_request(r, [3], sampling(kind, max_tokens=3)), None, None, i, queues[r])
+    sent, last, raised = {r: [] for r in "abc"}, {}, {}
+    for step in range(3):
+        chunks = {r: torch.full((200,), float(step)) + ord(r) for r in "abc"}
+        p.process_outputs([mm_step(r, 5 + step, {"audio": chunks[r]}, FinishReason.LENGTH if step == 2 else None)
+                           for r in "abc" if r not in raised])
+        for r in "abc":
+            sent[r].append(chunks[r])
+            try:  # (what the request's generate() gets: an output, or the error it raises)
+                got = queues[r].get_nowait() if r not in raised else None
+            except MultimodalOutputError as exc:
+                raised[r] = exc
+                continue
+            if got is not None:
+                last[r] = got
+    assert "c" in raised and "a" not in raised  # (c's second value finds the memory taken)
+    for r, exc in raised.items():
+        assert isinstance(exc, OutputMemoryFailedError) and isinstance(exc, RetryableRequestError)
+        assert f"request '{r}'" in str(exc)
+        assert r not in last or not last[r].finished  # (no output of it said it was whole)
+    for r in set("abc") - set(raised):
+        assert last[r].finished and torch.equal(last[r].outputs[0].multimodal_output.tensors["audio"], torch.cat(sent[r]))
+    assert p.accumulator_stats()["devices"]["cpu"]["requests"] == 0
+
+
+def test_a_payload_with_a_key_and_its_alias_fails_only_that_request():
     p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio", key_aliases={"model_outputs": "audio"})
     for rid in ("both", "ok"):
         p.add_request(core_request(rid, [3], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=2)), None)
     res = p.process_outputs([mm_step("both", 5, {"model_outputs": torch.ones(3), "audio": torch.zeros(2),
                                                  "sr": 16000}),
                              mm_step("ok", 5, {"model_outputs": torch.ones(4)})])
-    assert res.request_outputs == [] and p.accumulation_errors == 1
+    (both,) = res.request_outputs
+    assert both.request_id == "both" and failed_with(both, "audio") and p.accumulation_errors == 1
     res = p.process_outputs([mm_step("both", 6, {"audio": torch.full((2,), 2.0)}, FinishReason.LENGTH),
                              mm_step("ok", 6, {"audio": torch.ones(1)}, FinishReason.LENGTH)])
-    got = {o.request_id: o.outputs[0] for o in res.request_outputs}
-    assert list(got["both"].token_ids) == [5, 6] and list(got["ok"].token_ids) == [5, 6]
-    assert torch.equal(got["both"].multimodal_output.tensors["audio"], torch.full((2,), 2.0))
-    assert got["both"].multimodal_output.metadata["sr"] == 16000
-    assert torch.equal(got["ok"].multimodal_output.tensors["audio"], torch.ones(5))
+    (ok,) = res.request_outputs
+    assert ok.request_id == "ok" and list(ok.outputs[0].token_ids) == [5, 6] and p.late_outputs == 1
+    assert torch.equal(ok.outputs[0].multimodal_output.tensors["audio"], torch.ones(5))
 
 
 # ------------------------------------------------------------------ states vLLM builds itself
@@ -443,8 +491,8 @@ def test_vllm_processor_with_omni_states_behaves_as_stock(kind, monkeypatch):
     {"model_outputs": torch.ones(3), "audio": torch.ones(3)},  # two keys for one
 ], ids=["shape", "index", "oob", "nontensor", "frame", "alias"])
 def test_bad_input_over_the_wire_fails_only_its_request(bad):
-    """Frames cross vLLM's msgpack encoder and the omni decoder; the bad request's value is counted as
-    an error, the frame's other requests are exact, and every request goes on afterwards."""
+    """Frames cross vLLM's msgpack encoder and the omni decoder; the bad request fails visibly in
+    that step (its error counted), and the frame's other requests go on, exact."""
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.serial_utils import MsgpackEncoder
 
@@ -470,9 +518,11 @@ def test_bad_input_over_the_wire_fails_only_its_request(bad):
                 sent[rid].append(payloads[rid]["audio"])
         res = step(token, payloads, FinishReason.LENGTH if token == 7 else None)
         if token == 6:
-            assert p.accumulation_errors == 1
+            (failed,) = res.request_outputs
+            assert failed.request_id == "bad" and failed_with(failed, "audio") and p.accumulation_errors == 1
     got = {o.request_id: o.outputs[0] for o in res.request_outputs}
-    for rid in ids:
+    assert set(got) == {"g1", "g2"}
+    for rid in got:
         assert list(got[rid].token_ids) == [5, 6, 7]
         assert torch.equal(got[rid].multimodal_output.tensors["audio"], torch.cat(sent[rid])), rid
     assert p.accumulation_errors == 1 and p.accumulator_stats()["devices"]["cpu"]["requests"] == 0

@@ -30,8 +30,9 @@ class MultimodalOutputError(Exception):
 
 class TensorAccumulationError(MultimodalOutputError):
     """A step's tensor could not be accumulated (bad dtype/shape/device, unknown slot, overflow).
-    Recoverable: nothing of that request's step was written, its earlier data is intact; the caller
-    logs it, skips the value and counts it."""
+    Nothing of that request's step was written, its earlier data is intact, and the other requests'
+    values were written; the request's data now lacks that value, so a server fails the request
+    (the output processors do)."""
 
 
 class OutputMemoryError(TensorAccumulationError):

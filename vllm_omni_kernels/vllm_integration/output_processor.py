@@ -18,11 +18,13 @@ everything so far, FINAL_ONLY everything at finish.
   thinned as vLLM thins DELTA ones (a skipped output loses nothing: the next holds it all).
 
 Errors: a bad value (not a tensor where one is expected, dtype or frame shape changing mid-stream,
-an unknown request, a payload that is not a dict) is a ``TensorAccumulationError`` for that request
-and key: logged, counted (``accumulation_errors``), that step's value skipped, every other request
-untouched. Output for a request that finished or was aborted (an abort races the engine's next step)
-is only counted (``late_outputs``). A ``TensorConsolidationError``, or the worker's failure of the
-request (``multimodal_error``), fails that request visibly: its generate() call raises it (AsyncLLM),
+a payload that is not a dict) or one the output memory cannot hold now is a
+``TensorAccumulationError`` (``OutputMemoryError``) for that request and key: counted
+(``accumulation_errors``), and the request fails visibly (its audio would have a hole), every other
+request untouched. Output for a request never seen is an error only counted; output for one that
+finished or was aborted (an abort races the engine's next step) is only counted (``late_outputs``).
+Such a failure, a ``TensorConsolidationError``, or the worker's failure of the request
+(``multimodal_error``), fails that request visibly: its generate() call raises it (AsyncLLM),
 or its final ``RequestOutput`` (LLMEngine) has finish reason ``"error"`` and the error in
 ``stop_reason`` (a ``PoolingRequestOutput``: in ``error``); the engine core is asked to abort it. vLLM's
 statistics count it finished with an error. Anything else propagates.
@@ -388,12 +390,16 @@ class MultimodalOutputProcessor(OutputProcessor):
             ids, rows = steps.setdefault(acc.device, ([], []))
             ids.append(rid)
             rows.append(values)
+        for exc in errors:
+            logger.warning("multimodal output refused: %s", exc)
         for device, (ids, rows) in steps.items():
             columns = {key: [row.get(key) for row in rows] for key in dict.fromkeys(k for row in rows for k in row)}
-            self.accumulation_errors += len(self._accumulators[device].append_step(ids, columns))
-        for exc in errors:
-            logger.warning("skipping one step's multimodal output: %s", exc)
+            errors += self._accumulators[device].append_step(ids, columns)  # (it logs its own)
         self.accumulation_errors += len(errors)
+        for exc in errors:  # a request missing a step's value fails: its data would not be whole
+            state = self.request_states.get(exc.request_id)
+            if isinstance(state, OmniRequestState):
+                self._failures.append((state, exc))
 
     def _take_from_worker(self, eco: OmniEngineCoreOutput, errors: list) -> None:
         """The worker's data of ``eco`` handed to its request as it is; its error recorded to fail the
@@ -405,6 +411,7 @@ class MultimodalOutputProcessor(OutputProcessor):
         if eco.multimodal_error is not None:
             exc = eco.multimodal_error.to_exception(eco.request_id)
             logger.error("request %s failed: %s", eco.request_id, exc)
+            self.failed_by_worker += 1
             self._failures.append((state, exc))
             return
         if state.arrived is None:  # its first delivery
@@ -500,11 +507,13 @@ class MultimodalOutputProcessor(OutputProcessor):
         accumulation): fail them through vLLM's error paths, and count them finished with an error
         in vLLM's statistics."""
         failures, self._failures[:] = list(self._failures), []
+        failed = set()
         for state, exc in failures:
+            if id(state) in failed:
+                continue  # (a second error of the step for the request: the first fails it)
+            failed.add(id(state))
             if isinstance(exc, TensorConsolidationError):
                 self.consolidation_errors += 1
-            else:
-                self.failed_by_worker += 1
             raised = _raised_by_generate(exc, state.external_req_id)  # naming the caller's request id
             if state.queue is not None:
                 # AsyncLLM: the request's generate() raises it
