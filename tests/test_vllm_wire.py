@@ -12,7 +12,7 @@ from vllm_omni_kernels.errors import TensorAccumulationError  # noqa: E402
 from vllm_omni_kernels.payload import MultimodalPayload  # noqa: E402
 from vllm_omni_kernels.vllm_integration.wire import (  # noqa: E402
     MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs, OmniMsgpackDecoder, decode_completion,
-    decode_payload, encode_completion, encode_payload)
+    decode_payload, encode_completion, encode_payload, tensor_paths)
 from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -180,6 +180,7 @@ def test_worker_data_travels_in_one_frame_and_arrives_as_views():
     # no frames, of frames no tensor can have: fits no buffer however few (int64's range, and past it)
     ({"frame": [2 ** 62, 8], "frames": [0]}, "malformed"),
     ({"frame": [2 ** 63], "frames": [0]}, "malformed"),
+    ({"dtype": "qint8", "frame": [], "frames": [3]}, "malformed"),  # (a quantized value is not its bytes alone)
 ])
 @pytest.mark.parametrize("bad_first", [False, True])
 def test_a_region_that_does_not_fit_fails_only_the_requests_it_names(change, message, bad_first):
@@ -264,7 +265,23 @@ def test_tensors_inside_a_payloads_plain_values_arrive_as_tensors_between_stages
     assert payload.metadata["spk"]["emb"] is emb and payload.tensors["chunks"][0] is part
 
 
+@pytest.mark.parametrize("value", ["quantized", "conj", "neg"])
+def test_a_tensor_whose_memory_is_not_its_value_is_refused_by_the_engine_cores_check(value):
+    """The engine core checks a request's values before vLLM's encoder writes the step's message
+    (``tensor_paths(check=True)``, as the scheduler calls it): a quantized tensor, or a lazy
+    conjugate or negation (vLLM's encoder reads the memory and raises), is refused there for its
+    request and key, where it used to fail the encoding of the whole step."""
+    t = {"quantized": torch.quantize_per_tensor(torch.randn(8), 0.05, 3, torch.qint8),
+         "conj": torch.randn(8, dtype=torch.complex64).conj(), "neg": torch._neg_view(torch.randn(8))}[value]
+    with pytest.raises(TensorAccumulationError, match="strided memory|lazily") as err:
+        tensor_paths({"spec": t}, check=True)
+    assert err.value.key == "spec"
+    assert tensor_paths({"spec": t.resolve_conj().resolve_neg() if value != "quantized" else t.dequantize()},
+                        check=True) == [["spec"]]
+
+
 @pytest.mark.parametrize("bad, message", [
+    (["qint8", [4], 1], "a list where the message has a tensor"),  # a quantized dtype's name
     (["float32", [999], 1], "needs 3996 bytes"),   # shape not matching its buffer
     (["float32", [4], 99], "outside the message"),  # aux index out of range
     (["float32", [4], {"handle": 1}], "not a buffer"),  # dict data (an out-of-band tensor we never send)

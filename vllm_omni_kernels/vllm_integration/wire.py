@@ -173,7 +173,9 @@ def _cut(buffer: torch.Tensor, region: MultimodalRegion) -> list[torch.Tensor]:
         raise ValueError(f"malformed region of {region.dtype!r}, frame {frame}: {exc}") from None
 
 
-_DTYPES = {name: dtype for name, dtype in vars(torch).items() if isinstance(dtype, torch.dtype)}
+# dtypes by name; no quantized one: its data is not its bytes alone (a scale and zero point go with it)
+_DTYPES = {name: dtype for name, dtype in vars(torch).items()
+           if isinstance(dtype, torch.dtype) and not torch.empty(0, dtype=dtype).is_quantized}
 
 
 # Values carried as they are: these types exactly (np.float64, a float subclass, is refused by the
@@ -184,11 +186,14 @@ _MAX_DEPTH = 512  # containers within containers that ``tensor_paths`` looks int
 
 
 def _tensor_or_refuse(obj: Any) -> None:
-    if isinstance(obj, torch.Tensor) and obj.layout is torch.strided and not (obj.is_meta or obj.is_nested):
-        return None  # vLLM's encoder writes it as a [dtype, shape, data] list
-    if isinstance(obj, torch.Tensor):
-        raise TypeError(f"a tensor of layout {obj.layout} on {obj.device}: tensors go as strided memory")
-    raise TypeError(f"a value of type {type(obj).__name__}")
+    if not isinstance(obj, torch.Tensor):
+        raise TypeError(f"a value of type {type(obj).__name__}")
+    if obj.layout is not torch.strided or obj.is_meta or obj.is_nested or obj.is_quantized:
+        raise TypeError(f"a tensor of layout {obj.layout} on {obj.device} (quantized: {obj.is_quantized}): tensors go "
+                        "as strided memory")
+    if obj.is_conj() or obj.is_neg():  # vLLM's encoder reads the memory (numpy refuses the lazy view)
+        raise TypeError("a lazily conjugated or negated tensor: resolve_conj() / resolve_neg() it first")
+    return None  # vLLM's encoder writes it as a [dtype, shape, data] list
 
 
 # msgspec's msgpack encoding, as vLLM's encoder runs it, of everything but the tensors: whether a value
