@@ -173,9 +173,10 @@ def _cut(buffer: torch.Tensor, region: MultimodalRegion) -> list[torch.Tensor]:
         raise ValueError(f"malformed region of {region.dtype!r}, frame {frame}: {exc}") from None
 
 
-# dtypes by name; no quantized one: its data is not its bytes alone (a scale and zero point go with it)
+# dtypes by name; no quantized one (qint8, quint4x2, ...: the names that begin with "q"), whose data is
+# not its bytes alone (a scale and zero point go with it)
 _DTYPES = {name: dtype for name, dtype in vars(torch).items()
-           if isinstance(dtype, torch.dtype) and not torch.empty(0, dtype=dtype).is_quantized}
+           if isinstance(dtype, torch.dtype) and not name.startswith("q")}
 
 
 # Values carried as they are: these types exactly (np.float64, a float subclass, is refused by the
