@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .ops import ELEMENT_BITS
+
 
 @dataclass
 class MultimodalPayload:
@@ -140,7 +142,6 @@ class GrowingTensor:
 
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
                  torch.uint8, torch.bool, torch.complex64, torch.complex128}
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype numpy lacks, as its bits
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray | None:
@@ -148,5 +149,5 @@ def _numpy(t: torch.Tensor) -> np.ndarray | None:
     such view)."""
     if t.dtype in _NUMPY_DTYPES:
         return t.numpy()
-    bits = _BITS.get(t.dtype.itemsize)
+    bits = ELEMENT_BITS.get(t.dtype.itemsize)  # (a dtype numpy lacks, as its bits)
     return None if bits is None or t.dtype.is_complex or t.is_quantized else t.view(bits).numpy()

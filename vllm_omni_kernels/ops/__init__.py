@@ -30,6 +30,7 @@ import torch
 
 from .. import backend as _backend
 from . import pdl, reference
+from .reference import ELEMENT_BITS
 
 _MODULES = {("cuda", "ring"): "cuda_ext", ("cuda", "gather"): "cuda_ext", ("cupy", "ring"): "cupy_nvrtc",
             ("cupy", "gather"): "cupy_nvrtc", ("triton", "ring"): "triton_ring", ("triton", "gather"): "triton_gather",
@@ -64,13 +65,10 @@ def not_plain(t) -> str | None:
     return None
 
 
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a complex element's bits: what the kernels copy
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """A complex tensor as integers of its element size (the rings copy bits; complex128, which only
     the reference copies, stays as it is); any other as it is."""
-    return t.view(_BITS[t.element_size()]) if t.is_complex() and t.element_size() in _BITS else t
+    return t.view(ELEMENT_BITS[t.element_size()]) if t.is_complex() and t.element_size() in ELEMENT_BITS else t
 
 
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:

@@ -17,7 +17,9 @@ import torch
 
 from .layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, N, POS, SLOT
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # copies are bitwise: any dtype
+# the integer of each element size the kernels copy (a complex one, say, goes as its bits); the
+# reference copies bitwise too, through these where numpy has them, any dtype otherwise
+ELEMENT_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _Elements:
@@ -28,7 +30,7 @@ class _Elements:
     def __init__(self, t: torch.Tensor):
         self.t = t
         self.np = None
-        bits = _BITS.get(t.element_size())
+        bits = ELEMENT_BITS.get(t.element_size())
         if t.device.type == "cpu" and bits is not None:
             size = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
             if size == t.numel() and t.is_contiguous():  # the tensor is the rest of its storage

@@ -270,12 +270,11 @@ class OmniPhaseRunnerMixin:
         _check_plain(rid, "preprocess embeddings", embeds)
         _check_update("preprocess", rid, update)
         new_ids = ids is not None and ids is not ids_in
-        if new_ids and (not isinstance(ids, torch.Tensor) or ids.numel() != step.span):
-            raise _shape_error(rid, "preprocess input_ids", ids, (step.span,))
-        if new_ids:
-            _check_plain(rid, "preprocess input_ids", ids)
         # The copies are collected here and recorded for all scalar rows at once (_ScalarRows).
         if new_ids:
+            if not isinstance(ids, torch.Tensor) or ids.numel() != step.span:
+                raise _shape_error(rid, "preprocess input_ids", ids, (step.span,))
+            _check_plain(rid, "preprocess input_ids", ids)
             scalar.add(scalar.ids, rid, s, ids.reshape(-1))
         if step.mtp_index >= 0:
             update = dict(update or {})

@@ -54,7 +54,6 @@ from .staging import PinnedStaging
 
 _INT32_MAX = 2**31 - 1
 MAX_SLOTS = 65535  # slots of a pool: the rows one launch takes (the grid's second axis)
-ELEMENT_BYTES = (1, 2, 4, 8)  # the element sizes the ring kernels copy (the torch reference: any)
 _MAX_FRAMES = (1 << (63 - HEAD_SHIFT)) - 1  # the frames of an arena: a head word's position field is signed
 UPLOAD_ELEMS = 4096  # rows longer than this: several programs per row, metadata copied to the device first
 
@@ -859,10 +858,10 @@ def uncopied(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the ring ops on ``device``'s backend cannot copy elements of ``dtype``, or None (the
     kernels copy 1, 2, 4 or 8 bytes, a complex one as an integer of its size; the torch reference
     any)."""
-    if dtype.itemsize in ELEMENT_BYTES or not ops.uses_kernel(device.type == "cuda"):
+    if dtype.itemsize in ops.ELEMENT_BITS or not ops.uses_kernel(device.type == "cuda"):
         return None
     return (f"{dtype} has elements of {dtype.itemsize} bytes; the ring kernels copy elements of "
-            f"{', '.join(map(str, ELEMENT_BYTES))} bytes")
+            f"{', '.join(map(str, ops.ELEMENT_BITS))} bytes")
 
 
 def host_lengths(lengths) -> np.ndarray:
