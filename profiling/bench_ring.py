@@ -200,7 +200,7 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
         eager_host_us(result, appends_only, reset, steps, repeats)
     # The copy reference moves the same bytes the same way: one static source, a fresh destination
     # every step (as the ring writes new arena memory every step), so neither is served from L2.
-    del pool, sa, g1, gN
+    pool = sa = g1 = gN = None  # (freed before the cache is emptied)
     for name in backend_variants(backend.kernel_backends()):
         k_b = result["paths"][f"ours_kernel_ingraph[{name}]"]["us_per_step_median"]
         result.setdefault("kernel_GBps_by_backend", {})[name] = 2 * step_bytes / (k_b * 1e3)
@@ -213,7 +213,7 @@ def bench_workload(B: int, T: int, steps: int, repeats: int, trace: bool = False
     result["kernel_vs_copy"] = c / k
     up = result["paths"]["upstream"]["us_per_step_median"]
     result["speedup_vs_upstream"] = {p: up / v["us_per_step_median"] for p, v in result["paths"].items()}
-    del sources
+    sources = None
     torch.cuda.empty_cache()
     return result
 
@@ -269,7 +269,7 @@ def trace_kernels(result: dict, steps: int) -> None:
             result["eager_trace"][name]["kernel_device_us_median"] = statistics.median(us)
             print(f"  {B}x{T} eager [{name}]: the kernel {statistics.median(us):.2f} us on the device "
                   f"(median of {len(us)})", flush=True)
-    del pool, sources
+    pool = sources = None
     torch.cuda.empty_cache()
 
 
