@@ -64,7 +64,7 @@ def two_api_servers(tmp_path_factory):
 
 
 def expected(server, text: str, voice: str = "alloy", speed: float = 1.0) -> np.ndarray:
-    ids = [VOICES[voice], *server["tokenizer"](text, add_special_tokens=False)["input_ids"]]
+    ids = [VOICES[voice], *server["tokenizer"](text, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
     frames = max(1, math.ceil(Fraction(len(ids) - 1) / Fraction(str(speed))))  # a frame a character, exactly
     return tk.expected_audio(tk.rollout(tk.ToyTalker(0), ids, frames)).numpy()
 
@@ -643,20 +643,20 @@ def test_a_large_piece_is_converted_while_the_event_loop_serves_others():
         assert got == same and other_ran_first
 
 
-def test_the_route_tokenizes_on_vllms_tokenizer_thread_as_the_oracle_does(tmp_path):
-    """The route's prompt and frames come from vLLM's renderer (its tokenizer thread, as vLLM's
-    routes tokenize), the same as the tokenizer's own in the oracle ``plan_request``; another task
-    runs while a long input is tokenized (on the event loop it would hold every stream of the
-    process for milliseconds)."""
+def test_the_route_tokenizes_off_the_event_loop_as_the_oracle_does(tmp_path):
+    """The route's prompt and frames (``TextTokenizer``: vLLM's loading of the model's tokenizer) are
+    the oracle ``plan_request``'s with the tokenizer as transformers loads it, a special token's
+    string spoken as its characters; another task runs while a long input is tokenized (on the
+    event loop it would hold every stream of the process for milliseconds)."""
     from transformers import AutoTokenizer
-    from vllm.renderers import renderer_from_config
     from vllm.usage.usage_lib import UsageContext
 
     from vllm_omni_kernels.vllm_integration.llm import omni_vllm_config, talker_engine_args
-    from vllm_omni_kernels.vllm_integration.speech import plan_request, plan_request_async
+    from vllm_omni_kernels.vllm_integration.speech import TextTokenizer, plan_request
 
     model = make_model_dir(tmp_path)
-    renderer = renderer_from_config(omni_vllm_config(talker_engine_args(model), UsageContext.OPENAI_API_SERVER))
+    text_tokenizer = TextTokenizer(omni_vllm_config(talker_engine_args(model), UsageContext.OPENAI_API_SERVER)
+                                   .model_config)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
 
     async def plan(text, speed):
@@ -665,17 +665,29 @@ def test_the_route_tokenizes_on_vllms_tokenizer_thread_as_the_oracle_does(tmp_pa
         async def other():
             ran.append(True)
         task = asyncio.ensure_future(other())
-        got = await plan_request_async(renderer, VOICES["echo"], text, speed)
+        got = await text_tokenizer.plan(VOICES["echo"], text, speed)
         other_ran_first = bool(ran)
         await task
         return got, other_ran_first
 
-    try:
-        for text, speed in [("Hello there.", 1.0), ("a\n\nb\tc", 0.5), ("é ü 中文", 2.0), ("long " * 800, 1.0)]:
-            got, other_ran_first = asyncio.run(plan(text, speed))
-            assert got == plan_request(tokenizer, VOICES["echo"], text, speed) and other_ran_first, text
-    finally:
-        renderer.shutdown()
+    for text, speed in [("Hello there.", 1.0), ("a\n\nb\tc", 0.5), ("é ü 中文", 2.0), ("long " * 800, 1.0),
+                        ("<s>", 1.0), ("I say </s> and [PAD] [UNK] <s>.", 1.0)]:
+        got, other_ran_first = asyncio.run(plan(text, speed))
+        assert got == plan_request(tokenizer, VOICES["echo"], text, speed) and other_ran_first, text
+        if speed == 1.0:
+            assert len(got[0]) == 1 + len(text) and got[1] == len(text), (text, got)  # a character a token
+
+
+def test_special_token_strings_in_the_input_are_spoken_as_text(server):
+    """``<s>``, ``</s>``, ``[PAD]``, ``[UNK]`` in the input are characters to speak, a frame each, not
+    the tokenizer's control tokens (which would shorten the audio and put them in the prompt)."""
+    text = "I say </s> and [PAD] [UNK] <s>."
+    r = httpx.post(f"{server['url']}/v1/audio/speech", timeout=60,
+                   json={"input": text, "voice": "echo", "response_format": "pcm", "sample_format": "f32"})
+    assert r.status_code == 200
+    got = np.frombuffer(r.content, "<f4")
+    assert len(got) == len(text) * tk.FRAME_SAMPLES
+    assert got.tobytes() == expected(server, text, "echo").astype("<f4").tobytes()
 
 
 def test_every_character_is_a_token_and_pcm16_clips_at_one(tmp_path):

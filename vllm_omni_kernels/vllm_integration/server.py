@@ -132,10 +132,11 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, engine.model_config)
         limit = args.max_inflight if args.max_inflight is not None else config.scheduler_config.max_num_seqs
-        speech.install(app, speech.SpeechLimits(max_inflight=limit, max_input_chars=args.max_input_chars,
-                                                retry_after_s=args.retry_after, stall_s=args.stall_timeout,
-                                                request_id_headers=args.enable_request_id_headers),
-                       shared_counts=getattr(args, "omni_speech_counts", None), api_server=(index, count))
+        limits = speech.SpeechLimits(max_inflight=limit, max_input_chars=args.max_input_chars,
+                                     retry_after_s=args.retry_after, stall_s=args.stall_timeout,
+                                     request_id_headers=args.enable_request_id_headers)
+        speech.install(app, engine.model_config, limits, shared_counts=getattr(args, "omni_speech_counts", None),
+                       api_server=(index, count))
         await init_app_state(engine, app.state, args, tasks)
         # the key vLLM's authentication takes (its --api-key wins over VLLM_API_KEY), if it asks for one
         await speech.warm_up_route(app, next((key for key in (args.api_key or [envs.VLLM_API_KEY]) if key), None))

@@ -2,10 +2,11 @@
 engine delivers it.
 
 Request (JSON): ``model`` (optional; the served name), ``input`` (text, 1 to ``max_input_chars``
-characters), ``voice`` (one of the model's voices), ``response_format`` (``wav`` or ``pcm``),
-``speed`` (0.25 to 4.0: fewer codec frames per character when faster), ``stream`` (default false),
-and this server's ``sample_format``: ``s16`` (16-bit signed little-endian, what OpenAI's ``pcm`` is;
-the default) or ``f32`` (the talker's float32 samples, bit for bit).
+characters, all of them spoken: a special token's string is its characters), ``voice`` (one of the
+model's voices), ``response_format`` (``wav`` or ``pcm``), ``speed`` (0.25 to 4.0: fewer codec
+frames per character when faster), ``stream`` (default false), and this server's
+``sample_format``: ``s16`` (16-bit signed little-endian, what OpenAI's ``pcm`` is; the default) or
+``f32`` (the talker's float32 samples, bit for bit).
 
 - ``stream: true``: chunked transfer; every DELTA span the engine delivers is written as it arrives
   (``pcm``: raw samples; ``wav``: a header of unknown length first, then samples).
@@ -48,6 +49,7 @@ import json
 import math
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from http import HTTPStatus
 from typing import Literal
@@ -65,7 +67,7 @@ from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_c
 from vllm.exceptions import RetryableRequestError, VLLMError, VLLMServerError
 from vllm.inputs.engine import tokens_input
 from vllm.logger import init_logger
-from vllm.renderers.params import TokenizeParams
+from vllm.tokenizers.registry import cached_tokenizer_from_config
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
@@ -407,19 +409,26 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
 
 
 def plan_request(tokenizer, voice_token: int, text: str, speed: float = 1.0) -> tuple[list[int], int]:
-    """The prompt (the voice's token, then the text's) and the number of codec frames to speak."""
-    return _plan(voice_token, tokenizer(text, add_special_tokens=False)["input_ids"], speed)
+    """The prompt (the voice's token, then the text's) and the number of codec frames to speak. The
+    input is all text: a special token's string in it (``"</s>"``, ``"[PAD]"``) is spoken as the
+    characters it is, never taken for the token (a client cannot put control tokens in a prompt)."""
+    return _plan(voice_token, tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"], speed)
 
 
-# the text's tokens alone; no length limit here (the route checks prompt and frames against the model)
-_TEXT_TOKENS = TokenizeParams(max_total_tokens=None, max_output_tokens=None, add_special_tokens=False)
+class TextTokenizer:
+    """The route's tokenizer: the model's, loaded by vLLM's loader with special-token strings split
+    (``plan_request``; set at load, since a per-call setting changes the tokenizer's state for every
+    thread that shares it, vLLM's renderer's among them), on a thread of its own: a long input
+    (milliseconds) holds up no other stream of the event loop."""
 
+    def __init__(self, model_config):
+        self.tokenizer = cached_tokenizer_from_config(model_config, split_special_tokens=True)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-speech-tokenizer")
 
-async def plan_request_async(renderer, voice_token: int, text: str, speed: float = 1.0) -> tuple[list[int], int]:
-    """``plan_request`` with the text tokenized on the thread of vLLM's renderer, as vLLM's own
-    routes tokenize: a long input (milliseconds) holds up no other stream of the event loop."""
-    tokens = await renderer.tokenize_prompt_async({"prompt": text}, _TEXT_TOKENS)
-    return _plan(voice_token, tokens["prompt_token_ids"], speed)
+    async def plan(self, voice_token: int, text: str, speed: float = 1.0) -> tuple[list[int], int]:
+        """``plan_request`` on the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, plan_request, self.tokenizer, voice_token, text, speed)
 
 
 def _plan(voice_token: int, ids: list[int], speed: float) -> tuple[list[int], int]:
@@ -481,8 +490,7 @@ async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
     if (bad := _validate(request, raw_request, limits)) is not None:
         return bad
     engine = state.engine_client
-    prompt, frames = await plan_request_async(engine.renderer, _voices(engine)[request.voice], request.input,
-                                              request.speed)
+    prompt, frames = await state.omni_speech_text.plan(_voices(engine)[request.voice], request.input, request.speed)
     if len(prompt) + frames > engine.model_config.max_model_len:
         return _error(f"input needs {len(prompt) + frames} positions at speed {request.speed}; this model serves "
                       f"{engine.model_config.max_model_len}", "input")
@@ -651,11 +659,13 @@ async def warm_up_route(app, api_key: str | None = None) -> None:
         app.state.omni_speech_first_audio = FirstAudio()
 
 
-def install(app, limits: SpeechLimits, shared_counts=None, api_server: tuple[int, int] = (0, 1)) -> None:
-    """Add the speech routes to vLLM's app (after ``build_app``) and their state (``shared_counts``:
-    the admission counts the server's API server processes share, as ``Admission`` takes them;
-    ``api_server``: this process's index among them, and their number)."""
+def install(app, model_config, limits: SpeechLimits, shared_counts=None, api_server: tuple[int, int] = (0, 1)) -> None:
+    """Add the speech routes to vLLM's app (after ``build_app``) and their state for the engine's
+    model (``model_config``: its tokenizer; ``shared_counts``: the admission counts the server's API
+    server processes share, as ``Admission`` takes them; ``api_server``: this process's index among
+    them, and their number)."""
     app.include_router(router)
+    app.state.omni_speech_text = TextTokenizer(model_config)
     app.state.omni_api_server = api_server
     app.state.omni_speech_limits = limits
     app.state.omni_speech_admission = Admission(limits.max_inflight, shared_counts)
@@ -665,5 +675,5 @@ def install(app, limits: SpeechLimits, shared_counts=None, api_server: tuple[int
         requests.labels(outcome=outcome)
 
 
-__all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "install", "plan_request", "plan_request_async",
+__all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "TextTokenizer", "install", "plan_request",
            "router", "samples_bytes", "speech_frames", "warm_up_route"]
