@@ -401,9 +401,9 @@ def test_over_the_bound_a_request_gets_503_and_nothing_is_queued(server):
 @pytest.fixture(scope="module")
 def small_audio_memory(tmp_path_factory):
     """A server whose worker has 36 MiB of audio memory: nine whole files of 276 characters at once
-    (each reserves a 4 MiB region for all its audio; long enough that none finishes before the
-    last of twelve sent together arrives, however loaded the host), and twelve requests in flight. Its talker
-    makes a malformed second chunk for every request in the voice "onyx" (the worker's
+    (each reserves a 4 MiB region for all its audio; long enough that, on a loaded host too, none
+    finishes before the last of twelve sent together arrives), and twelve requests in flight. Its
+    talker makes a malformed second chunk for every request in the voice "onyx" (the worker's
     ``bad_prompt_token``, a test option: a voice is a prompt's first token)."""
     config = json.dumps({"omni": {"bad_prompt_token": VOICES["onyx"]}})
     yield from running_server(tmp_path_factory, "--audio-memory-mib", "36", "--max-inflight", "12",
@@ -437,9 +437,9 @@ def test_a_request_that_fails_after_its_first_audio_is_cut_and_counted_as_failed
 
 def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audio(small_audio_memory):
     """Twelve whole files at once: those the worker cannot hold (three, unless one has finished
-    before the last arrives) are answered 503 with Retry-After (a retry
-    succeeds once others finish), the others are exact, and the server serves on (the engine core
-    survives it, and every other request with it)."""
+    before the last arrives) are answered 503 with Retry-After (a retry succeeds once others
+    finish), the others are exact, and the server serves on (the engine core survives it, and every
+    other request with it)."""
     server = small_audio_memory
     text = "c" * 276
     body = {"input": text, "response_format": "pcm", "sample_format": "f32"}
