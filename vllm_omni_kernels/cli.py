@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--bad-every", type=int, default=0,
                      help="every n-th request makes the talker emit a malformed output (worker path: a chunk of "
                           "another dtype; upstream path: a value the wire cannot carry): it must fail alone")
-    sim.add_argument("--stop-every", type=int, default=0,
-                     help="every n-th request ends on a token its talker emits half-way (stop_token_ids)")
+    sim.add_argument("--stop-every", type=int, default=4,
+                     help="every n-th request ends on a token its talker emits half-way (stop_token_ids), as a TTS "
+                          "model ends on its end token; 0: none")
     sim.add_argument("--priorities", type=int, default=0,
                      help="n: vLLM's priority scheduling; in each run of n requests, each outranks those before it")
     sim.add_argument("--seed", type=int, default=0, help="seed of the talker's weights and the requests' plan")
