@@ -344,12 +344,11 @@ class OmniPhaseRunnerMixin:
             key, sub = getattr(self.model, "talker_mtp_output_key", ("codes", "audio"))
             slots = self._omni_code_slots(decode_req_ids, key, sub)
             try:
-                try:
-                    gather.add_mtp_outputs(inputs_embeds, offsets, embeds, codes, slots)
-                except _RECORD_ERRORS as exc:
-                    raise PhaseRoutingError(f"talker_mtp outputs: {exc}", request_id=decode_req_ids[0]) from exc
-            except BaseException:  # what was recorded before the failure must not run at the next launch
+                gather.add_mtp_outputs(inputs_embeds, offsets, embeds, codes, slots)
+            except BaseException as exc:  # what was recorded before the failure must not run at the next launch
                 gather.post.jobs.clear()
+                if isinstance(exc, _RECORD_ERRORS):
+                    raise PhaseRoutingError(f"talker_mtp outputs: {exc}", request_id=decode_req_ids[0]) from exc
                 raise
             if codes is None:  # no row got codes this step (the first launch flagged the MTP rows)
                 gather.post.jobs.values(gather.code_valid, np.zeros(gather.max_rows, np.int32))
