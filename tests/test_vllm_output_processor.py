@@ -573,6 +573,36 @@ def test_output_after_an_abort_is_counted_not_an_error_and_a_strangers_output_is
     assert p.late_outputs == 2 and p.accumulation_errors == 2
 
 
+def test_an_aborts_failed_final_output_leaves_nothing_for_a_later_request_of_the_id():
+    """An aborted FINAL_ONLY request whose held pieces do not concatenate: vLLM's abort makes its
+    final output (the error in it), and the failure does not stay parked for the next step, where it
+    would fail a new request that reuses the id (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``) with the
+    old one's error and abort it in the engine."""
+    p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+
+    def add(rid):
+        queue = RequestOutputCollector(RequestOutputKind.FINAL_ONLY, rid)
+        p.add_request(core_request(rid, [5, 6], sampling(RequestOutputKind.FINAL_ONLY, max_tokens=4,
+                                                         detokenize=False)), None, None, 0, queue)
+        return queue
+
+    def step(piece, finish=None):
+        return token_output("r", 7, finish=finish, cls=OmniEngineCoreOutput, multimodal_delivered={"codes": (0, piece)})
+
+    old = add("r")
+    p.process_outputs([step(torch.ones(2, 4))])
+    p.process_outputs([step(torch.ones(2, 8))])  # a frame that does not concatenate: found when joined
+    assert p.abort_requests(["r"], internal=False) == ["r"]
+    final = old.get_nowait()
+    assert final.finished and final.outputs[0].finish_reason == "error" and "concatenate" in final.outputs[0].stop_reason
+    new = add("r")
+    res = p.process_outputs([step(torch.zeros(3, 4))])
+    assert res.reqs_to_abort == [] and "r" in p.request_states and new.get_nowait() is None
+    res = p.process_outputs([step(torch.zeros(1, 4), FinishReason.LENGTH)])
+    out = new.get_nowait()
+    assert out.finished and torch.equal(out.outputs[0].multimodal_output.tensors["codes"], torch.zeros(4, 4))
+
+
 def test_worker_pieces_of_every_kind_and_a_frame_that_changes_fail_only_their_request():
     """Worker-delivered pieces (``multimodal_delivered``): DELTA outputs carry the pieces since the
     last output, CUMULATIVE ones everything so far (sized at the first piece for ``max_tokens``,

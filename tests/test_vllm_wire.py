@@ -199,6 +199,41 @@ def test_a_region_that_does_not_fit_fails_only_the_requests_it_names(change, mes
     assert good.multimodal_error is None and torch.equal(good.multimodal_delivered["audio"][1], audio[1])
 
 
+@pytest.mark.parametrize("reshape", [lambda flat: flat[0], lambda flat: flat.view(-1, 4),
+                                     lambda flat: flat.view(torch.float32)], ids=["0-d", "2-D", "float32"])
+def test_a_step_buffer_that_is_not_one_dimensional_bytes_fails_the_requests_of_its_regions(reshape):
+    """A 0-d buffer, one of rows (its regions' offsets count bytes) or of another dtype: no region is
+    cut from it (a row-sliced one would hand out more bytes than its region names), and every request
+    its regions name fails with the key; the message decodes."""
+    outs, audio, codes = packed_frame()
+    outs.multimodal_buffer = reshape(outs.multimodal_buffer).clone()
+    got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs))
+    for eco in got.outputs[:2]:
+        assert eco.multimodal_delivered is None and "not 1-D bytes" in eco.multimodal_error.message
+    assert got.outputs[2].multimodal_error is None  # a request with nothing due
+
+
+@pytest.mark.parametrize("split", ["one region", "two regions"])
+def test_a_second_piece_of_a_key_for_a_request_in_one_step_fails_it(split):
+    """A request's data of a key is one piece a step (the worker's regions name it once): a region
+    naming it twice, or two regions of the key naming it, fail it with the key instead of one piece
+    replacing the other; the other requests' pieces arrive."""
+    from vllm_omni_kernels.vllm_integration.wire import MultimodalRegion
+
+    x = torch.arange(16, dtype=torch.float32)
+    regions = ([MultimodalRegion("audio", "float32", [], -1, 0, ["a", "a", "b"], [6, 4, 6])]
+               if split == "one region" else
+               [MultimodalRegion("audio", "float32", [], -1, 0, ["a", "b"], [6, 6]),
+                MultimodalRegion("audio", "float32", [], -1, 48, ["a"], [4])])
+    outs = OmniEngineCoreOutputs(outputs=[OmniEngineCoreOutput(request_id=r, new_token_ids=[1]) for r in "ab"],
+                                 multimodal_buffer=x.view(torch.uint8).clone(), multimodal_regions=regions)
+    a, b = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs)).outputs
+    assert a.multimodal_delivered is None and a.multimodal_error.key == "audio"
+    assert "two pieces" in a.multimodal_error.message
+    want = x[10:16] if split == "one region" else x[6:12]
+    assert b.multimodal_error is None and torch.equal(b.multimodal_delivered["audio"][1], want)
+
+
 def test_a_workers_failure_for_want_of_memory_arrives_as_an_output_memory_error():
     """The worker's ``OutputMemoryError`` (a retry can succeed: vLLM answers 503) stays one across
     the wire, with its key, for the request it names; any other failure is a plain
@@ -285,6 +320,7 @@ def test_a_tensor_whose_memory_is_not_its_value_is_refused_by_the_engine_cores_c
     (["float32", [999], 1], "needs 3996 bytes"),   # shape not matching its buffer
     (["float32", [4], 99], "outside the message"),  # aux index out of range
     (["float32", [4], {"handle": 1}], "not a buffer"),  # dict data (an out-of-band tensor we never send)
+    (["float32", [0, 2 ** 62, 2 ** 62], b""], "of shape [0, "),  # no bytes, but strides no tensor can have
 ])
 def test_a_malformed_tensor_is_an_error_for_its_request_only(bad, message):
     outs, audio, codes, sr = frame()

@@ -520,7 +520,7 @@ class MultimodalOutputProcessor(OutputProcessor):
                 state.queue.put(raised)
             last = state.made() if state.made is not None else None
             outs = [out for out in result.request_outputs if out is last]
-            if state.queue is None and not outs and state.request_id in self.request_states:
+            if state.queue is None and not outs and self.request_states.get(state.request_id) is state:
                 # LLMEngine, a step without the request's output (vLLM thinned it): its final one
                 made = state.make_request_output([], None, FinishReason.ERROR, str(raised))
                 if made is not None:  # (None: a sample of n whose parent waits for its siblings)
@@ -535,7 +535,7 @@ class MultimodalOutputProcessor(OutputProcessor):
                     if state.parent_req is None or completion.index == state.request_index:
                         completion.finish_reason = str(FinishReason.ERROR)
                         completion.stop_reason = str(raised)
-            if state.request_id in self.request_states:  # (else vLLM finished it in this step)
+            if self.request_states.get(state.request_id) is state:  # (else vLLM finished it in this step)
                 self._finish_request(state)
                 result.reqs_to_abort.append(state.request_id)
                 self._update_stats_from_finished(state, FinishReason.ERROR, iteration_stats)
@@ -554,6 +554,9 @@ class MultimodalOutputProcessor(OutputProcessor):
         aborted = super().abort_requests(request_ids, internal)
         for rid in aborted:
             self._forget(rid, states.get(rid))
+        if self._failures:  # an abort's final output that failed to consolidate: the request is over already
+            gone = {id(states.get(rid)) for rid in aborted}
+            self._failures[:] = [(state, exc) for state, exc in self._failures if id(state) not in gone]
         return aborted
 
     def _forget(self, request_id: str, state: RequestState | None) -> None:

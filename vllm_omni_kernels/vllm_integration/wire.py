@@ -123,7 +123,8 @@ def as_omni_outputs(outputs: OmniEngineCoreOutputs) -> None:
 def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
     """Give every output its pieces of the message's regions (``multimodal_delivered``), views of
     ``multimodal_buffer``. A region that does not fit the buffer (unknown dtype, frames past its
-    end, an offset its dtype cannot start at) fails the requests it names (``multimodal_error``).
+    end, an offset its dtype cannot start at, a buffer that is not 1-D bytes) fails the requests it
+    names (``multimodal_error``), as does a second piece of one key for a request.
     The outputs must be ``OmniEngineCoreOutput``s (``as_omni_outputs``: the scheduler's own, in
     process; the decoder makes them so)."""
     regions = outputs.multimodal_regions
@@ -132,10 +133,15 @@ def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
     buffer = outputs.multimodal_buffer
     if buffer is None:
         buffer = torch.empty(0, dtype=torch.uint8)
+    bad_buffer = None
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        bad_buffer = f"the step's buffer is a {buffer.dtype} tensor of shape {list(buffer.shape)}, not 1-D bytes"
     by_id = {eco.request_id: eco for eco in outputs.outputs}
     failed = []
     for region in regions:
         try:
+            if bad_buffer:
+                raise ValueError(bad_buffer)
             pieces = _cut(buffer, region)
         except ValueError as exc:
             for rid in region.request_ids:
@@ -151,6 +157,9 @@ def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
                 continue  # another client's request
             if eco.multimodal_delivered is None:
                 eco.multimodal_delivered = {}
+            elif key in eco.multimodal_delivered:  # a request's data of a key is one piece a step
+                eco.multimodal_error = MultimodalError("two pieces of the key in one step", key=key)
+                failed.append(eco)
             eco.multimodal_delivered[key] = (axis, piece)
     for eco in failed:  # none of a failed request's data is handed on
         eco.multimodal_delivered = None
@@ -357,7 +366,11 @@ class OmniMsgpackDecoder(MsgpackDecoder):
         if nbytes != expected:
             return TensorAccumulationError(f"a {dtype} tensor of shape {list(shape)} needs {expected} bytes, its "
                                            f"buffer holds {nbytes}", request_id=request_id, key=key)
-        return self._decode_tensor(triple)
+        try:
+            return self._decode_tensor(triple)
+        except (RuntimeError, ValueError, OverflowError) as exc:  # a shape no tensor has (its strides overflow)
+            return TensorAccumulationError(f"a {dtype} tensor of shape {list(shape)}: {exc}", request_id=request_id,
+                                           key=key)
 
 
 class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
