@@ -107,6 +107,10 @@ class FakeTalker:
             updates[-1] = 5
         elif self.break_batch == "update key":  # the last row's update has a key preprocess takes itself
             updates[-1]["input_embeds"] = None
+        elif self.break_batch == "update key not str":  # no keyword can name it
+            updates[-1][1] = None
+        elif self.break_batch == "update key self":  # the bound method's own first parameter
+            updates[-1]["self"] = None
         elif self.break_batch == "arity":
             return ids, emb
         if not self.mtp:

@@ -273,7 +273,8 @@ def test_gather_rows_must_be_integers():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("broken", ["rows", "ids", "updates", "update type", "update key", "arity"])
+@pytest.mark.parametrize("broken", ["rows", "ids", "updates", "update type", "update key", "update key not str",
+                                    "update key self", "arity"])
 @pytest.mark.parametrize("mtp", [True, False])
 def test_incomplete_hook_outputs_raise_with_buffers_unchanged(use_backend, backend, broken, mtp):
     runner = make_runner(use_backend, backend, mtp=mtp, prompts={"p": 4, "x": 2, "y": 2})
@@ -282,7 +283,7 @@ def test_incomplete_hook_outputs_raise_with_buffers_unchanged(use_backend, backe
     before = runner.inputs_embeds.clone(), runner.input_ids.clone()
     with pytest.raises(PhaseRoutingError) as err:
         runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
-    assert err.value.request_id == ("y" if broken in ("update type", "update key") else "x")
+    assert err.value.request_id == ("y" if broken.startswith("update ") else "x")
     assert torch.equal(runner.inputs_embeds, before[0]) and torch.equal(runner.input_ids, before[1])
     assert "meta" not in runner.model_intermediate_buffer["p"]  # no update merged, not even row p's
     runner.model.break_batch = None  # the runner is usable again
@@ -326,6 +327,18 @@ def test_mtp_forward_rejects_repeated_offsets_naming_a_request_that_repeats():
     assert err.value.request_id == "c"
 
 
+def test_mtp_forward_rejects_a_request_on_two_rows_before_the_model_runs():
+    """Two rows of one request would write its one code slot twice (two programs racing on one
+    row on the GPU), and both would get the same codes view: refused, naming it, as
+    ``_omni_preprocess`` refuses a request on two rows of a step."""
+    runner = FakeRunner(FakeTalker(H, torch.float32))
+    for rid in "ab":
+        runner.add_request(rid, 1)
+    with pytest.raises(PhaseRoutingError, match="two MTP rows") as err:
+        runner._talker_mtp_forward(["a", "b", "a"], runner.inputs_embeds, [0, 1, 2])
+    assert err.value.request_id == "a" and runner.model.mtp_calls == []
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_mtp_outputs_merge_no_update(use_backend, backend):
     """MTP's outputs exist only after the step's first launch: a bad one fails the step with no
@@ -353,16 +366,17 @@ def test_a_step_whose_mtp_codes_fail_leaves_no_copy_for_the_next_step(use_backen
     check_step(runner, [("n", 0, 2), ("m", 3, 1)])
 
 
-@pytest.mark.parametrize("hook", ["scalar", "batch", "mtp_inputs"])
+@pytest.mark.parametrize("hook", ["scalar", "batch", "batch ids", "mtp_inputs"])
 def test_hook_tensors_the_kernels_cannot_read_fail_their_request(use_backend, hook):
     """A sparse tensor of the right shape from a hook fails the step with a ``PhaseRoutingError``
     naming the request, before the runner reads its memory (the layout had no check: an untyped
     RuntimeError)."""
-    runner = make_runner(use_backend, "triton", batch_hook=hook == "batch", prompts={"p": 4, "x": 2, "y": 2})
-    if hook == "batch":
+    runner = make_runner(use_backend, "triton", batch_hook=hook.startswith("batch"), prompts={"p": 4, "x": 2, "y": 2})
+    if hook.startswith("batch"):
         batch = runner.model.preprocess_decode_batch
         runner.model.preprocess_decode_batch = lambda input_ids, req_infos: (
-            lambda out: (out[0], out[1].to_sparse(), *out[2:]))(batch(input_ids, req_infos))
+            lambda out: (out[0].to_sparse(), *out[1:]) if hook == "batch ids" else
+            (out[0], out[1].to_sparse(), *out[2:]))(batch(input_ids, req_infos))
         rows, named = [("x", 2, 1), ("y", 2, 1)], "x"
     else:
         scalar = runner.model.preprocess

@@ -62,7 +62,7 @@ def _shape_error(request_id: str, what: str, got: Any, want: tuple) -> PhaseRout
     return PhaseRoutingError(f"{what} has shape {shape}, expected {want}", request_id=request_id)
 
 
-_HOOK_ARGUMENTS = ("input_ids", "input_embeds")  # what preprocess takes besides the request's info
+_HOOK_ARGUMENTS = ("self", "input_ids", "input_embeds")  # what preprocess takes besides the request's info
 
 
 def _check_update(hook: str, request_id: str, update: Any) -> None:
@@ -72,6 +72,10 @@ def _check_update(hook: str, request_id: str, update: Any) -> None:
         return
     if not isinstance(update, dict):
         raise PhaseRoutingError(f"{hook} update must be a dict, got {type(update).__name__}", request_id=request_id)
+    not_str = [k for k in update if not isinstance(k, str)]
+    if not_str:
+        raise PhaseRoutingError(f"{hook} update has the key {not_str[0]!r}: the request's info goes to preprocess as "
+                                "keywords, which are strings", request_id=request_id)
     clash = [k for k in _HOOK_ARGUMENTS if k in update]
     if clash:
         raise PhaseRoutingError(f"{hook} update has the key {clash[0]!r}, an argument of preprocess: the request's "
@@ -237,6 +241,8 @@ class OmniPhaseRunnerMixin:
         same_ids = ids is ids_in and run.contiguous  # (a gap run's ids are a copy: a hook may rewrite it)
         if not same_ids and (not isinstance(ids, torch.Tensor) or ids.numel() != rows):
             raise _shape_error(rids[0], "preprocess_decode_batch input_ids", ids, (rows,))
+        if not same_ids:
+            _check_plain(rids[0], "preprocess_decode_batch input_ids", ids)
         if not isinstance(updates, list | tuple) or len(updates) != rows:
             raise PhaseRoutingError(f"preprocess_decode_batch must return one update per row ({rows}), got "
                                     f"{len(updates) if isinstance(updates, list | tuple) else type(updates).__name__}",
@@ -331,6 +337,10 @@ class OmniPhaseRunnerMixin:
                     i = int(order[np.flatnonzero(np.diff(offsets[order]) == 0)[0] + 1])
                 raise PhaseRoutingError(f"MTP token offsets {offsets.tolist()} are out of bounds or repeat",
                                         request_id=decode_req_ids[i])
+            if len(set(decode_req_ids)) != m:  # two rows would write one request's code slot
+                seen: set = set()
+                rid = next(r for r in decode_req_ids if r in seen or seen.add(r))
+                raise PhaseRoutingError("the request is on two MTP rows", request_id=rid)
             out = self._omni_call_talker_mtp(gather.mtp_input_ids[:m], gather.mtp_inputs_embeds[:m],
                                              gather.last_hidden[:m], gather.text_step[:m], decode_req_ids)
             if not isinstance(out, tuple | list) or len(out) != 2:
