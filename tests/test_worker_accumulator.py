@@ -338,15 +338,20 @@ def test_a_negative_count_to_leave_out_is_refused():
      "PaddedBatch of 3 rows"),
     ({"audio": PaddedBatch(torch.zeros(2, 4), [4, 4]), "codes": [torch.zeros(1, 2)]}, "1 chunks for 2"),
     ({"audio": PaddedBatch(torch.zeros(2, 4), [4, 4]), "cods": [torch.zeros(1, 2)] * 2}, "'cods' is not one"),
-], ids=["batch-rows", "list-length", "unknown-key"])
+    # the later key's lengths: as many rows as requests, but four lengths; or not integers
+    ({"audio": PaddedBatch(torch.zeros(2, 4), [4, 4]),
+      "codes": PaddedBatch(torch.zeros(2, 1, 2), np.ones((2, 2), np.int64))}, "2 rows and 4 lengths"),
+    ({"audio": PaddedBatch(torch.zeros(2, 4), [4, 4]),
+      "codes": PaddedBatch(torch.zeros(2, 1, 2), np.array([1.0, 1.0]))}, "must be integers"),
+], ids=["batch-rows", "list-length", "unknown-key", "lengths-2d", "lengths-float"])
 def test_a_step_not_aligned_with_its_requests_appends_nothing(outputs, match):
-    """A caller's bug in a step's shape is a ValueError before any key is appended: no key holds
-    the step's data without the others."""
+    """A caller's bug in a step's shape is a ValueError (TypeError for lengths that are not
+    integers) before any key is appended: no key holds the step's data without the others."""
     acc = WorkerAccumulator([OutputKey("audio", S.CONCAT_LAST, torch.float32, (), cadence=0),
                              OutputKey("codes", S.CONCAT_DIM0, torch.float32, (2,), cadence=None)], "cpu")
     for rid in "ab":
         acc.add_request(rid, EmitPolicy.DELTA)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         acc.append(["a", "b"], outputs)
     assert [pool.unread().sum() for pool in acc.pools] == [0, 0]
 
@@ -431,6 +436,42 @@ def test_a_request_named_twice_in_one_step_fails_with_its_error(form, backend_na
     assert set(failed) == {"a"} and "twice" in str(failed["a"]) and failed["a"].key == "audio" and "a" not in acc
     assert torch.equal(acc.collect(["b"]).tensors("b")["audio"], chunks[2])
     assert all(p.stats().slots_used == 0 for p in acc.pools)
+
+
+def test_a_request_named_twice_with_its_rows_given_fails_and_the_others_stay_exact():
+    """Rows given by the caller that name one row twice are not trusted: the request fails as
+    when the accumulator looks its rows up (launched twice at one slot, its second chunk over its
+    first, the pool counted the slot's new head twice, and a fresh slot of another request then
+    kept writing at its first position)."""
+    acc = WorkerAccumulator([OutputKey("audio", S.CONCAT_LAST, torch.float32, (), initial_frames=16)], "cpu",
+                            budget_bytes=1 << 12, max_requests=4)
+    a, b = acc.add_request("a", EmitPolicy.FINAL_ONLY), acc.add_request("b", EmitPolicy.FINAL_ONLY)
+    failed = acc.append(["a", "a"], {"audio": [torch.tensor([1., 2., 3.]), torch.tensor([4., 5.])]},
+                        rows=np.array([a, a], np.int64))
+    assert set(failed) == {"a"} and "twice" in str(failed["a"])
+    for v in (10., 20., 30.):
+        assert acc.append(["b"], {"audio": [torch.tensor([v, v + 1])]}, rows=np.array([b], np.int64)) == {}
+    assert acc.collect(["b"]).tensors("b")["audio"].tolist() == [10., 11., 20., 21., 30., 31.]
+
+
+@pytest.mark.parametrize("hint", [np.int64(50), 50.0, "50"], ids=["numpy", "float", "str"])
+def test_a_frames_hint_is_an_integer_of_any_kind_and_anything_else_holds_nothing(hint):
+    """A numpy integer sizes the slot as an int does; a hint that is no integer is a typed error
+    naming the request and key, and the slots other keys had given it are given back."""
+    keys = [OutputKey("audio", S.CONCAT_LAST, torch.float32, (), initial_frames=4),
+            OutputKey("codes", S.CONCAT_DIM0, torch.int64, (2,), initial_frames=4)]
+    acc = WorkerAccumulator(keys, "cpu", budget_bytes=1 << 14, max_requests=2)
+    frames = {"audio": 100, "codes": hint}
+    if isinstance(hint, np.integer):
+        acc.add_request("a", EmitPolicy.FINAL_ONLY, row=0, frames=frames)
+        assert [p.capacity_frames("a") for p in acc.pools] == [128, 64]
+        acc.abort("a")
+    else:
+        with pytest.raises(TensorAccumulationError, match="frames hint") as err:
+            acc.add_request("a", EmitPolicy.FINAL_ONLY, row=0, frames=frames)
+        assert err.value.request_id == "a" and err.value.key == "codes"
+    assert "a" not in acc and all(len(p) == 0 and p.allocator.used_frames == 0 for p in acc.pools)
+    assert acc.add_request("c", EmitPolicy.DELTA, row=0) == 0
 
 def test_abort_frees_slots():
     acc = WorkerAccumulator(KEYS, "cpu")

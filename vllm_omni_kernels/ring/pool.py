@@ -35,6 +35,7 @@ through.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections.abc import Sequence
 from itertools import repeat
@@ -258,6 +259,11 @@ class RingPool:
             slot = int(self._slot_free.argmax())
         elif not (0 <= slot < self.max_slots and self._slot_free[slot]):
             raise TensorAccumulationError(f"slot {slot} is not free", request_id=request_id, key=self.key)
+        try:
+            frames = operator.index(frames)  # (a numpy integer too)
+        except TypeError:
+            raise TensorAccumulationError(f"a frames hint of type {type(frames).__name__}, not an integer",
+                                          request_id=request_id, key=self.key) from None
         region = None
         if frames > self.allocator.min_frames and 16 * frames <= self.allocator.total_frames:
             region = self.allocator.alloc(frames)  # none free: the smallest one, grown when needed

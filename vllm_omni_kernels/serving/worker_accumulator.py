@@ -36,7 +36,7 @@ from ..accumulator import EmitPolicy
 from ..errors import TensorAccumulationError
 from ..modality import TensorAccumulationStrategy as Strategy
 from ..profiling import nvtx_range
-from ..ring import PaddedBatch, RingPool
+from ..ring import PaddedBatch, RingPool, host_lengths
 from ..ring.pool import MAX_SLOTS, more_slots
 
 _ALIGN = 16  # every span starts on a 16-byte boundary of the buffer (any dtype can view it)
@@ -370,7 +370,7 @@ class WorkerAccumulator:
             for pool in self.pools:
                 pool.alloc(request_id, slot=row, frames=(frames or {}).get(pool.key, 0))
                 taken.append(pool)
-        except TensorAccumulationError:
+        except BaseException:  # (whatever it was: the slots taken so far are given back)
             for pool in taken:
                 pool.free(request_id)
             raise
@@ -421,7 +421,8 @@ class WorkerAccumulator:
 
         Raises:
             ValueError: a key the accumulator does not hold, or a key's batch or list not aligned
-                with ``request_ids`` (checked for every key before any is appended: nothing is).
+                with ``request_ids``; TypeError: a batch's lengths not host integers (both checked
+                for every key before any is appended: nothing is).
         """
         self._check_step(request_ids, outputs)
         failed: dict[str, TensorAccumulationError] = {}
@@ -430,8 +431,9 @@ class WorkerAccumulator:
                 rows = np.fromiter(map(self._row.get, request_ids, repeat(-1)), np.int64, len(request_ids))
                 if len(set(request_ids)) != len(request_ids):
                     rows = None  # a request named twice: the pools look every request up and name it
-            if rows is not None and len(rows) and (rows.min() < 0 or not self._held[rows].all()):
-                rows = None  # a request without a row: likewise
+            if rows is not None and len(rows) and (rows.min() < 0 or not self._held[rows].all()
+                                                   or len(rows) > 1 and not np.diff(np.sort(rows)).all()):
+                rows = None  # a request without a row, or a row named twice: likewise
             for key, pool in zip(self.keys, self.pools):
                 chunks = outputs.get(key.name)
                 if chunks is not None:
@@ -451,8 +453,9 @@ class WorkerAccumulator:
                 continue
             if isinstance(chunks, PaddedBatch):
                 rows = chunks.data.shape[0] if chunks.data.dim() else 0
-                if rows != len(request_ids) or len(chunks.lengths) != len(request_ids):
-                    raise ValueError(f"key {name!r}: a PaddedBatch of {rows} rows and {len(chunks.lengths)} lengths "
+                lengths = host_lengths(chunks.lengths).shape[0]  # (TypeError for lengths that are not host integers)
+                if rows != len(request_ids) or lengths != len(request_ids):
+                    raise ValueError(f"key {name!r}: a PaddedBatch of {rows} rows and {lengths} lengths "
                                      f"for {len(request_ids)} requests")
             elif len(chunks) != len(request_ids):
                 raise ValueError(f"key {name!r}: {len(chunks)} chunks for {len(request_ids)} requests")
