@@ -338,9 +338,11 @@ class OmniPhaseRunnerMixin:
                 raise PhaseRoutingError(f"MTP token offsets {offsets.tolist()} are out of bounds or repeat",
                                         request_id=decode_req_ids[i])
             if len(set(decode_req_ids)) != m:  # two rows would write one request's code slot
-                seen: set = set()
-                rid = next(r for r in decode_req_ids if r in seen or seen.add(r))
-                raise PhaseRoutingError("the request is on two MTP rows", request_id=rid)
+                seen: set[str] = set()
+                for rid in decode_req_ids:
+                    if rid in seen:
+                        raise PhaseRoutingError("the request is on two MTP rows", request_id=rid)
+                    seen.add(rid)
             out = self._omni_call_talker_mtp(gather.mtp_input_ids[:m], gather.mtp_inputs_embeds[:m],
                                              gather.last_hidden[:m], gather.text_step[:m], decode_req_ids)
             if not isinstance(out, tuple | list) or len(out) != 2:
