@@ -205,7 +205,7 @@ def test_a_step_buffer_that_is_not_one_dimensional_bytes_fails_the_requests_of_i
     """A 0-d buffer, one of rows (its regions' offsets count bytes) or of another dtype: no region is
     cut from it (a row-sliced one would hand out more bytes than its region names), and every request
     its regions name fails with the key; the message decodes."""
-    outs, audio, codes = packed_frame()
+    outs = packed_frame()[0]
     outs.multimodal_buffer = reshape(outs.multimodal_buffer).clone()
     got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs))
     for eco in got.outputs[:2]:
