@@ -57,6 +57,16 @@ class ScalarRow:
     mtp_index: int = -1
 
 
+def check_distinct(request_ids: Sequence[str], why: str) -> None:
+    """``PhaseRoutingError(why)`` naming the first request that comes a second time in ``request_ids``."""
+    if len(set(request_ids)) != len(request_ids):
+        seen: set[str] = set()
+        for rid in request_ids:
+            if rid in seen:
+                raise PhaseRoutingError(why, request_id=rid)
+            seen.add(rid)
+
+
 @dataclass(frozen=True)
 class RoutingPlan:
     """The hook calls of one step in batch order, and the packed MTP batch."""
@@ -73,11 +83,7 @@ class RoutingPlan:
         rows = len(phase)
         if len(request_ids) != rows:
             raise ValueError(f"{len(request_ids)} request ids for {rows} rows")
-        if len(set(request_ids)) != rows:
-            seen: set[str] = set()
-            twice = next(rid for rid in request_ids if rid in seen or seen.add(rid))
-            raise PhaseRoutingError("on two rows of one step (a request has one phase and one code slot)",
-                                    request_id=twice)
+        check_distinct(request_ids, "on two rows of one step (a request has one phase and one code slot)")
         _check_spans(phase, request_ids, num_tokens)
         decode = phase.single_token_decode
         in_mtp = decode if mtp else np.zeros(rows, dtype=bool)

@@ -44,7 +44,7 @@ from ..gather.decode import DecodeGather
 from ..errors import PhaseRoutingError
 from .batch import PhaseBatch
 from ..profiling import nvtx_range
-from .routing import DecodeRun, RoutingPlan, ScalarRow
+from .routing import DecodeRun, RoutingPlan, ScalarRow, check_distinct
 
 _RECORD_ERRORS = (TypeError, ValueError, IndexError)
 
@@ -239,9 +239,9 @@ class OmniPhaseRunnerMixin:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (rows, h):
                 raise _shape_error(rids[0], f"preprocess_decode_batch {what}", t, (rows, h))
         same_ids = ids is ids_in and run.contiguous  # (a gap run's ids are a copy: a hook may rewrite it)
-        if not same_ids and (not isinstance(ids, torch.Tensor) or ids.numel() != rows):
-            raise _shape_error(rids[0], "preprocess_decode_batch input_ids", ids, (rows,))
         if not same_ids:
+            if not isinstance(ids, torch.Tensor) or ids.numel() != rows:
+                raise _shape_error(rids[0], "preprocess_decode_batch input_ids", ids, (rows,))
             _check_plain(rids[0], "preprocess_decode_batch input_ids", ids)
         if not isinstance(updates, list | tuple) or len(updates) != rows:
             raise PhaseRoutingError(f"preprocess_decode_batch must return one update per row ({rows}), got "
@@ -337,12 +337,7 @@ class OmniPhaseRunnerMixin:
                     i = int(order[np.flatnonzero(np.diff(offsets[order]) == 0)[0] + 1])
                 raise PhaseRoutingError(f"MTP token offsets {offsets.tolist()} are out of bounds or repeat",
                                         request_id=decode_req_ids[i])
-            if len(set(decode_req_ids)) != m:  # two rows would write one request's code slot
-                seen: set[str] = set()
-                for rid in decode_req_ids:
-                    if rid in seen:
-                        raise PhaseRoutingError("the request is on two MTP rows", request_id=rid)
-                    seen.add(rid)
+            check_distinct(decode_req_ids, "the request is on two MTP rows")  # (they would write its one code slot)
             out = self._omni_call_talker_mtp(gather.mtp_input_ids[:m], gather.mtp_inputs_embeds[:m],
                                              gather.last_hidden[:m], gather.text_step[:m], decode_req_ids)
             if not isinstance(out, tuple | list) or len(out) != 2:
