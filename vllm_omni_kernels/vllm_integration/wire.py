@@ -133,15 +133,10 @@ def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
     buffer = outputs.multimodal_buffer
     if buffer is None:
         buffer = torch.empty(0, dtype=torch.uint8)
-    bad_buffer = None
-    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
-        bad_buffer = f"the step's buffer is a {buffer.dtype} tensor of shape {list(buffer.shape)}, not 1-D bytes"
     by_id = {eco.request_id: eco for eco in outputs.outputs}
     failed = []
     for region in regions:
         try:
-            if bad_buffer:
-                raise ValueError(bad_buffer)
             pieces = _cut(buffer, region)
         except ValueError as exc:
             for rid in region.request_ids:
@@ -166,6 +161,8 @@ def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
 
 
 def _cut(buffer: torch.Tensor, region: MultimodalRegion) -> list[torch.Tensor]:
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError(f"the step's buffer is a {buffer.dtype} tensor of shape {list(buffer.shape)}, not 1-D bytes")
     dtype = _DTYPES.get(region.dtype)
     frame = region.frame
     if dtype is None or region.axis not in (0, -1) or not all(type(s) is int and s > 0 for s in frame) \
