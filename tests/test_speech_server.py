@@ -341,6 +341,37 @@ def test_a_client_that_reads_slower_than_the_engine_but_steadily_gets_all_its_au
     assert (after["served"] - counted["served"], after["cancelled"] - counted["cancelled"]) == (1, 0)
 
 
+def test_a_client_with_the_kernels_socket_buffers_that_reads_steadily_keeps_its_stream(server):
+    """An ordinary client (the kernel's own socket buffers, which grow to megabytes) reading 250 kB
+    a second, far behind the engine, for 20 s: no send of the server waits ``--stall-timeout`` for
+    it (``server.pace_sends``: a send waits about as long as the client takes to read a few hundred
+    KiB). Without the pacing the kernel woke the server's send only once half of a 4 MiB send
+    buffer was read (8 s here), and the stream was dropped though its client never stopped reading."""
+    rate, seconds = 250e3, 20.0
+    body = {"input": "b" * 1500, "speed": 0.25, "response_format": "pcm", "sample_format": "f32", "stream": True}
+    counted = idle(server)
+
+    async def read() -> int:
+        async with httpx.AsyncClient(base_url=server["url"], timeout=60) as client:
+            async with client.stream("POST", "/v1/audio/speech", json=body,
+                                     headers={"X-Request-Id": "steady-reader"}) as r:
+                assert r.status_code == 200
+                got, t0 = 0, time.time()
+                async for chunk in r.aiter_raw():
+                    got += len(chunk)
+                    if time.time() - t0 > seconds:
+                        return got
+                    await asyncio.sleep(max(0.0, t0 + got / rate - time.time()))
+        raise AssertionError(f"the stream ended after {got} bytes")
+
+    got = asyncio.run(read())
+    assert got >= rate * seconds * 0.9
+    after = idle(server)  # its client left before the end (all of it may be in the client's socket buffer)
+    assert (after["cancelled"] - counted["cancelled"]) + (after["served"] - counted["served"]) == 1
+    stalled = [line for line in server["log"].read_text().splitlines() if "took no bytes" in line]
+    assert not [line for line in stalled if "speech-steady-reader-" in line], stalled
+
+
 def test_vllms_metrics_count_the_speech_route(server):
     """``/metrics`` carries the route's outcomes, the audio it sent and its first-audio times:
     one more streamed request adds one served, its seconds of audio and one first audio."""
@@ -848,7 +879,8 @@ def test_parser_plugins_are_imported_as_vllms_server_imports_them(tmp_path, monk
     def stop(_args):
         raise Stop
 
-    monkeypatch.setattr(server, "setup_server", lambda *a, **k: ("http://x", None))
+    sock = socket.socket()  # (never bound: the run stops before it serves)
+    monkeypatch.setattr(server, "setup_server", lambda *a, **k: ("http://x", sock))
     monkeypatch.setattr(server, "engine_args_from", stop)
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
@@ -856,6 +888,7 @@ def test_parser_plugins_are_imported_as_vllms_server_imports_them(tmp_path, monk
             asyncio.run(server.run(args))
     finally:
         signal.signal(signal.SIGTERM, sigterm)
+        sock.close()
     assert marker.exists()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -44,6 +45,28 @@ from .speech import Admission
 from .worker import TalkerExecutor, WorkerOptions
 
 logger = init_logger("vllm.omni_kernels.server")
+
+# A connection's bytes written but not yet sent, at most (TCP_NOTSENT_LOWAT): see ``pace_sends``.
+UNSENT_BYTES = 1 << 17
+
+
+def pace_sends(sock: socket.socket) -> None:
+    """Let a connection take more of a response only once its unsent bytes are below
+    ``UNSENT_BYTES`` (set on the listening socket, which its connections inherit). Otherwise the
+    kernel takes a response's bytes until its send buffer is full (4 MiB by default) and wakes the
+    writer only once half of it is acknowledged: a client that reads a stream as fast as it plays
+    (96 kB a second of float32) made the server's send wait 20 s at a time, and lost its stream to
+    ``--stall-timeout``. Paced, a send waits about as long as the client takes to read a few
+    hundred KiB (3 s, at most 6 s, at 96 kB a second on the loopback interface), so the timeout
+    measures the client, not the kernel's buffer."""
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if option is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, UNSENT_BYTES)
+    except OSError as exc:  # (a kernel without it)
+        logger.warning("TCP_NOTSENT_LOWAT is not available (%s): --stall-timeout counts the time the "
+                       "kernel's send buffer takes to drain, and should be long", exc)
 
 
 def make_parser() -> FlexibleArgumentParser:
@@ -112,6 +135,7 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
 
         signal.signal(signal.SIGTERM, interrupt)
         listen_address, sock = setup_server(args, reuse_port=False)
+        pace_sends(sock)
     init_parser_plugin(args)  # as vLLM's server worker: --tool-parser-plugin, --reasoning-parser-plugin
     client = dict(client_config or {})
     count, index = client.pop("client_count", 1), client.pop("client_index", 0)
@@ -190,6 +214,7 @@ def serve_multi(args, count: int) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     listen_address, sock = setup_server(args, reuse_port=True)
+    pace_sends(sock)
     args.omni_speech_counts = multiprocessing.get_context("spawn").Array("q", 1 + len(Admission.OUTCOMES))
     engine_args = engine_args_from(args)
     config = omni_vllm_config(engine_args, UsageContext.OPENAI_API_SERVER, api_process=(count, -1))

@@ -339,9 +339,10 @@ class _ClosingStreamingResponse(StreamingResponse):
     A client that takes none of the next bytes for ``stall_s`` seconds (its connection open,
     nothing read: the HTTP server's send waits for room) loses its stream: the request is aborted
     (if it still runs), its slot given back, and the connection closed, so that stalled clients
-    cannot hold every slot of the server. The body goes out ``_SEND_BYTES`` at a time, so a client
-    that plays the audio as it comes makes room for the next send within a second or two of audio,
-    however far ahead of it the engine is."""
+    cannot hold every slot of the server. The body goes out ``_SEND_BYTES`` at a time, and the
+    server's connections keep little unsent in the kernel (``server.pace_sends``), so a client that
+    plays the audio as it comes makes room for the next send within a few seconds of audio, however
+    far ahead of it the engine is."""
 
     def __init__(self, stream: SpeechStream, body, stall_s: float, **kwargs):
         super().__init__(body, **kwargs)
