@@ -396,26 +396,36 @@ def hold_the_bound_and_ask_once_more(server) -> None:
     async def scenario():
         async with httpx.AsyncClient(base_url=server["url"], timeout=60,
                                      limits=httpx.Limits(max_keepalive_connections=0)) as client:
-            # 6000 frames of float32 each (46 MB, about 20 s of engine steps): none can finish, and
-            # no socket buffer can take one whole, while the extra request arrives
+            # 6000 frames of float32 each (46 MB, about 20 s of engine steps), each read at 640 kB a
+            # second (over a minute for all of it) from the moment it opens: none can finish while
+            # the extra request arrives, and none stalls (a client that takes no bytes for
+            # --stall-timeout loses its stream and gives its slot back, which a loaded host reached
+            # when the four streams were opened first and read afterwards)
             body = {"input": "b" * 1500, "speed": 0.25, "response_format": "pcm", "sample_format": "f32",
                     "stream": True}
-            held = [client.stream("POST", "/v1/audio/speech", json=body) for _ in range(BOUND)]
-            responses = [await h.__aenter__() for h in held]
-            assert [r.status_code for r in responses] == [200] * BOUND
-            # each has begun streaming: all BOUND slots taken. The readers stay referenced: a
-            # dropped one is closed by the event loop, and with it the connection (a disconnect)
-            readers = [r.aiter_raw() for r in responses]
-            for reader in readers:
-                await reader.__anext__()
+            started = [asyncio.Event() for _ in range(BOUND)]
+
+            async def hold(i: int) -> None:
+                async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+                    assert r.status_code == 200, await r.aread()
+                    async for chunk in r.aiter_raw():
+                        started[i].set()
+                        await asyncio.sleep(len(chunk) / 640e3)
+                raise AssertionError(f"held stream {i} ended")
+
+            held = [asyncio.create_task(hold(i)) for i in range(BOUND)]
+            waiting = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in started)))
+            done, _ = await asyncio.wait([waiting, *held], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            assert done == {waiting}, [t.exception() for t in done if t is not waiting] or "no stream began"
+            # all BOUND slots taken, each stream running
             extra = await client.post("/v1/audio/speech", json={"input": "hello", "response_format": "pcm"})
-            assert extra.status_code == 503, extra.text
+            assert extra.status_code == 503, extra.text[:200]
             assert extra.headers["retry-after"] == "1"
             assert extra.json()["error"]["type"] == "ServiceUnavailableError"
-            for reader in readers:
-                await reader.aclose()
-            for h in held:
-                await h.__aexit__(None, None, None)
+            assert not any(t.done() for t in held), [t.exception() for t in held if t.done()]
+            for t in held:  # the clients leave: each connection closes
+                t.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
 
     asyncio.run(scenario())
     s = idle(server)
