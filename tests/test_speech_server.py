@@ -250,6 +250,27 @@ def test_server_sent_events_carry_the_bytes_a_stream_carries(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
+def test_a_client_behind_the_engine_gets_server_sent_events_of_bounded_size(server):
+    """A client that pauses after its first event (3 s, under the stall timeout) while the engine
+    runs ahead: the audio made meanwhile, merged into one span, comes as events of at most 64 KiB of
+    audio each (whole samples), and all of them joined are the talker's samples. As one event it
+    was a line of megabytes, past what SSE clients read as one (aiohttp's 512 KiB: its reader
+    raised ``LineTooLong`` in the middle of the audio)."""
+    text = "d" * 600
+    body = {"input": text, "speed": 0.5, "response_format": "pcm", "sample_format": "f32", "stream_format": "sse"}
+    with httpx.stream("POST", f"{server['url']}/v1/audio/speech", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        time.sleep(3.0)
+        events = sse_events([first, *lines])
+    *deltas, done = events
+    assert done["type"] == "speech.audio.done"
+    audio = [base64.b64decode(e["audio"]) for e in deltas]
+    assert max(map(len, audio)) == 1 << 16 and all(len(a) % 4 == 0 for a in audio)
+    assert b"".join(audio) == expected(server, text, speed=0.5).astype("<f4").tobytes()
+
+
 def test_a_disconnect_aborts_the_request_and_frees_its_slots(server):
     counted = idle(server)
     before = stats(server)["worker"]["samples"]

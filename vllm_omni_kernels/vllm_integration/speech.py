@@ -330,6 +330,10 @@ class _ClientStalled(Exception):
 # A streamed response's bytes go to the HTTP server at most this many at a time: the server takes
 # each once the client has made room for the one before (its buffer past 64 KiB waits), so a send
 # waits for about this many bytes of the client's reading, not for a whole merged span of audio.
+# A server-sent event carries at most this many bytes of audio too (87 KiB as base64): a span
+# merged while its client was behind (minutes of audio, megabytes) is many events, not one line
+# past what SSE clients read as one (aiohttp's: 512 KiB). Whole samples each: 64 KiB and a wav
+# header's 44 bytes are whole samples of either sample format.
 _SEND_BYTES = 1 << 16
 
 
@@ -586,9 +590,11 @@ async def _respond(stream: SpeechStream, request: SpeechRequest, streamed: bool,
             if piece:
                 yield piece
 
-    async def events():
+    async def events():  # a piece in events of at most _SEND_BYTES of audio each (see _SEND_BYTES)
         async for piece in audio():
-            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode("ascii")})
+            for at in range(0, len(piece), _SEND_BYTES):
+                delta = base64.b64encode(piece[at:at + _SEND_BYTES]).decode("ascii")
+                yield _event({"type": "speech.audio.delta", "audio": delta})
         usage = {"input_tokens": prompt_tokens, "output_tokens": stream.output_tokens,
                  "total_tokens": prompt_tokens + stream.output_tokens}
         yield _event({"type": "speech.audio.done", "usage": usage})
