@@ -271,6 +271,13 @@ def test_a_client_behind_the_engine_gets_server_sent_events_of_bounded_size(serv
     assert b"".join(audio) == expected(server, text, speed=0.5).astype("<f4").tobytes()
 
 
+def test_an_input_of_lone_surrogates_is_invalid_text_not_an_empty_one(server):
+    for text in ("\\ud800", "\\udc00\\ud800"):  # (JSON escapes of lone surrogates: no pair, no character)
+        r = httpx.post(f"{server['url']}/v1/audio/speech", content=f'{{"input": "{text}"}}', timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "input is not valid text" in r.json()["error"]["message"], r.text
+
+
 def test_a_disconnect_aborts_the_request_and_frees_its_slots(server):
     counted = idle(server)
     before = stats(server)["worker"]["samples"]

@@ -404,12 +404,12 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
                       "instructions")
     if len(request.input) > limits.max_input_chars:  # (first: the checks below read every character)
         return _error(f"input has {len(request.input)} characters; at most {limits.max_input_chars}", "input")
-    if not any(ch.isprintable() and not ch.isspace() for ch in request.input):  # (control, format characters)
-        return _error("input must not be empty: it has no character to speak", "input")
     try:
         request.input.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" is valid JSON): no text to speak
         return _error(f"input is not valid text: {exc.reason} at character {exc.start}", "input")
+    if not any(ch.isprintable() and not ch.isspace() for ch in request.input):  # (control, format characters)
+        return _error("input must not be empty: it has no character to speak", "input")
     return None
 
 
