@@ -9,6 +9,7 @@ whole multimodal channel without an error; the first test shows that this run ca
 import asyncio
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,6 +130,14 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
             if not multiprocess:  # the talker's engine core is this process: it set torch's threads
                 assert talker_cpu_threads(None) in (None, torch.get_num_threads())
             outs = engine.generate(prompts, params)
+            # token ids that are not Python ints: refused alike, naming the request; in an engine core of
+            # its own a float or a bool ended its input thread, and every later request waited forever
+            for bad in ([5, "x", 7], [5, 6.0, 7], [5, True, 7], [5, np.int64(6), 7], [5, None]):
+                with pytest.raises(VLLMValidationError, match=r"request \S+-1: .* position 1 is a") as caught:
+                    engine.generate([prompts[0], TokensPrompt(prompt_token_ids=bad)], params[0])
+                assert caught.value.parameter == "prompt_token_ids"
+            again = engine.generate(prompts, params)
+            assert all(a.multimodal.tensors["audio"].equal(b.multimodal.tensors["audio"]) for a, b in zip(again, outs))
         finally:
             engine.engine_core.shutdown()
         results[multiprocess] = outs

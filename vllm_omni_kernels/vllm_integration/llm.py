@@ -75,7 +75,9 @@ class OmniInputProcessor(InputProcessor):
     raising vLLM's ``VLLMValidationError``: it refuses logprobs, say) before vLLM's own checks, and
     refuses streaming input (vLLM's resumable requests), which the talker does not continue, and
     prompt embeddings (``enable_prompt_embeds``): its context comes from token ids alone.
-    (Other models' classes are not imported here: vLLM keeps them out of the frontend process.)"""
+    (Other models' classes are not imported here: vLLM keeps them out of the frontend process.)
+
+    For every model, a prompt's token ids must be Python ints (``check_token_ids``)."""
 
     def __init__(self, vllm_config: VllmConfig, renderer=None):
         super().__init__(vllm_config, renderer)
@@ -83,6 +85,8 @@ class OmniInputProcessor(InputProcessor):
         self._model_check = OmniTalkerForTTS.validate_sampling_params if talker else None
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        if isinstance(prompt, Mapping) and prompt.get("prompt_token_ids") is not None:
+            check_token_ids(request_id, prompt["prompt_token_ids"])
         if self._model_check is not None:
             if isinstance(params, SamplingParams):
                 self._model_check(params)
@@ -94,6 +98,20 @@ class OmniInputProcessor(InputProcessor):
             raise VLLMValidationError(f"request {request_id}: the talker speaks token ids and takes no prompt "
                                       "embeddings: send the text or its token ids", parameter="prompt_embeds")
         return request
+
+
+def check_token_ids(request_id: str, ids: Sequence) -> None:
+    """Refuse token ids that are not Python ints with vLLM's ``VLLMValidationError``. vLLM compares
+    them with its vocabulary only: a float or a bool passed, and in an engine core of its own the
+    msgpack decoding of the request (``list[int]``) raised on its input thread, which ended, so that
+    every later request waited forever; a string raised an untyped ``TypeError``, numpy's integers
+    were served in process and refused by the encoder otherwise."""
+    if set(map(type, ids)) <= {int}:
+        return
+    at, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int)
+    hint = " (numpy's: pass ids.tolist())" if type(bad).__module__ == "numpy" else ""
+    raise VLLMValidationError(f"request {request_id}: prompt token ids must be Python ints; the one at position "
+                              f"{at} is a {type(bad).__name__}{hint}", parameter="prompt_token_ids")
 
 
 @dataclass
