@@ -734,6 +734,40 @@ def test_a_failure_past_a_stop_token_not_seen_yet_leaves_the_request_stopped_and
         assert isinstance(failed, MultimodalOutputError) and failed.key == "audio" and "dtype" in str(failed)
 
 
+def test_a_shutdown_on_the_serving_loop_ends_the_streams_left_in_flight_with_an_error(tmp_path):
+    """``OmniAsyncLLM.shutdown`` on the loop that serves the streams (which cannot wait for them)
+    while long streams run: each stream's caller gets ``EngineShutDownError`` at its next read
+    after the audio it had (vLLM's own shutdown left them waiting forever)."""
+    from vllm_omni_kernels.vllm_integration.llm import EngineShutDownError
+
+    args = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4,
+                              args_cls=AsyncEngineArgs, disable_log_stats=True)
+    params = SamplingParams(max_tokens=4000, output_kind=RequestOutputKind.DELTA, detokenize=False)
+
+    async def serve():
+        engine = OmniAsyncLLM.from_engine_args(args)
+        streams = [engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7 + i]), params, request_id=f"s{i}")
+                   for i in range(3)]
+        try:
+            for s in streams:
+                await anext(s)
+        finally:
+            engine.shutdown()
+
+        async def rest(s):
+            try:
+                async for _ in s:
+                    pass
+            except EngineShutDownError as exc:
+                return exc
+            return "finished"
+
+        return await asyncio.wait_for(asyncio.gather(*(rest(s) for s in streams)), 30)
+
+    ended = asyncio.run(serve())
+    assert all(isinstance(e, EngineShutDownError) for e in ended), ended
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_request_the_worker_fails_on_its_last_frame_ends_once(tmp_path, async_scheduling):
     """The worker fails a request on the frame at which vLLM finishes it (its ``max_tokens``): its

@@ -18,6 +18,7 @@ platform decides for vLLM's own worker, not for where ``TalkerExecutor`` puts th
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 import os
@@ -47,6 +48,7 @@ from vllm.utils import random_uuid
 from vllm.utils.async_utils import cancel_task_threadsafe
 from vllm.v1.engine.admission_control import SharedAdmissionStats
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor import Executor
@@ -357,6 +359,14 @@ class ShuttingDownError(RetryableRequestError):
     another server."""
 
 
+class EngineShutDownError(EngineDeadError):
+    """What a request still in flight gets once ``OmniAsyncLLM.shutdown`` has stopped the engine
+    (nothing more can come for it). vLLM's ``generate`` raises it as it raises ``EngineDeadError``,
+    sending no abort; after vLLM's own shutdown such a request's caller waited forever."""
+
+    ENGINE_DEAD_MESSAGE = "the engine was shut down before the request finished"
+
+
 _ENGINE_STOP_S = 5.0  # what OmniAsyncLLM.shutdown leaves the engine core at least to stop (it takes about 2 s)
 
 
@@ -450,7 +460,8 @@ class OmniAsyncLLM(AsyncLLM):
         the engine with other API server processes (``--api-server-count``) would not drain at all:
         vLLM's engine core drains only when the client that owns it shuts it down, and the others
         stop taking outputs at once, their streams hanging until vLLM's process manager kills them.
-        On the serving loop, or with that loop stopped, it does not wait: nothing could finish."""
+        On the serving loop, or with that loop stopped, it does not wait: nothing could finish.
+        The requests still in flight then raise ``EngineShutDownError`` to their callers."""
         self.shutdown_requested = True
         handler = getattr(self, "output_handler", None)
         loop = handler.get_loop() if handler is not None and not handler.done() else None
@@ -470,6 +481,13 @@ class OmniAsyncLLM(AsyncLLM):
                 cancel_task_threadsafe(handler)
             timeout = max(deadline - time.monotonic(), _ENGINE_STOP_S)
         super().shutdown(timeout=timeout)
+        if self.output_processor.has_unfinished_requests():  # their callers would wait forever
+            end = functools.partial(self.output_processor.propagate_error, EngineShutDownError())
+            owner = handler.get_loop() if handler is not None else None  # (the loop their callers wait on)
+            if owner is not None and owner.is_running() and _running_loop() is not owner:
+                owner.call_soon_threadsafe(end)  # (their queues wake the loop's tasks)
+            else:
+                end()
 
     @classmethod
     def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True,
