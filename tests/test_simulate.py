@@ -111,6 +111,7 @@ def test_output_kinds_and_paths_in_any_case_and_unknown_ones_and_counts_out_of_r
                        (["--clients", "9", "--concurrency", "8"], "more than the 8 requests in flight"),
                        (["--requests", "0"], "requests 0: at least 1"), (["--concurrency", "0"], "concurrency 0"),
                        (["--max-frames", "0"], "max_frames 0"), (["--arrival-ms", "-1"], "arrival_ms -1.0"),
+                       (["--arrival-ms", "inf"], "arrival_ms inf"), (["--arrival-ms", "nan"], "arrival_ms nan"),
                        (["--bad-every", "-1"], "bad_every -1"), (["--cadence", "-1"], "cadence -1")):
         with pytest.raises(SystemExit) as exit_:
             main(["simulate", *argv])
