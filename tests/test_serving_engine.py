@@ -139,7 +139,7 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
             again = engine.generate(prompts, params)
             assert all(a.multimodal.tensors["audio"].equal(b.multimodal.tensors["audio"]) for a, b in zip(again, outs))
         finally:
-            engine.engine_core.shutdown()
+            engine.shutdown()
         results[multiprocess] = outs
         for out, p in zip(outs, params):
             codes, audio = out.multimodal.tensors["codes"], out.multimodal.tensors["audio"]
@@ -167,7 +167,7 @@ def test_engines_made_from_vllms_own_config_serve_the_audio_and_generate_as_vllm
         outs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling_params=delta)
         (default,) = engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]))
     finally:
-        engine.engine_core.shutdown()
+        engine.shutdown()
     assert delta.output_kind == RequestOutputKind.DELTA  # the caller's parameters are left as they were
     for prompt, out in zip(prompts, outs, strict=True):
         want = tk.rollout(tk.ToyTalker(0), prompt, 200)
@@ -242,7 +242,7 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
             assert caught.value.parameter == next(iter(refused))
         assert not engine.has_unfinished_requests()
     finally:
-        engine.engine_core.shutdown()
+        engine.shutdown()
 
 
 def test_a_paused_engine_loses_nothing_and_a_deeper_sleep_is_refused_clearly(tmp_path):
@@ -290,7 +290,7 @@ def test_a_paused_engine_loses_nothing_and_a_deeper_sleep_is_refused_clearly(tmp
             step()
         assert torch.cat(pieces).equal(want)
     finally:
-        engine.engine_core.shutdown()
+        engine.shutdown()
 
 
 def test_an_in_process_caller_that_keeps_its_audio_holds_no_buffer_of_the_worker(tmp_path):
@@ -425,7 +425,7 @@ def test_each_output_carries_the_tokens_its_audio_belongs_to_at_a_stop_and_at_a_
                     outs.setdefault(out.request_id, []).append(
                         (list(comp.token_ids), frames, comp.finish_reason, str(comp.stop_reason)))
         finally:
-            engine.engine_core.shutdown()
+            engine.shutdown()
         for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
             delta = kind == RequestOutputKind.DELTA
             got = outs[f"stop-{kind.name}"]
@@ -462,7 +462,7 @@ def test_a_failure_on_the_last_frame_of_a_request_that_may_stop_reaches_its_call
                         finishes[kind.name] = (out.outputs[0].finish_reason, str(out.outputs[0].stop_reason))
         stats = engine.collective_rpc("output_path_stats")[0]
     finally:
-        engine.engine_core.shutdown()
+        engine.shutdown()
     for kind, (reason, why) in finishes.items():
         assert reason == "error" and "dtype" in why, (kind, why)
     assert stats["requests_held"] == 0 and "first_chunk_at" not in stats
@@ -625,7 +625,7 @@ def test_a_reset_that_drops_a_stop_token_loses_nothing(tmp_path, monkeypatch, ru
         engine.step()  # vLLM tells the worker of the last finish with a step of its own
         assert not worker._row and len(worker.acc) == 0
     finally:
-        engine.engine_core.shutdown()
+        engine.shutdown()
 
 
 def test_requests_the_output_memory_cannot_hold_fail_alone_and_the_engine_serves_on(tmp_path):

@@ -298,6 +298,11 @@ class OmniLLM(LLMEngine):
                    usage_context=usage_context, stat_loggers=stat_loggers, multiprocess_mode=bool(multiprocess),
                    processor_options=processor_options)
 
+    def shutdown(self) -> None:
+        """Stop the engine core (its process, with the multiprocess engine), as ``OmniAsyncLLM.shutdown``
+        stops the async engine's; vLLM's ``LLMEngine`` leaves that to its ``engine_core``."""
+        self.engine_core.shutdown()
+
     def generate(self, prompts: Any, sampling_params=None) -> list[OmniRequestOutput]:
         """Run ``prompts`` (one prompt, or a sequence of them; with one ``SamplingParams`` or one
         each: ValueError for another count; None: the model's defaults, as vLLM's ``LLM.generate``

@@ -572,7 +572,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
         _note_first_data(results, processor.first_data_at, None)
         return sorted(results, key=lambda r: r.plan.rid), stats, client, wall
     finally:
-        engine.engine_core.shutdown()
+        engine.shutdown()
         engine = None  # as in _serve_async: nothing that keeps this frame keeps the engine past its run
 
 
