@@ -18,7 +18,6 @@ platform decides for vLLM's own worker, not for where ``TalkerExecutor`` puts th
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import math
 import os
@@ -487,12 +486,12 @@ class OmniAsyncLLM(AsyncLLM):
             timeout = max(deadline - time.monotonic(), _ENGINE_STOP_S)
         super().shutdown(timeout=timeout)
         if self.output_processor.has_unfinished_requests():  # their callers would wait forever
-            end = functools.partial(self.output_processor.propagate_error, EngineShutDownError())
+            end, error = self.output_processor.propagate_error, EngineShutDownError()
             owner = handler.get_loop() if handler is not None else None  # (the loop their callers wait on)
             if owner is not None and owner.is_running() and _running_loop() is not owner:
-                owner.call_soon_threadsafe(end)  # (their queues wake the loop's tasks)
+                owner.call_soon_threadsafe(end, error)  # (their queues wake the loop's tasks)
             else:
-                end()
+                end(error)
 
     @classmethod
     def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True,

@@ -115,8 +115,9 @@ class SimConfig:
                 raise ValueError(f"{got} (one or more of {', '.join(known)})")
         for name, least in (("requests", 1), ("concurrency", 1), ("max_frames", 1), ("cadence", 0),
                             ("bad_every", 0), ("stop_every", 0), ("priorities", 0), ("arrival_ms", 0)):
-            if not getattr(self, name) >= least or not math.isfinite(getattr(self, name)):  # (NaN, inf: no gap)
-                raise ValueError(f"{name} {getattr(self, name)}: at least {least}, and finite")
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < least:  # (NaN, inf: no gap)
+                raise ValueError(f"{name} {value}: at least {least}, and finite")
         if self.clients < 1 or self.clients > 1 and self.in_process:
             raise ValueError(f"clients {self.clients}: at least 1, and 1 with the engine core in process")
         if self.clients > self.concurrency:
