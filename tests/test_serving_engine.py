@@ -241,6 +241,30 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
                                    SamplingParams(max_tokens=7, detokenize=False, **refused))
             assert caught.value.parameter == next(iter(refused))
         assert not engine.has_unfinished_requests()
+        # vLLM's LLM.generate keywords: a progress bar made by the caller's callable, one priority
+        # per prompt
+        bars = []
+
+        class Bar:
+            def __init__(self, total, **kwargs):
+                self.total, self.n, self.closed = total, 0, False
+                bars.append(self)
+
+            def update(self, n):
+                self.n += n
+
+            def close(self):
+                self.closed = True
+
+        prompts = [TokensPrompt(prompt_token_ids=[5, 6, 7]), [5, 6, 7]]
+        both = engine.generate(prompts, final, use_tqdm=Bar, priority=[0, 0], lora_request=None,
+                               tokenization_kwargs={})
+        assert [(b.total, b.n, b.closed) for b in bars] == [(2, 2, True)]
+        assert all(o.multimodal.tensors["audio"].equal(out.multimodal.tensors["audio"]) for o in both)
+        assert len(engine.generate(prompts, final, use_tqdm=False)) == 2 and len(bars) == 1
+        with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+            engine.generate(prompts, final, priority=[0])
+        assert not engine.has_unfinished_requests()
     finally:
         engine.shutdown()
 

@@ -24,11 +24,12 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
 import vllm.envs as envs
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
@@ -302,7 +303,9 @@ class OmniLLM(LLMEngine):
         stops the async engine's; vLLM's ``LLMEngine`` leaves that to its ``engine_core``."""
         self.engine_core.shutdown()
 
-    def generate(self, prompts: Any, sampling_params=None) -> list[OmniRequestOutput]:
+    def generate(self, prompts: Any, sampling_params=None, *, use_tqdm: bool | Callable[..., Any] = True,
+                 lora_request=None, priority: int | Sequence[int] | None = None,
+                 tokenization_kwargs: dict[str, Any] | None = None) -> list[OmniRequestOutput]:
         """Run ``prompts`` (one prompt, or a sequence of them; with one ``SamplingParams`` or one
         each: ValueError for another count; None: the model's defaults, as vLLM's ``LLM.generate``
         takes them) to completion on an idle engine (its own requests take every output ``step``
@@ -310,7 +313,12 @@ class OmniLLM(LLMEngine):
         order: its whole result, as vLLM's ``LLM.generate`` returns it (a DELTA request runs
         CUMULATIVE: its data leaves the worker's output memory as it is made, where FINAL_ONLY would
         hold all of it there until the end). A prompt vLLM refuses raises, and the requests added
-        before it are aborted."""
+        before it are aborted.
+
+        The keywords are vLLM's ``LLM.generate``'s: ``use_tqdm`` (a progress bar of the finished
+        prompts; a callable makes the bar, as ``tqdm`` does), ``lora_request`` and ``priority`` (one,
+        or one per prompt: ValueError for another count) and ``tokenization_kwargs``, for every
+        request."""
         if self.has_unfinished_requests():
             raise RuntimeError("generate() runs on an idle engine: requests added with add_request() are in flight "
                                "(step() returns their outputs)")
@@ -324,11 +332,14 @@ class OmniLLM(LLMEngine):
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         params = [_cumulative(p) if p.output_kind == RequestOutputKind.DELTA else p for p in params]
+        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
+        priorities = _per_prompt(0 if priority is None else priority, len(prompts), "priorities")
         ids = [f"generate-{random_uuid()}-{i}" for i in range(len(prompts))]
         added = 0
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.add_request(rid, prompt, p)
+            for rid, prompt, p, lora, rank in zip(ids, prompts, params, loras, priorities):
+                self.add_request(rid, prompt, p, lora_request=lora, tokenization_kwargs=tokenization_kwargs,
+                                 priority=rank)
                 added += 1
         finally:
             if added < len(ids):  # a prompt was refused: the ones before it go too
@@ -336,6 +347,10 @@ class OmniLLM(LLMEngine):
         final: dict[str, OmniRequestOutput] = {}
         samples: dict[str, dict[int, Any]] = {}  # n > 1: each sample's latest completion (its own outputs)
         modality = self.output_processor.output_modality
+        bar = None
+        if use_tqdm:
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(ids), desc="Processed prompts",
+                                                             dynamic_ncols=True)
         try:
             while self.has_unfinished_requests():
                 for out in self.step():
@@ -344,10 +359,24 @@ class OmniLLM(LLMEngine):
                     if out.finished:
                         out.outputs = [latest[i] for i in sorted(latest)]
                         final[out.request_id] = wrap_output(out, None, modality)
+                        if bar is not None:
+                            bar.update(1)
         finally:
+            if bar is not None:
+                bar.close()
             if len(final) < len(ids):  # step() raised: nothing of this call stays in flight
                 self.abort_request([rid for rid in ids if rid not in final])
         return [final[rid] for rid in ids if rid in final]
+
+
+def _per_prompt(value: Any, prompts: int, what: str) -> list:
+    """``value`` for every prompt: itself, or its items when it is a list or tuple of one per prompt
+    (ValueError for another count)."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * prompts
+    if len(value) != prompts:
+        raise ValueError(f"{len(value)} {what} for {prompts} prompts")
+    return list(value)
 
 
 def _cumulative(params: SamplingParams) -> SamplingParams:
