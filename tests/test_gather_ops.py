@@ -400,3 +400,29 @@ def test_many_int_rows_copy_as_the_reference(use_backend):
         got[backend] = (out, code_out)
     assert torch.equal(got["torch"][0], got["triton"][0]) and torch.equal(got["torch"][1], got["triton"][1])
     assert torch.equal(got["triton"][0][50:2550], ids.int()) and torch.equal(got["triton"][1][5:205], codes.long())
+
+
+def test_lazily_negated_sources_copy_their_values_and_a_negated_destination_is_refused(use_backend):
+    """A lazily negated view (``is_neg()``: its memory holds the values before the negation) is
+    copied as the values it reads as, by ``rows``, ``rows_each``, ``ints`` and ``ints_each``, on the
+    Triton interpreter as on the reference (the kernels read memory: the sign was lost); a
+    destination that is such a view is refused, since what the kernels write reads back negated."""
+    src = torch._neg_view(torch.arange(1.0, 17.0).view(2, 8))
+    ids = torch._neg_view(torch.arange(1, 5))
+    for backend in ("torch", "triton"):
+        use_backend(backend)
+        g = RowGather(torch.float32, 8, "cpu", max_float_rows=8, max_int_rows=16)
+        rows, each = torch.zeros(4, 8), torch.zeros(4, 8)
+        out, out_each = torch.zeros(4, dtype=torch.int64), torch.zeros(6, dtype=torch.int32)
+        g.jobs.rows(rows, [0, 2], src, [1, 0])
+        g.jobs.rows_each(each, [0, 3], [src, src[:1]])
+        g.jobs.ints(out, np.arange(4), ids)
+        g.jobs.ints_each(out_each, [0, 4], [ids, ids[:2]])
+        g.launch()
+        assert rows[[0, 2]].equal(src[[1, 0]]) and rows[[1, 3]].eq(0).all(), backend
+        assert each[:2].equal(src) and each[3].equal(src[0]), backend
+        assert out.tolist() == [-1, -2, -3, -4] and out_each.tolist() == [-1, -2, -3, -4, -1, -2], backend
+        with pytest.raises(TypeError, match="lazily negated"):
+            g.jobs.rows(torch._neg_view(torch.zeros(2, 8)), [0], src, [0])
+        with pytest.raises(TypeError, match="lazily negated"):
+            g.jobs.ints(torch._neg_view(torch.zeros(4, dtype=torch.int64)), np.arange(4), ids)

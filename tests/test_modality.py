@@ -107,7 +107,8 @@ def test_payload_merge_chain_copies_each_piece_once_and_keeps_every_payload_unch
 
 def test_payload_merge_is_torch_cat_for_pieces_of_other_dtypes_and_conjugate_views():
     """A later piece of a wider dtype promotes the data as ``torch.cat`` does (it is not cast down
-    to the first piece's), and a lazily conjugated complex piece is copied as its values."""
+    to the first piece's), and a lazily conjugated complex piece or negated float piece is copied as
+    its values."""
     ints = MultimodalPayload({"x": torch.tensor([1, 2])}, axes={"x": 0})
     floats = MultimodalPayload({"x": torch.tensor([1.5])}, axes={"x": 0})
     merged = ints.merge(floats).merge(MultimodalPayload({"x": torch.tensor([3])}, axes={"x": 0}))
@@ -116,6 +117,12 @@ def test_payload_merge_is_torch_cat_for_pieces_of_other_dtypes_and_conjugate_vie
     first = MultimodalPayload({"z": z.conj()}, axes={"z": -1})
     got = first.merge(MultimodalPayload({"z": z.conj()}, axes={"z": -1})).tensors["z"]
     assert torch.equal(got, torch.cat([z.conj(), z.conj()]))
+    # a lazily negated float16 piece after float32 data (torch's copy between the two drops the negation)
+    for first, later in ((torch.tensor([5.0]), torch.tensor([1.0, 2.0], dtype=torch.float16)),
+                         (torch.tensor([5.0], dtype=torch.float16), torch.tensor([1.0, 2.0]))):
+        later = torch._neg_view(later)
+        got = MultimodalPayload({"a": first}, axes={"a": 0}).merge(MultimodalPayload({"a": later}, axes={"a": 0}))
+        assert got.tensors["a"].tolist() == torch.cat([first, later]).tolist() == [5.0, -1.0, -2.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])

@@ -104,8 +104,8 @@ class GrowingTensor:
                 self._np[(*self._lead, slice(at, at + k))] = _numpy(piece)
             else:
                 self._np[at:at + k] = _numpy(piece)
-        else:
-            self._data.narrow(self.axis, at, k).copy_(piece)
+        else:  # (torch's copy between float16 and float32 drops a lazy negation: resolved first)
+            self._data.narrow(self.axis, at, k).copy_(piece.resolve_neg())
 
     def append(self, piece: torch.Tensor) -> None:
         """Copy ``piece`` in after the data so far; its other dimensions must be the data's

@@ -87,6 +87,16 @@ def _read_sources(srcs: list[torch.Tensor], floating: bool) -> Sources:
                    np.fromiter((t.shape[0] for t in srcs), np.int64, n), words)
 
 
+def _resolved(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``src`` with its values in memory: a lazily negated view resolved (the kernels copy memory,
+    which holds the values before the negation). TypeError for a destination that is such a view
+    (what the kernels write there would read back negated)."""
+    if dst.is_neg():
+        raise TypeError("destination is a lazily negated view: the kernels write its memory, which reads back "
+                        "negated (resolve_neg() it first)")
+    return src.resolve_neg() if src.is_neg() else src
+
+
 def _as_rows(rows) -> np.ndarray:
     """Row indices as int64; TypeError for anything but integers (2.7 is no row, and a mask is not
     a list of rows)."""
@@ -187,6 +197,7 @@ class GatherJobs:
                              f"{tuple(dst.shape)}")
         if dst.stride(1) != 1:
             raise ValueError("destination rows must be contiguous")
+        src = _resolved(dst, src)
         return src.to(self.dtype).contiguous() if src.dtype != self.dtype or src.stride(1) != 1 else src
 
     def _int_source(self, dst, src) -> torch.Tensor:
@@ -199,6 +210,7 @@ class GatherJobs:
             raise ValueError(f"int rows of {width} elements; one record copies at most {_INT32.max}")
         if dst.dim() == 2 and dst.stride(1) != 1:
             raise ValueError("destination rows must be contiguous")
+        src = _resolved(dst, src)
         if dst.dim() != src.dim():  # rows of one element either way
             return src.reshape(-1) if dst.dim() == 1 else src.reshape(-1, 1)
         return src if src.dim() == 1 or src.stride(1) == 1 else src.contiguous()
@@ -279,7 +291,7 @@ class GatherJobs:
         # by index, one attribute over all sources; a CPU launch also by type (a meta tensor's index is
         # a CPU tensor's -1; a CUDA index is no other device's in a CUDA build)
         if set(map(T.get_device, srcs)) != {self._device_index} or not all(map(T.is_contiguous, srcs)) \
-                or (not self.is_cuda and not all(map(_IS_CPU, srcs))):
+                or (not self.is_cuda and not all(map(_IS_CPU, srcs))) or any(map(T.is_neg, srcs)):
             return None
         shapes = set(map(_SHAPE_OF, srcs))
         width = self.width if floating else (dst.shape[1] if dst.dim() == 2 else 1)
