@@ -196,6 +196,9 @@ def test_free_many_frees_all_or_nothing(backend):
         with pytest.raises(TensorAccumulationError, match=why) as info:
             pool.free_many(bad)
         assert info.value.request_id == named and len(pool) == 4 and pool.stats().bytes_used == used
+    with pytest.raises(TensorAccumulationError, match="named twice in one call") as info:
+        pool.drain(["b", "b"])  # (a read, as a free, takes each request once)
+    assert info.value.request_id == "b" and pool.stats().unread_bytes == 4 * 3 * 4
     pool.free_many(["c", "a"])
     assert len(pool) == 2 and "a" not in pool and "c" not in pool
     assert pool.stats().unread_bytes == 2 * 3 * 4
@@ -799,17 +802,19 @@ def test_a_lazily_negated_batch_is_appended_with_its_sign_on_the_planned_and_the
 
 
 def test_a_batch_that_is_not_plain_strided_memory_fails_each_of_its_requests(backend):
-    """Nested and sparse (CSR too, once a step of its shape was kept) batches: one
-    ``TensorAccumulationError`` per request, naming it, and nothing appended."""
+    """Nested and sparse (CSR too, once a step of its shape was kept) batches, and a numpy array
+    instead of a tensor: one ``TensorAccumulationError`` per request, naming it, and nothing
+    appended."""
     for data in (torch.nested.nested_tensor([torch.ones(4, 1), torch.ones(4, 1)]),
-                 torch.ones(2, 4).to_sparse_csr()):
+                 torch.ones(2, 4).to_sparse_csr(), np.ones((2, 4), np.float32)):
         pool = make_pool(S.CONCAT_LAST, (), initial_frames=16)
         for rid in "ab":
             pool.alloc(rid)
         for _ in range(3):
             assert pool.append(["a", "b"], PaddedBatch(torch.ones(2, 4), [4, 4])).errors == ()
         errors = pool.append(["a", "b"], PaddedBatch(data, [4, 4])).errors
-        assert [e.request_id for e in errors] == ["a", "b"] and "plain strided" in str(errors[0])
+        assert [e.request_id for e in errors] == ["a", "b"]
+        assert ("expected a tensor" if isinstance(data, np.ndarray) else "plain strided") in str(errors[0])
         assert pool.unread_frames("a") == pool.unread_frames("b") == 12
 
 

@@ -506,14 +506,16 @@ class RingPool:
             errors: list[TensorAccumulationError] = []
             if isinstance(chunks, PaddedBatch):
                 ids = tuple(request_ids)  # once: the repeat check, the slot lookup and the kept plan use it
-                data = chunks.data.detach() if chunks.data.requires_grad else chunks.data
-                if isinstance(data, torch.Tensor) and (data.is_neg() or data.is_conj()):
-                    data = data.resolve_conj().resolve_neg()  # a lazy view: the kernels read memory, not flags
+                data = chunks.data
                 why = ops.not_plain(data)
                 if why:
                     errors = [TensorAccumulationError(why, request_id=r, key=self.key) for r in ids]
                     self.rejected += len(errors)
                     return AppendResult(0, tuple(errors))
+                if data.requires_grad:
+                    data = data.detach()
+                if data.is_neg() or data.is_conj():
+                    data = data.resolve_conj().resolve_neg()  # a lazy view: the kernels read memory, not flags
                 if slots is None and self._launch_repeat(ids, data, chunks.lengths):
                     return self._repeat.result
                 rows = self._rows_from_batch(ids, data, chunks.lengths, errors, slots)
@@ -580,7 +582,7 @@ class RingPool:
             for i, r in enumerate(ids):
                 if r in seen and keep[i]:
                     keep[i] = False
-                    errors.append(TensorAccumulationError("appears twice in one step; second chunk skipped",
+                    errors.append(TensorAccumulationError("named twice in one call",
                                                           request_id=r, key=self.key))
                 seen.add(r)
         if keep.all():
