@@ -219,6 +219,31 @@ def test_an_embedding_buffer_without_a_row_of_the_width_for_each_token_is_refuse
     assert err.value.request_id == "a" and runner.model.calls == [] and torch.equal(runner.inputs_embeds, whole)
 
 
+@pytest.mark.parametrize("case", ["other dtype", "strided rows", "more tokens", "more requests"])
+def test_a_step_the_gather_was_not_set_up_for_is_refused_before_any_hook(use_backend, case):
+    """An ``inputs_embeds`` of another dtype than the gather's, or whose rows are not contiguous,
+    and a step of more tokens or requests than ``_omni_init_phase_routing`` was given: refused,
+    naming the step's first request, before any hook runs and with nothing written (found while
+    recording, it came after the hooks and the first launch, and blamed a request's hook)."""
+    runner = make_runner(use_backend, "torch", dtype=torch.bfloat16, prompts={"a": 5, "b": 5, "c": 5}, max_tokens=8)
+    runner._omni_init_phase_routing(hidden_size=H, dtype=torch.bfloat16, device="cpu", max_num_reqs=2,
+                                    max_num_tokens=8)
+    rows = {"more tokens": [("a", 0, 5), ("b", 0, 5)], "more requests": [("a", 5, 1), ("b", 5, 1), ("c", 5, 1)]}
+    spans = runner.schedule(rows.get(case, [("a", 5, 1), ("b", 5, 1)]))
+    ids, embeds = runner.input_ids, runner.inputs_embeds
+    if case == "other dtype":
+        embeds = torch.zeros(8, H, dtype=torch.float32)
+    elif case == "strided rows":
+        embeds = torch.zeros(8, 2 * H, dtype=torch.bfloat16)[:, ::2]
+    elif case == "more tokens":
+        ids, embeds = torch.full((10,), 7, dtype=torch.int32), torch.full((10, H), -1.0, dtype=torch.bfloat16)
+    before = (ids.clone(), embeds.clone())
+    with pytest.raises(PhaseRoutingError, match="inputs_embeds|set up for") as err:
+        runner._omni_preprocess(ids, embeds, spans)
+    assert err.value.request_id == "a" and runner.model.calls == []
+    assert torch.equal(ids, before[0]) and torch.equal(embeds, before[1])
+
+
 def test_a_text_only_models_rows_reach_its_hooks_and_the_model_as_their_token_embeddings(use_backend):
     """vLLM's runner embeds no token for a text-only model (it passes ids): with ``embedded=False``
     the step's token embeddings are written first, so a hook reads them and a row it leaves in

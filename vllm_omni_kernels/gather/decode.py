@@ -50,6 +50,7 @@ class DecodeGather:
         self.hidden_size = int(hidden_size)
         self.dtype = dtype
         self.max_rows = int(max_rows)
+        self.max_tokens = int(max_tokens)
         self.mtp = mtp
         cap_f = int(max_tokens) + 4 * self.max_rows
         self.pre = RowGather(dtype, hidden_size, self.device, max_float_rows=cap_f,

@@ -152,6 +152,25 @@ class OmniPhaseRunnerMixin:
         return PhaseBatch.compute(prompt_len, self.input_batch.num_computed_tokens_cpu[:rows],
                                   num_scheduled_tokens[:rows], self.query_start_loc.np[:rows])
 
+    def _omni_check_step(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_ids: list[str],
+                         phase: PhaseBatch) -> None:
+        """The step's buffers and size against what the gather was set up for, before any hook runs
+        (a mismatch found while recording would come after hooks ran and a launch wrote, and name
+        a request for the runner's fault): PhaseRoutingError naming the step's first request."""
+        gather = self._omni_gather
+        h, first = gather.hidden_size, req_ids[0] if req_ids else None
+        if inputs_embeds.dim() != 2 or inputs_embeds.shape[0] < input_ids.shape[0] or inputs_embeds.shape[1] != h:
+            raise PhaseRoutingError(f"the step's inputs_embeds of shape {tuple(inputs_embeds.shape)} has no row of "
+                                    f"{h} for each of its {input_ids.shape[0]} tokens", request_id=first)
+        if inputs_embeds.dtype != gather.dtype or inputs_embeds.stride(1) != 1:
+            raise PhaseRoutingError(f"the step's inputs_embeds is {inputs_embeds.dtype} with a row stride of "
+                                    f"{inputs_embeds.stride(1)}; the decode gather writes contiguous {gather.dtype} rows",
+                                    request_id=first)
+        tokens = int(phase.span.sum())
+        if len(req_ids) > gather.max_rows or tokens > gather.max_tokens:
+            raise PhaseRoutingError(f"a step of {len(req_ids)} requests and {tokens} tokens; the decode gather was set "
+                                    f"up for {gather.max_rows} and {gather.max_tokens}", request_id=first)
+
     def _omni_row_info(self, request_id: str, phase: PhaseBatch, row: int) -> dict[str, Any]:
         info = self.model_intermediate_buffer.setdefault(request_id, {})
         info["request_id"] = request_id
@@ -171,7 +190,8 @@ class OmniPhaseRunnerMixin:
                 them, and a row a hook leaves in place goes to the model as it is.
 
         Raises:
-            PhaseRoutingError: corrupt offsets (before any hook) or a hook output that does not match
+            PhaseRoutingError: corrupt offsets, or buffers or a step size the gather was not set up
+                for (``_omni_check_step``), before any hook; or a hook output that does not match
                 its rows (after that hook); no update merged, buffers unchanged (but for the token
                 embeddings written when ``embedded`` is False, before the hooks).
         """
@@ -179,11 +199,7 @@ class OmniPhaseRunnerMixin:
             model = self.model
             req_ids = list(self.input_batch.req_ids)
             phase = self._omni_phase_batch(np.asarray(num_scheduled_tokens))
-            h = self._omni_gather.hidden_size
-            if inputs_embeds.dim() != 2 or inputs_embeds.shape[0] < input_ids.shape[0] or inputs_embeds.shape[1] != h:
-                raise PhaseRoutingError(f"the step's inputs_embeds of shape {tuple(inputs_embeds.shape)} has no row of "
-                                        f"{h} for each of its {input_ids.shape[0]} tokens",
-                                        request_id=req_ids[0] if req_ids else None)
+            self._omni_check_step(input_ids, inputs_embeds, req_ids, phase)
             batch_hook = callable(getattr(model, "preprocess_decode_batch", None))
             plan = RoutingPlan.build(phase, req_ids, num_tokens=int(input_ids.shape[0]), batch_hook=batch_hook,
                                      mtp=self.has_talker_mtp)
