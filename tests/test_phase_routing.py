@@ -90,6 +90,8 @@ def test_phase_batch_is_vectorized_and_exact():
     assert p.is_prefill.tolist() == [True, True, False, True, True]
     assert p.start.tolist() == [0, 4, 5, 6, 7]
     assert p.single_token_decode.tolist() == [False, False, True, False, False]
+    empty = PhaseBatch.compute([], [], [])  # a start per row: none
+    assert len(empty) == 0 and empty.start.shape == empty.span.shape == (0,)
 
 
 # ------------------------------------------------------------------- mixed batches

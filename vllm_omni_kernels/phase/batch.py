@@ -56,8 +56,7 @@ class PhaseBatch:
         rows = p.size
         c = _int_array(num_computed, "num_computed", rows)
         s = _int_array(span, "span", rows)
-        st = np.concatenate(([0], np.cumsum(s)[:-1])).astype(np.int64) if start is None else \
-            _int_array(start, "start", rows)
+        st = (np.cumsum(s) - s).astype(np.int64) if start is None else _int_array(start, "start", rows)
         return cls(p, c, s, st, c < p)
 
     def __len__(self) -> int:
