@@ -406,14 +406,20 @@ def test_lazily_negated_sources_copy_their_values_and_a_negated_destination_is_r
     """A lazily negated view (``is_neg()``: its memory holds the values before the negation) is
     copied as the values it reads as, by ``rows``, ``rows_each``, ``ints`` and ``ints_each``, on the
     Triton interpreter as on the reference (the kernels read memory: the sign was lost); a
-    destination that is such a view is refused, since what the kernels write reads back negated."""
-    src = torch._neg_view(torch.arange(1.0, 17.0).view(2, 8))
-    ids = torch._neg_view(torch.arange(1, 5))
-    for backend in ("torch", "triton"):
+    destination that is such a view is refused, since what the kernels write reads back negated.
+    ``test_gpu_gather.py`` runs it on CUDA."""
+    check_negated_sources("cpu", ("torch", "triton"), use_backend)
+
+
+def check_negated_sources(device, backends, use_backend):
+    src = torch._neg_view(torch.arange(1.0, 17.0, device=device).view(2, 8))
+    ids = torch._neg_view(torch.arange(1, 5, device=device))
+    for backend in backends:
         use_backend(backend)
-        g = RowGather(torch.float32, 8, "cpu", max_float_rows=8, max_int_rows=16)
-        rows, each = torch.zeros(4, 8), torch.zeros(4, 8)
-        out, out_each = torch.zeros(4, dtype=torch.int64), torch.zeros(6, dtype=torch.int32)
+        g = RowGather(torch.float32, 8, device, max_float_rows=8, max_int_rows=16)
+        rows, each = torch.zeros(4, 8, device=device), torch.zeros(4, 8, device=device)
+        out = torch.zeros(4, dtype=torch.int64, device=device)
+        out_each = torch.zeros(6, dtype=torch.int32, device=device)
         g.jobs.rows(rows, [0, 2], src, [1, 0])
         g.jobs.rows_each(each, [0, 3], [src, src[:1]])
         g.jobs.ints(out, np.arange(4), ids)
@@ -423,6 +429,6 @@ def test_lazily_negated_sources_copy_their_values_and_a_negated_destination_is_r
         assert each[:2].equal(src) and each[3].equal(src[0]), backend
         assert out.tolist() == [-1, -2, -3, -4] and out_each.tolist() == [-1, -2, -3, -4, -1, -2], backend
         with pytest.raises(TypeError, match="lazily negated"):
-            g.jobs.rows(torch._neg_view(torch.zeros(2, 8)), [0], src, [0])
+            g.jobs.rows(torch._neg_view(torch.zeros(2, 8, device=device)), [0], src, [0])
         with pytest.raises(TypeError, match="lazily negated"):
-            g.jobs.ints(torch._neg_view(torch.zeros(4, dtype=torch.int64)), np.arange(4), ids)
+            g.jobs.ints(torch._neg_view(torch.zeros(4, dtype=torch.int64, device=device)), np.arange(4), ids)

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gather_cases import check_gather_case
 from phase_fakes import FakeRunner, FakeTalker
+from test_gather_ops import check_negated_sources
 from test_phase_routing import MIXED, PROMPTS, check_step
 from vllm_omni_kernels.ring.graph import capture
 from vllm_omni_kernels.gather import RowGather
@@ -129,3 +130,9 @@ def test_eager_tables_are_reused_only_after_their_launches_ran(backend, use_back
         assert gather.launch() == 1
     torch.cuda.synchronize()
     assert torch.equal(dst, src) and torch.equal(ids, torch.arange(launches, device="cuda") + 7)
+
+
+def test_cuda_gather_copies_lazily_negated_sources_as_their_values(use_backend):
+    """``test_gather_ops``' negated sources on CUDA: the reference, Triton and the default backend
+    (the compiled extension when built, else CuPy)."""
+    check_negated_sources("cuda", ("torch", "triton", "auto"), use_backend)
