@@ -8,11 +8,32 @@ import argparse
 import importlib.metadata
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 
+def exit_on_signals() -> None:
+    """SIGTERM and SIGINT end the command as ``SystemExit(128 + signal)`` (143, 130), without a
+    traceback; every ``finally`` runs on the way out, so the engine core's process is stopped (the
+    default SIGTERM left it running, orphaned). Not a KeyboardInterrupt: vLLM swallows that while
+    it starts an engine core (its ``zmq_socket_ctx``), abandoning the handshake, and the start then
+    waits for an engine that never answers. A signal during that way out is ignored."""
+    stopping = []
+
+    def stop(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line (``argv`` None: the program's own, and its signals are handled: ``exit_on_signals``)."""
+    if argv is None:
+        exit_on_signals()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # vLLM's own parser takes the rest
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's platform; the talker picks its device

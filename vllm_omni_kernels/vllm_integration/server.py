@@ -129,11 +129,7 @@ def engine_args_from(args) -> AsyncEngineArgs:
 async def run(args, listen_address: str | None = None, sock=None, client_config: dict | None = None) -> None:
     """Serve in this process: the whole server, or (``client_config``, from ``serve_multi``) one of
     its API server processes on the shared ``sock``."""
-    if sock is None:
-        def interrupt(*_):  # as vLLM's run_server: SIGTERM during start-up stops it
-            raise KeyboardInterrupt("terminated")
-
-        signal.signal(signal.SIGTERM, interrupt)
+    if sock is None:  # (SIGTERM and SIGINT during start-up: cli.exit_on_signals)
         listen_address, sock = setup_server(args, reuse_port=False)
         pace_sends(sock)
     init_parser_plugin(args)  # as vLLM's server worker: --tool-parser-plugin, --reasoning-parser-plugin
