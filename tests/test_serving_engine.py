@@ -758,6 +758,14 @@ def test_a_failure_past_a_stop_token_not_seen_yet_leaves_the_request_stopped_and
         assert isinstance(failed, MultimodalOutputError) and failed.key == "audio" and "dtype" in str(failed)
 
 
+def test_the_shutdown_of_an_engine_whose_construction_failed_does_not_raise():
+    """An engine whose constructor raised before it held anything (a refused model, a signal during
+    start-up): its shutdown, which ``AsyncLLM.__del__`` calls too, has nothing to stop, and raises
+    nothing (an AttributeError printed after the error that mattered hid it)."""
+    OmniAsyncLLM.__new__(OmniAsyncLLM).shutdown()
+    OmniLLM.__new__(OmniLLM).shutdown()
+
+
 def test_a_shutdown_on_the_serving_loop_ends_the_streams_left_in_flight_with_an_error(tmp_path):
     """``OmniAsyncLLM.shutdown`` on the loop that serves the streams (which cannot wait for them)
     while long streams run: each stream's caller gets ``EngineShutDownError`` at its next read

@@ -301,7 +301,8 @@ class OmniLLM(LLMEngine):
     def shutdown(self) -> None:
         """Stop the engine core (its process, with the multiprocess engine), as ``OmniAsyncLLM.shutdown``
         stops the async engine's; vLLM's ``LLMEngine`` leaves that to its ``engine_core``."""
-        self.engine_core.shutdown()
+        if (engine_core := getattr(self, "engine_core", None)) is not None:  # (None: a construction that failed)
+            engine_core.shutdown()
 
     def generate(self, prompts: Any, sampling_params=None, *, use_tqdm: bool | Callable[..., Any] = True,
                  lora_request=None, priority: int | Sequence[int] | None = None,
@@ -514,7 +515,8 @@ class OmniAsyncLLM(AsyncLLM):
                 cancel_task_threadsafe(handler)
             timeout = max(deadline - time.monotonic(), _ENGINE_STOP_S)
         super().shutdown(timeout=timeout)
-        if self.output_processor.has_unfinished_requests():  # their callers would wait forever
+        processor = getattr(self, "output_processor", None)  # (None: a construction that failed first)
+        if processor is not None and processor.has_unfinished_requests():  # their callers would wait forever
             end, error = self.output_processor.propagate_error, EngineShutDownError()
             owner = handler.get_loop() if handler is not None else None  # (the loop their callers wait on)
             if owner is not None and owner.is_running() and _running_loop() is not owner:
