@@ -112,10 +112,52 @@ def test_output_kinds_and_paths_in_any_case_and_unknown_ones_and_counts_out_of_r
                        (["--requests", "0"], "requests 0: at least 1"), (["--concurrency", "0"], "concurrency 0"),
                        (["--max-frames", "0"], "max_frames 0"), (["--arrival-ms", "-1"], "arrival_ms -1.0"),
                        (["--arrival-ms", "inf"], "arrival_ms inf"), (["--arrival-ms", "nan"], "arrival_ms nan"),
-                       (["--bad-every", "-1"], "bad_every -1"), (["--cadence", "-1"], "cadence -1")):
+                       (["--bad-every", "-1"], "bad_every -1"), (["--cadence", "-1"], "cadence -1"),
+                       (["--seed", "-1"], "seed -1: at least 0"), (["--seed", str(2**63)], "below 2**63"),
+                       (["--max-frames", "8154"], "max_frames 8154: at most 8153"),
+                       (["--out", __file__], "a file, not a directory")):
         with pytest.raises(SystemExit) as exit_:
             main(["simulate", *argv])
         assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_make_model_refuses_another_models_directory_an_empty_path_and_a_bad_seed(tmp_path, capsys):
+    """A directory with another model's ``config.json`` is left as it was (the talker's own is
+    rewritten); an empty path (the current directory) and a seed vLLM cannot take are usage errors."""
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    talker = tmp_path / "talker"
+    assert main(["make-model", str(talker)]) == 0 and main(["make-model", str(talker), "--seed", "3"]) == 0
+    assert '"talker_seed": 3' in (talker / "config.json").read_text()
+    for argv, said in (([str(other)], "another model's (['LlamaForCausalLM'])"), ([""], "give the directory"),
+                       ([str(tmp_path / "x"), "--seed", "-5"], "seed -5: at least 0")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["make-model", *argv])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+    assert sorted(p.name for p in other.iterdir()) == ["config.json"] and not (tmp_path / "x").exists()
+    assert "LlamaForCausalLM" in (other / "config.json").read_text()
+
+
+def test_a_run_that_stops_early_leaves_no_results_of_the_run_before(tmp_path, monkeypatch):
+    """``run`` clears the summary, plot and WAVs of the run before as it starts: a run that stops
+    before writing its own (a signal, an error) leaves none that would pass for its own."""
+    pytest.importorskip("vllm")
+    from vllm_omni_kernels.vllm_integration import simulate
+
+    out = tmp_path / "out"
+    (out / "wav").mkdir(parents=True)
+    for name in ("summary.json", "simulate.png", "wav/req-0000.wav"):
+        (out / name).write_text("from the run before")
+
+    def fails(*args):
+        raise RuntimeError("the run stops here")
+
+    monkeypatch.setattr(simulate, "_serve", fails)
+    with pytest.raises(RuntimeError, match="stops here"):
+        simulate.run(simulate.SimConfig(requests=2, concurrency=1, out_dir=str(out)))
+    assert not (out / "summary.json").exists() and not (out / "simulate.png").exists()
+    assert not list((out / "wav").iterdir())
 
 
 @pytest.mark.vllm

@@ -127,6 +127,9 @@ class ProcessorOptions:
     processor_cls: type[MultimodalOutputProcessor] = MultimodalOutputProcessor
 
 
+TALKER_MAX_MODEL_LEN = 8192  # tokens of a request, prompt and frames (talker_engine_args' default)
+
+
 def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int | None = None,
                        output_path: str = "worker", max_num_seqs: int = 256, args_cls=AsyncEngineArgs,
                        **kwargs) -> EngineArgs:
@@ -141,8 +144,8 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
         omni["cadence"] = int(cadence)
     extra = with_talker_options(kwargs.pop("additional_config", None), omni)
     kwargs.setdefault("stream_interval", talker_stream_interval(extra["omni"].get("cadence")))
-    kwargs.setdefault("max_model_len", 8192)
-    kwargs.setdefault("max_num_batched_tokens", max(8192, kwargs["max_model_len"]))
+    kwargs.setdefault("max_model_len", TALKER_MAX_MODEL_LEN)
+    kwargs.setdefault("max_num_batched_tokens", max(TALKER_MAX_MODEL_LEN, kwargs["max_model_len"]))
     return args_cls(model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
                      distributed_executor_backend=TalkerExecutor, max_num_seqs=max_num_seqs,
                      additional_config=extra, **kwargs)

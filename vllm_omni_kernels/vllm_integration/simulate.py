@@ -59,8 +59,8 @@ from ..errors import TensorAccumulationError
 from ..payload import GrowingTensor
 from ..serving import talker as tk
 from ..serving.wav import read_wav, write_wav_f32
-from .llm import (OmniAsyncLLM, OmniLLM, omni_vllm_config, talker_engine_args, talker_processor_options, warm_up,
-                  with_talker_options)
+from .llm import (TALKER_MAX_MODEL_LEN, OmniAsyncLLM, OmniLLM, omni_vllm_config, talker_engine_args,
+                  talker_processor_options, warm_up, with_talker_options)
 
 KINDS = ("delta", "cumulative", "final_only")
 PATHS = ("worker", "upstream")
@@ -75,6 +75,9 @@ STAGES = ("engine_core", "to_decoder", "to_processor", "to_client")
 _FREEZE_EVERY = 256
 _FINAL_ONLY_ABORT_S = 0.05  # a FINAL_ONLY request planned to be aborted is aborted this long after it starts
 _CLIENT_WAIT_S = 600.0  # the longest a client process waits for the others (start, end), and is waited for
+
+
+_LONGEST_PROMPT = 39  # tokens of a request's prompt, at most (_plans)
 
 
 @dataclasses.dataclass
@@ -127,6 +130,14 @@ class SimConfig:
             raise ValueError(f"device {self.device!r}: one of auto, cpu, cuda, cuda:N")
         if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} but torch sees no CUDA device here (--device auto takes the CPU)")
+        if not 0 <= self.seed < 2**63:  # (vLLM's seed is an int64)
+            raise ValueError(f"seed {self.seed}: at least 0 and below 2**63")
+        limit = self.engine_args.get("max_model_len", TALKER_MAX_MODEL_LEN)
+        if self.max_frames + _LONGEST_PROMPT > limit:
+            raise ValueError(f"max_frames {self.max_frames}: at most {limit - _LONGEST_PROMPT} (a request's prompt, up "
+                             f"to {_LONGEST_PROMPT} tokens, and its frames fit the engine's max_model_len {limit})")
+        if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
+            raise ValueError(f"out {self.out_dir}: a file, not a directory")
 
 
 @dataclasses.dataclass
@@ -171,7 +182,7 @@ def _plans(cfg: SimConfig) -> list[_Plan]:
     rng = np.random.default_rng(cfg.seed)
     plans, t, talker = [], 0.0, None
     for i in range(cfg.requests):
-        n = int(rng.integers(4, 40))
+        n = int(rng.integers(4, _LONGEST_PROMPT + 1))
         prompt = [int(x) for x in rng.integers(4, 100, size=n)]
         bad = bool(cfg.bad_every) and i % cfg.bad_every == cfg.bad_every - 1
         # one request in abort_every, at a place that moves along by one each time, so that every
@@ -199,8 +210,10 @@ def run(cfg: SimConfig) -> dict:
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("wav/*.wav"):  # this run's WAVs alone: an earlier run's would pass for this one's
-        old.unlink()
+    # this run's results alone: an earlier run's summary, plot or WAVs would pass for this one's when
+    # it stops before writing its own (a signal, an error)
+    for old in [*out.glob("wav/*.wav"), out / "summary.json", out / "simulate.png"]:
+        old.unlink(missing_ok=True)
     model = make_model_dir(out / "model", seed=cfg.seed)
     plans = _plans(cfg)
     summary: dict = {"config": dataclasses.asdict(cfg), "paths": {}}

@@ -75,11 +75,24 @@ class OmniTalkerForTTS(nn.Module):
 
 
 def make_model_dir(path: str | Path, seed: int = 0) -> Path:
-    """Write the talker's config and tokenizer into ``path`` (created); returns it."""
+    """Write the talker's config and tokenizer into ``path`` (created; a talker's directory there is
+    rewritten); returns it. ValueError for a seed outside ``[0, 2**63)`` (vLLM's seed is an int64)
+    and FileExistsError for a directory that holds another model's ``config.json`` (nothing is
+    written then)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed {seed}: at least 0 and below 2**63")
     path = Path(path)
+    config = path / "config.json"
+    if config.exists():
+        try:
+            found = json.loads(config.read_text()).get("architectures")
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            found = "not a model's config"
+        if found != [ARCHITECTURE]:
+            raise FileExistsError(f"{config} is another model's ({found}); not overwritten")
     path.mkdir(parents=True, exist_ok=True)
     vocab = dict(_SPECIALS)
     for c in sorted(set(string.printable) - set("\x0b\x0c\r")):
