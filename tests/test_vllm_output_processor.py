@@ -805,6 +805,32 @@ def _samples_of(processor, kind, n=2):
     return kids
 
 
+@pytest.mark.parametrize("kind", list(RequestOutputKind), ids=lambda k: k.name)
+@pytest.mark.parametrize("one_step", [True, False], ids=["in one step", "step by step"])
+def test_samples_of_n_the_worker_fails_end_their_request_once_each_saying_why(kind, one_step):
+    """n = 3 under ``LLMEngine``, every sample failed by the worker, all in one step or one a step:
+    the request's outputs say finished once, on the last (vLLM's contract for n; two failing in one
+    step each said so), and every sample's completion says "error" with the worker's message
+    (FINAL_ONLY: those of the samples that failed before the last, waiting in the aggregate, had no
+    message)."""
+    from vllm_omni_kernels.vllm_integration.wire import MultimodalError
+
+    processor = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    kids = _samples_of(processor, kind, n=3)
+    seen = processor.process_outputs([token_output(c, 5, cls=OmniEngineCoreOutput,
+                                                   multimodal_output={"audio": torch.ones(4)}) for c in kids]
+                                     ).request_outputs
+    failing = [OmniEngineCoreOutput(request_id=c, new_token_ids=[6], finish_reason=FinishReason.ERROR,
+                                    multimodal_error=MultimodalError(f"boom {i}")) for i, c in enumerate(kids)]
+    for step in ([failing] if one_step else [[f] for f in failing]):
+        seen += processor.process_outputs(step).request_outputs
+    assert not processor.request_states and not processor.has_unfinished_requests()
+    assert [out.finished for out in seen].count(True) == 1 and seen[-1].finished
+    ended = {c.index: c for out in seen for c in out.outputs if c.finish_reason}
+    assert sorted(ended) == [0, 1, 2]
+    assert all(c.finish_reason == "error" and f"boom {i}" in c.stop_reason for i, c in ended.items()), ended
+
+
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
 def test_a_sample_of_n_failing_in_the_frontend_last_or_first_ends_its_request_visibly(kind):
     """A sample whose key comes both ways fails in the frontend at its last output: after its

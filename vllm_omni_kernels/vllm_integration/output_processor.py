@@ -526,20 +526,31 @@ class MultimodalOutputProcessor(OutputProcessor):
                 if made is not None:  # (None: a sample of n whose parent waits for its siblings)
                     result.request_outputs.append(made)
                     outs.append(made)
+            parent = state.parent_req
+            completions = []
             for out in outs:  # LLMEngine: the output says so
                 if isinstance(out, PoolingRequestOutput):  # (its field for a request-level error)
                     out.error = RequestError("multimodal_output_error", str(raised),
                                              retryable=isinstance(raised, RetryableRequestError))
                     continue
-                for completion in out.outputs:  # of a sample of n, its own completion (vLLM's parent does the rest)
-                    if state.parent_req is None or completion.index == state.request_index:
-                        completion.finish_reason = str(FinishReason.ERROR)
-                        completion.stop_reason = str(raised)
+                # of a sample of n, its own completion (vLLM's parent does the rest)
+                completions += [c for c in out.outputs if parent is None or c.index == state.request_index]
+            waiting = parent.output_aggregator if parent is not None and not outs else []  # (FINAL_ONLY's: n slots)
+            if state.request_index < len(waiting) and waiting[state.request_index] is not None:
+                # FINAL_ONLY: the sample's completion waits among its siblings' for the last to finish
+                completions.append(waiting[state.request_index])
+            for completion in completions:
+                completion.finish_reason = str(FinishReason.ERROR)
+                completion.stop_reason = str(raised)
+            # The request's output is finished once its last sample is: vLLM's parent counted a sample
+            # whose completion was finished when it was made (several samples failing in one step: the
+            # output of the last alone); one it took for unfinished is over now.
+            unfinished = parent is not None and state.request_id in parent.child_requests
             if self.request_states.get(state.request_id) is state:  # (else vLLM finished it in this step)
-                self._finish_request(state)
+                self._finish_request(state)  # (a sample: its parent forgets it)
                 result.reqs_to_abort.append(state.request_id)
                 self._update_stats_from_finished(state, FinishReason.ERROR, iteration_stats)
-            if state.parent_req is None or not state.parent_req.child_requests:  # its last sample, of n
+            if parent is None or unfinished and not parent.child_requests:
                 for out in outs:
                     out.finished = True
 
