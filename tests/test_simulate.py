@@ -37,6 +37,25 @@ def test_main_job_serves_both_paths_sample_exact(tmp_path, capsys):
     assert "audio s / wall s" in capsys.readouterr().out
 
 
+def test_the_warm_up_runs_the_largest_batch_of_the_run_not_of_the_engine(tmp_path, monkeypatch):
+    """Fewer requests than may be in flight: the warm-up runs as many as the run will (its requests
+    make i + 2 tokens each, so warming ``--concurrency 1000`` for two requests took 100 s)."""
+    pytest.importorskip("vllm")
+    from vllm_omni_kernels.vllm_integration import simulate
+
+    warmed = []
+
+    async def counted(engine, requests=None, share=(0, 1)):
+        warmed.append(requests)
+        await real(engine, requests, share)
+
+    real = simulate.warm_up
+    monkeypatch.setattr(simulate, "warm_up", counted)
+    assert main(["simulate", "--requests", "3", "--concurrency", "16", "--max-frames", "4", "--paths", "worker",
+                 "--no-wavs", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert warmed == [3]
+
+
 @pytest.mark.vllm
 def test_main_job_in_process_through_the_triton_interpreter(tmp_path, use_backend):
     pytest.importorskip("vllm")

@@ -324,8 +324,11 @@ async def _serve_async(cfg: SimConfig, path: str, model: Path, plans: list[_Plan
     pauses: list[float] = []
     note_pause = _gc_pauses(pauses)
     try:
-        # (several clients: each warms its share of a full batch, together one; then all start at once)
-        await warm_up(engine, share=(0, 1) if share is None else (share.index, share.count))
+        # (several clients: each warms its share of the largest batch the run makes, together one; then all
+        # start at once)
+        index, count = (0, 1) if share is None else (share.index, share.count)
+        most = min(engine.vllm_config.scheduler_config.max_num_seqs, cfg.requests)
+        await warm_up(engine, math.ceil(most / count), (index, count))
         if share is not None:
             await asyncio.to_thread(share.barrier.wait)
         if first:
