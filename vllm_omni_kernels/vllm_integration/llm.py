@@ -520,7 +520,7 @@ class OmniAsyncLLM(AsyncLLM):
         super().shutdown(timeout=timeout)
         processor = getattr(self, "output_processor", None)  # (None: a construction that failed first)
         if processor is not None and processor.has_unfinished_requests():  # their callers would wait forever
-            end, error = self.output_processor.propagate_error, EngineShutDownError()
+            end, error = processor.propagate_error, EngineShutDownError()
             owner = handler.get_loop() if handler is not None else None  # (the loop their callers wait on)
             if owner is not None and owner.is_running() and _running_loop() is not owner:
                 owner.call_soon_threadsafe(end, error)  # (their queues wake the loop's tasks)

@@ -550,7 +550,7 @@ class MultimodalOutputProcessor(OutputProcessor):
                 self._finish_request(state)  # (a sample: its parent forgets it)
                 result.reqs_to_abort.append(state.request_id)
                 self._update_stats_from_finished(state, FinishReason.ERROR, iteration_stats)
-            if parent is None or unfinished and not parent.child_requests:
+            if parent is None or (unfinished and not parent.child_requests):
                 for out in outs:
                     out.finished = True
 

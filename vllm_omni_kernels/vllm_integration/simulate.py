@@ -75,8 +75,6 @@ STAGES = ("engine_core", "to_decoder", "to_processor", "to_client")
 _FREEZE_EVERY = 256
 _FINAL_ONLY_ABORT_S = 0.05  # a FINAL_ONLY request planned to be aborted is aborted this long after it starts
 _CLIENT_WAIT_S = 600.0  # the longest a client process waits for the others (start, end), and is waited for
-
-
 _LONGEST_PROMPT = 39  # tokens of a request's prompt, at most (_plans)
 
 
