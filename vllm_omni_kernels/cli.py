@@ -107,12 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             mk.error("give the directory to write the model to")
         try:
             print(make_model_dir(args.path, seed=args.seed))
-        except FileExistsError as exc:
+        except (FileExistsError, ValueError) as exc:  # another model's directory, a seed out of range
             mk.error(str(exc))
         except OSError as exc:
             mk.error(f"cannot write the model directory {args.path}: {exc.strerror or exc}")
-        except ValueError as exc:
-            mk.error(str(exc))
         return 0
 
     # vLLM's own platform: the talker's executor puts the model and the rings on --device itself.

@@ -52,9 +52,9 @@ class DecodeGather:
         self.max_rows = int(max_rows)
         self.max_tokens = int(max_tokens)
         self.mtp = mtp
-        cap_f = int(max_tokens) + 4 * self.max_rows
+        cap_f = self.max_tokens + 4 * self.max_rows
         self.pre = RowGather(dtype, hidden_size, self.device, max_float_rows=cap_f,
-                             max_int_rows=int(max_tokens) + 2 * self.max_rows + 1, max_values=self.max_rows,
+                             max_int_rows=self.max_tokens + 2 * self.max_rows + 1, max_values=self.max_rows,
                              check_rows=False)
         self.post = RowGather(dtype, hidden_size, self.device, max_float_rows=self.max_rows,
                               max_int_rows=self.max_rows, max_values=self.max_rows if mtp else 0, check_rows=False)

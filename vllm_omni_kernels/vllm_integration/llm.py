@@ -332,10 +332,8 @@ class OmniLLM(LLMEngine):
         if sampling_params is None:
             defaults = self.model_config.get_diff_sampling_param()
             sampling_params = SamplingParams.from_optional(**defaults) if defaults else SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        params = [_cumulative(p) if p.output_kind == RequestOutputKind.DELTA else p for p in params]
+        params = [_cumulative(p) if p.output_kind == RequestOutputKind.DELTA else p
+                  for p in _per_prompt(sampling_params, len(prompts), "sampling params")]
         loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
         priorities = _per_prompt(0 if priority is None else priority, len(prompts), "priorities")
         ids = [f"generate-{random_uuid()}-{i}" for i in range(len(prompts))]
@@ -374,9 +372,9 @@ class OmniLLM(LLMEngine):
 
 
 def _per_prompt(value: Any, prompts: int, what: str) -> list:
-    """``value`` for every prompt: itself, or its items when it is a list or tuple of one per prompt
+    """``value`` for every prompt: itself, or its items when it is a sequence of one per prompt
     (ValueError for another count)."""
-    if not isinstance(value, (list, tuple)):
+    if not isinstance(value, Sequence):
         return [value] * prompts
     if len(value) != prompts:
         raise ValueError(f"{len(value)} {what} for {prompts} prompts")
