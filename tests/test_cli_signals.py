@@ -25,6 +25,13 @@ def _engine_core_started(proc) -> bool:
                           capture_output=True).returncode == 0
 
 
+def _wait(proc, log_path, until, deadline: float) -> None:
+    """Until ``until()`` holds, the process running and the ``deadline`` (``time.time()``) not passed."""
+    while not until():
+        assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.1)
+
+
 def _ends_alone(proc, sig, log_path, within=60.0) -> int:
     """Send ``sig``; the exit status, once the process and every other of its session are gone."""
     proc.send_signal(sig)
@@ -52,10 +59,7 @@ def test_sigterm_while_the_server_starts_its_engine_stops_it(tmp_path):
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
         proc = _start(["serve", str(model), "--host", "127.0.0.1", "--port", "0"], log, tmp_path)
-    deadline = time.time() + 120
-    while not _engine_core_started(proc):
-        assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-        time.sleep(0.1)
+    _wait(proc, log_path, lambda: _engine_core_started(proc), time.time() + 120)
     time.sleep(1.0)
     assert _ends_alone(proc, signal.SIGTERM, log_path) == 128 + signal.SIGTERM
     assert "Traceback" not in log_path.read_text()
@@ -70,12 +74,8 @@ def test_a_signal_to_the_main_job_stops_its_engine_core_too(tmp_path, sig):
         proc = _start(["simulate", "--requests", "400", "--concurrency", "8", "--no-wavs", "--no-progress",
                        "--out", str(tmp_path / "out")], log, tmp_path)
     deadline = time.time() + 120
-    while not _engine_core_started(proc):
-        assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-        time.sleep(0.1)
-    while "init engine" not in log_path.read_text():  # (the engine core is up: the requests go next)
-        assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-        time.sleep(0.2)
+    _wait(proc, log_path, lambda: _engine_core_started(proc), deadline)
+    _wait(proc, log_path, lambda: "init engine" in log_path.read_text(), deadline)  # (the requests go next)
     time.sleep(2.0)
     assert proc.poll() is None, log_path.read_text()[-3000:]
     assert _ends_alone(proc, sig, log_path) == 128 + sig
