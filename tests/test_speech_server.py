@@ -900,6 +900,22 @@ def test_what_the_speech_server_cannot_be_is_refused_at_once(tmp_path, argv):
         main([str(tmp_path), *argv])
 
 
+@pytest.mark.parametrize("servers", ["1", "2"])
+def test_a_port_that_is_taken_stops_the_server_with_one_line_before_any_engine(tmp_path, servers):
+    """``serve`` on a port another process listens on: one line naming the address and why, from one
+    API server process or several, before an engine core starts (vLLM's ``bind`` traceback before)."""
+    from vllm_omni_kernels.vllm_integration.server import main as serve
+
+    model = make_model_dir(tmp_path / "talker")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"^cannot listen on 127\.0\.0\.1:{port}: ") as stop:
+            serve([str(model), "--host", "127.0.0.1", "--port", str(port), "--api-server-count", servers])
+    assert stop.value.__suppress_context__  # (no traceback of the bind under the line)
+
+
 def test_parser_plugins_are_imported_as_vllms_server_imports_them(tmp_path, monkeypatch):
     """``--tool-parser-plugin`` (and ``--reasoning-parser-plugin``): the file is imported before the
     engine is built. The run stops at the engine's arguments (this module's names, replaced here)."""

@@ -126,11 +126,21 @@ def engine_args_from(args) -> AsyncEngineArgs:
     return AsyncEngineArgs.from_cli_args(args)
 
 
+def listen(args, reuse_port: bool):
+    """vLLM's ``setup_server``: the listening socket, before any engine starts. A port that is taken
+    (or an address this host lacks) stops the command with one line saying so (vLLM's ``serve``
+    prints the traceback of its ``bind``)."""
+    try:
+        return setup_server(args, reuse_port=reuse_port)
+    except OSError as exc:
+        raise SystemExit(f"cannot listen on {args.host or '0.0.0.0'}:{args.port}: {exc.strerror or exc}") from None
+
+
 async def run(args, listen_address: str | None = None, sock=None, client_config: dict | None = None) -> None:
     """Serve in this process: the whole server, or (``client_config``, from ``serve_multi``) one of
     its API server processes on the shared ``sock``."""
     if sock is None:  # (SIGTERM and SIGINT during start-up: cli.exit_on_signals)
-        listen_address, sock = setup_server(args, reuse_port=False)
+        listen_address, sock = listen(args, reuse_port=False)
         pace_sends(sock)
     init_parser_plugin(args)  # as vLLM's server worker: --tool-parser-plugin, --reasoning-parser-plugin
     client = dict(client_config or {})
@@ -199,6 +209,8 @@ def serve_multi(args, count: int) -> None:
     """vLLM's multi-API-server launch (``vllm serve --api-server-count``) with this server's API
     server processes: the engine core through vLLM's launcher, ``count`` processes of
     ``api_server_process`` on one shared socket, and one speech-request counter they share."""
+    listen_address, sock = listen(args, reuse_port=True)
+    pace_sends(sock)
     setup_multiprocess_prometheus()
     stopping = []
 
@@ -209,8 +221,6 @@ def serve_multi(args, count: int) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    listen_address, sock = setup_server(args, reuse_port=True)
-    pace_sends(sock)
     args.omni_speech_counts = multiprocessing.get_context("spawn").Array("q", 1 + len(Admission.OUTCOMES))
     engine_args = engine_args_from(args)
     config = omni_vllm_config(engine_args, UsageContext.OPENAI_API_SERVER, api_process=(count, -1))
