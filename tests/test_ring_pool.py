@@ -262,6 +262,14 @@ def test_a_request_that_needs_more_than_the_budget_can_ever_give_it_is_not_told_
     assert not split.append(["a"], [torch.ones(9)]).errors
     (err,) = split.append(["a"], [torch.ones(8)]).errors
     assert type(err) is OutputMemoryError
+    # A request that says what it will hold (``frames``: a whole file of known length) and could
+    # never hold it is refused when it takes its slot, not after growing into the budget.
+    known = make_pool(budget_bytes=32 * 4, initial_frames=8, max_slots=4)
+    with pytest.raises(TensorAccumulationError, match="will hold 17 samples, more than one request can hold") as info:
+        known.alloc("a", frames=17)
+    assert type(info.value) is TensorAccumulationError and "a" not in known and known.allocator.used_frames == 0
+    known.alloc("a", frames=16)  # grows to 16 in place of its first 8
+    assert not known.append(["a"], [torch.ones(16)]).errors
 
 
 def test_consolidate_after_drain_is_a_consolidation_error():

@@ -705,6 +705,47 @@ def test_requests_the_output_memory_cannot_hold_fail_alone_and_the_engine_serves
                and r.multimodal_output.tensors["audio"].equal(short) for r in stopping), stopping
 
 
+def test_a_whole_file_no_slot_could_ever_hold_fails_at_once_and_is_not_told_to_retry(tmp_path):
+    """1 MiB of audio memory, whole-file requests of 300 frames (2.3 MB of audio, no stop token):
+    no retry could hold one, so each fails when it arrives, with an error that is not vLLM's
+    retryable one (a speech client would be told 503, retry, for ever). One alone used to run 69
+    frames before its growth found out, and two samples of n = 2, or two requests at once, growing
+    together, spent the budget first and were told to retry. A streaming request of that length
+    drains as it goes: it gets every sample, and so does a short whole file after the refusals."""
+    from vllm.exceptions import RetryableRequestError
+
+    model = make_model_dir(tmp_path / "model")
+    args = talker_engine_args(model, device="cpu", max_num_seqs=2, args_cls=AsyncEngineArgs, disable_log_stats=True,
+                              additional_config={"omni": {"pool_budget_bytes": 1 << 20}})
+
+    async def serve():
+        engine = OmniAsyncLLM.from_engine_args(args)
+        try:
+            def params(kind, frames=300, n=1):
+                return SamplingParams(max_tokens=frames, n=n, output_kind=kind, detokenize=False)
+
+            whole = RequestOutputKind.FINAL_ONLY
+            refused = [await _served(engine, "alone", [5, 6, 7], params(whole)),
+                       await _served(engine, "samples", [5, 6, 7], params(whole, n=2)),
+                       *await asyncio.gather(*(_served(engine, f"together{i}", [5, 6, 7], params(whole))
+                                               for i in range(2)))]
+            streamed = await _served(engine, "streamed", [5, 6, 7], params(RequestOutputKind.DELTA))
+            short = await _served(engine, "short", [5, 6, 7], params(whole, frames=20))
+            stats = (await engine.collective_rpc("output_path_stats"))[0]
+            return refused, streamed, short, stats
+        finally:
+            engine.shutdown()
+
+    refused, streamed, short, stats = asyncio.run(serve())
+    for rid, exc in zip(("alone", "samples", "together0", "together1"), refused):
+        assert isinstance(exc, MultimodalOutputError) and not isinstance(exc, RetryableRequestError), (rid, exc)
+        assert exc.request_id == rid and "more than one request can hold" in str(exc), exc
+    rollout = tk.rollout(tk.ToyTalker(0), [5, 6, 7], 300)
+    for (reason, audio), frames in ((streamed, 300), (short, 20)):
+        assert reason == "length" and audio.equal(tk.expected_audio(rollout[:frames]))
+    assert stats["accumulator"]["requests"] == 0
+
+
 BAD = 1  # the prompt token that makes the talker's second chunk malformed (the worker's ``bad_prompt_token``)
 KINDS = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
 

@@ -249,7 +249,9 @@ class RingPool:
         the caller knows how much the request will hold and a sixteenth of the arena covers it);
         returns the slot index (``slot``: that one, which must be free; a caller that keeps rows of
         its own, such as the worker accumulator, uses the same index in every pool and passes it to
-        ``append``/``read_into``)."""
+        ``append``/``read_into``). A request whose ``frames`` no slot of the budget could ever hold
+        (growing, a slot keeps its old region until its data has moved) is refused at once with a
+        ``TensorAccumulationError``; ``OutputMemoryError`` when the budget is spent now."""
         if request_id in self._owner:
             raise TensorAccumulationError("already holds a slot in this pool", request_id=request_id, key=self.key)
         if len(self._owner) >= self.max_slots:
@@ -264,9 +266,15 @@ class RingPool:
         except TypeError:
             raise TensorAccumulationError(f"a frames hint of type {type(frames).__name__}, not an integer",
                                           request_id=request_id, key=self.key) from None
-        region = None
-        if frames > self.allocator.min_frames and 16 * frames <= self.allocator.total_frames:
-            region = self.allocator.alloc(frames)  # none free: the smallest one, grown when needed
+        least = self.allocator.min_frames
+        reserve = frames > least and 16 * frames <= self.allocator.total_frames
+        if frames > least and not self.allocator.ever_fits(frames, 0 if reserve else least):
+            # (not an OutputMemoryError: no retry holds it; the growth that would find out comes late,
+            # and, with other requests growing at once, as an OutputMemoryError)
+            raise TensorAccumulationError(
+                f"the request will hold {frames} {self.unit}, more than one request can hold in this pool's budget "
+                f"of {self.arena_bytes} bytes; raise the budget", request_id=request_id, key=self.key)
+        region = self.allocator.alloc(frames) if reserve else None  # none free: the smallest one, grown when needed
         region = region or self.allocator.alloc(self.allocator.min_frames)
         if region is None:
             raise OutputMemoryError(f"pool budget of {self.arena_bytes} bytes is spent", request_id=request_id,
