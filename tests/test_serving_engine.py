@@ -917,12 +917,53 @@ def test_every_output_of_a_talker_request_has_multimodal_output_an_aborted_whole
 
 def test_an_output_memory_too_small_for_the_engines_streams_is_refused_at_start(tmp_path):
     """Every one of ``max_num_seqs`` streams takes a first slot of the audio arena at once (the
-    server's warm-up does): an arena that cannot hold them is refused when the engine starts,
-    saying how much it takes, not by the first burst of clients."""
+    server's warm-up does), twice per seat (``test_streams_that_end_on_a_stop_token_...``): an
+    arena that cannot hold them is refused when the engine starts, saying how much it takes, not by
+    the first burst of clients."""
     args = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=256,
-                              disable_log_stats=True, additional_config={"omni": {"pool_budget_bytes": 16 << 20}})
-    with pytest.raises(ValueError, match=r"max_num_seqs \(256\) streams: 33554432 bytes at least"):
+                              disable_log_stats=True, additional_config={"omni": {"pool_budget_bytes": 32 << 20}})
+    with pytest.raises(ValueError, match=r"max_num_seqs \(256\) streams twice over .*: 67108864 bytes at least"):
         OmniLLM.from_engine_args(args, enable_multiprocessing=False)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_streams_that_end_on_a_stop_token_leave_room_for_the_next_in_their_seat(tmp_path, async_scheduling):
+    """One seat and the least audio memory the engine starts with; requests that end on their stop
+    token one after another, every output kind. A stopped stream gives its memory back a step after
+    vLLM gave its seat to the next (its token is seen when its step resolves): the least memory
+    holds both, and every request gets all its audio. The least used to be one first slot a seat,
+    and every second request failed for memory."""
+    refused = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=1, args_cls=AsyncEngineArgs,
+                                 disable_log_stats=True, async_scheduling=async_scheduling,
+                                 additional_config={"omni": {"pool_budget_bytes": 128 << 10}})
+    with pytest.raises(ValueError, match=r"262144 bytes at least"):
+        OmniLLM.from_engine_args(refused, enable_multiprocessing=False)
+    least = talker_engine_args(tmp_path / "model", device="cpu", max_num_seqs=1, args_cls=AsyncEngineArgs,
+                               disable_log_stats=True, async_scheduling=async_scheduling,
+                               additional_config={"omni": {"pool_budget_bytes": 256 << 10}})
+    plans = []  # (prompt, stop token): prompts whose third frame's token is new there: 3 frames, then stop
+    for i in range(200):
+        prompt = [5, 6, 7 + i]
+        tokens = (tk.rollout(tk.ToyTalker(0), prompt, 3)[:, 0] + tk.TEXT_VOCAB).tolist()
+        if tokens[2] not in tokens[:2]:
+            plans.append((prompt, tokens[2]))
+        if len(plans) == 6:
+            break
+
+    async def serve():
+        engine = OmniAsyncLLM.from_engine_args(least)
+        try:
+            return await asyncio.gather(*(
+                _served(engine, f"r{i}", prompt, SamplingParams(max_tokens=10, output_kind=KINDS[i % 3], detokenize=False,
+                                                              stop_token_ids=[stop]))
+                for i, (prompt, stop) in enumerate(plans)))
+        finally:
+            engine.shutdown()
+
+    for (prompt, _), result in zip(plans, asyncio.run(serve())):
+        assert not isinstance(result, Exception), result
+        reason, audio = result
+        assert reason == "stop" and audio.equal(tk.expected_audio(tk.rollout(tk.ToyTalker(0), prompt, 3)))
 
 
 @pytest.mark.parametrize("frames", [1, 16, 17, 69, 700, 2150, 8000])

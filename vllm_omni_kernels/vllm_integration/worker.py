@@ -40,7 +40,7 @@ holds all its audio, 7.5 KiB a frame; a request it cannot hold while others hold
 with ``OutputMemoryError``, a 503 before its first audio, and one that needs more than the budget
 could ever give it (a slot grows into a new region before it gives up its old one: about half the
 budget at most) with ``TensorAccumulationError``, a 500;
-it must hold the first slots of ``max_num_seqs`` streams);
+it must hold the first slots of ``max_num_seqs`` streams twice over: ``__init__``);
 ``cpu_threads`` (torch's threads for a CPU talker; None: half the cores unless ``OMP_NUM_THREADS`` is
 set, since idle OpenMP threads spin and would slow the API servers beside the engine); ``rows``
 (request rows to start with; None: twice ``max_num_seqs``).
@@ -217,11 +217,16 @@ class TalkerWorker:
         worker_path = self.options.output_path == "worker"
         self.acc = WorkerAccumulator(keys, self.device, max_requests=self.max_requests, budget_bytes=key_budgets(
             keys, self.options.pool_budget_bytes if worker_path else 1 << 20))
-        audio = self.acc.pools[0]  # every stream takes its smallest region at once (the server's warm-up does)
-        floor = int(sched.max_num_seqs) * audio.allocator.min_frames * audio.frame_bytes
+        # Every stream takes its smallest region at once (the server's warm-up does), twice per seat: a
+        # stream that ends on a stop token gives its regions back a step after vLLM gave its seat away
+        # (the token is seen when its step resolves; its rest is read in the step after), and the
+        # request in its seat takes its own in that step.
+        audio = self.acc.pools[0]
+        floor = 2 * int(sched.max_num_seqs) * audio.allocator.min_frames * audio.frame_bytes
         if worker_path and self.options.pool_budget_bytes < floor:
             raise ValueError(f"pool_budget_bytes {self.options.pool_budget_bytes} cannot hold the first slots of "
-                             f"max_num_seqs ({sched.max_num_seqs}) streams: {floor} bytes at least "
+                             f"max_num_seqs ({sched.max_num_seqs}) streams twice over (a stream that ends on a stop "
+                             f"token holds its own while the next one in its seat starts): {floor} bytes at least "
                              f"(serve --audio-memory-mib {-(-floor >> 20)})")
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
         self._pending: _StepOutput | None = None
