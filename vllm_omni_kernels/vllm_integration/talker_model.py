@@ -49,13 +49,13 @@ class OmniTalkerForTTS(nn.Module):
         (``llm.OmniInputProcessor``: vLLM's validation error, a 400 in the API server). The talker
         picks each frame's codes itself, greedily (``serving.talker``): ``n``, ``seed`` and the
         temperature and penalty parameters change nothing; logprobs it has none of, it keeps to no
-        constraint on its tokens (allowed tokens, bad words, a grammar), it does not hold back a
+        constraint on its tokens (allowed tokens, bad words, a logit bias, a grammar), it does not hold back a
         stop token until ``min_tokens``, and it does not stop on repeated patterns (vLLM would end
         the request where the worker cannot see it, after all its frames were computed)."""
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name, None) is not None:
                 raise VLLMValidationError("the talker returns no logprobs", parameter=name)
-        for name in ("allowed_token_ids", "bad_words", "structured_outputs"):
+        for name in ("allowed_token_ids", "bad_words", "logit_bias", "structured_outputs"):
             if getattr(params, name, None):
                 raise VLLMValidationError("the talker picks its codes itself and keeps to no constraint on them",
                                           parameter=name)
