@@ -933,14 +933,15 @@ def test_streams_that_end_on_a_stop_token_leave_room_for_the_next_in_their_seat(
     vLLM gave its seat to the next (its token is seen when its step resolves): the least memory
     holds both, and every request gets all its audio. The least used to be one first slot a seat,
     and every second request failed for memory."""
-    refused = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=1, args_cls=AsyncEngineArgs,
-                                 disable_log_stats=True, async_scheduling=async_scheduling,
-                                 additional_config={"omni": {"pool_budget_bytes": 128 << 10}})
+    model = make_model_dir(tmp_path / "model")
+
+    def args(budget):
+        return talker_engine_args(model, device="cpu", max_num_seqs=1, args_cls=AsyncEngineArgs,
+                                  disable_log_stats=True, async_scheduling=async_scheduling,
+                                  additional_config={"omni": {"pool_budget_bytes": budget}})
+
     with pytest.raises(ValueError, match=r"262144 bytes at least"):
-        OmniLLM.from_engine_args(refused, enable_multiprocessing=False)
-    least = talker_engine_args(tmp_path / "model", device="cpu", max_num_seqs=1, args_cls=AsyncEngineArgs,
-                               disable_log_stats=True, async_scheduling=async_scheduling,
-                               additional_config={"omni": {"pool_budget_bytes": 256 << 10}})
+        OmniLLM.from_engine_args(args(128 << 10), enable_multiprocessing=False)
     plans = []  # (prompt, stop token): prompts whose third frame's token is new there: 3 frames, then stop
     for i in range(200):
         prompt = [5, 6, 7 + i]
@@ -951,11 +952,11 @@ def test_streams_that_end_on_a_stop_token_leave_room_for_the_next_in_their_seat(
             break
 
     async def serve():
-        engine = OmniAsyncLLM.from_engine_args(least)
+        engine = OmniAsyncLLM.from_engine_args(args(256 << 10))
         try:
             return await asyncio.gather(*(
-                _served(engine, f"r{i}", prompt, SamplingParams(max_tokens=10, output_kind=KINDS[i % 3], detokenize=False,
-                                                              stop_token_ids=[stop]))
+                _served(engine, f"r{i}", prompt, SamplingParams(max_tokens=10, output_kind=KINDS[i % 3],
+                                                              detokenize=False, stop_token_ids=[stop]))
                 for i, (prompt, stop) in enumerate(plans)))
         finally:
             engine.shutdown()
