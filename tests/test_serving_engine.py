@@ -138,6 +138,10 @@ def test_sync_engine_in_its_own_process_and_in_process(tmp_path):
                 assert caught.value.parameter == "prompt_token_ids"
             again = engine.generate(prompts, params)
             assert all(a.multimodal.tensors["audio"].equal(b.multimodal.tensors["audio"]) for a, b in zip(again, outs))
+            # the multimodal channel's time on the client: the decoder's in its own process, the
+            # in-process client's (the step's buffer copied and cut into pieces) in process
+            spent = engine.engine_core.decoder if multiprocess else engine.engine_core
+            assert spent.multimodal_seconds > 0
         finally:
             engine.shutdown()
         results[multiprocess] = outs

@@ -32,9 +32,27 @@ def test_main_job_serves_both_paths_sample_exact(tmp_path, capsys):
                                                                   "to_client") for q in ("p50", "p99")]
         assert all(np.isfinite(v) and v >= 0 for v in stages), stages
         assert s["stage_split_requests"] == s["streaming_requests"] > 0
+        # per audio second, the paths compare the same work (per step they would not: a path's steps
+        # carry as many streams as its client keeps up with)
+        assert s["wire_bytes_per_audio_second"] == pytest.approx(
+            s["wire_bytes_per_step"] * s["output_steps"] / s["audio_seconds"])
     assert len(list((tmp_path / "wav").glob("*.wav"))) == summary["paths"]["worker"]["finished_exact"]
+    assert set(summary["ratios"]) == {"frontend_multimodal_us_per_audio_second", "wire_bytes_per_audio_second",
+                                      "d2h_copies_per_step"}
     assert (tmp_path / "simulate.png").stat().st_size > 10_000
     assert "audio s / wall s" in capsys.readouterr().out
+
+
+def test_the_first_chunks_stages_are_found_with_request_ids_as_the_caller_gave_them(tmp_path, monkeypatch):
+    """``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``: vLLM keeps the caller's request ids as they are;
+    the worker's record of each first chunk still names its request (it cut the ids at their last
+    "-", so every first-chunk figure was null)."""
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    assert main(["simulate", "--requests", "6", "--concurrency", "3", "--max-frames", "4", "--paths", "worker",
+                 "--kinds", "delta", "--no-wavs", "--out", str(tmp_path), "--no-progress"]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())["paths"]["worker"]
+    assert s["stage_split_requests"] == s["streaming_requests"] > 0 and s["first_chunk_delay_ms_p99"] is not None
 
 
 def test_the_warm_up_runs_the_largest_batch_of_the_run_not_of_the_engine(tmp_path, monkeypatch):

@@ -219,10 +219,12 @@ def run(cfg: SimConfig) -> dict:
         summary["paths"][path] = _serve(cfg, path, model, plans, out)
     if set(PATHS) <= set(summary["paths"]):
         ours, theirs = summary["paths"]["worker"], summary["paths"]["upstream"]
+        # per audio second: the paths' steps carry different numbers of streams (a client that falls
+        # behind has its streams served in more steps of fewer), so per step they would compare
+        # different work; copies are per step by design (one against one per key)
         summary["ratios"] = {k: theirs[k] / ours[k] if ours[k] else None for k in
-                             ("frontend_multimodal_us_per_step",
-                              "frontend_multimodal_us_per_audio_second", "d2h_copies_per_step",
-                              "wire_bytes_per_step")}
+                             ("frontend_multimodal_us_per_audio_second", "wire_bytes_per_audio_second",
+                              "d2h_copies_per_step")}
     (out / "summary.json").write_text(json.dumps(_without_nan(summary), indent=2, allow_nan=False))
     _plot(summary, out / "simulate.png")
     return summary
@@ -287,7 +289,9 @@ def _serve(cfg: SimConfig, path: str, model: Path, plans: list[_Plan], out: Path
         "frontend_decode_us_per_step": client["decode_seconds"] / steps * 1e6,
         "frontend_multimodal_us_per_audio_second": client["multimodal_seconds"] / max(audio_seconds, 1e-9) * 1e6,
         "d2h_copies_per_step": engine_stats["copies"] / steps,
-        "wire_bytes_per_step": client["bytes"] / steps, "client_processes": cfg.clients,
+        "wire_bytes_per_step": client["bytes"] / steps,
+        "wire_bytes_per_audio_second": client["bytes"] / max(audio_seconds, 1e-9), "client_processes": cfg.clients,
+        "output_steps": engine_stats["output_steps"],
         "streams_per_step": engine_stats["samples"] / tk.FRAME_SAMPLES / max(engine_stats["steps"], 1),
         "engine_steps": engine_stats["steps"], "resumptions": engine_stats["resumed"],
         "requests_stopped": sum(r.finish_reason == "stop" for r in results),  # (checked: _check)
@@ -545,7 +549,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
             engine.step()
         engine.collective_rpc("reset_output_path_stats")
         processor = engine.output_processor
-        processor.stopwatch.seconds = 0.0
+        processor.stopwatch.seconds = engine.engine_core.multimodal_seconds = 0.0
         bar = _bar(cfg, path)
         pending, live, results = list(plans), {}, []
         t0 = time.perf_counter()
@@ -581,7 +585,7 @@ def _serve_in_process(cfg: SimConfig, path: str, model: Path, plans: list[_Plan]
         bar.close()
         stats = engine.collective_rpc("output_path_stats", kwargs={"first_chunks": True})[0]
         client = {"bytes": 0, "decode_seconds": 0.0,
-                  "multimodal_seconds": processor.stopwatch.seconds,
+                  "multimodal_seconds": processor.stopwatch.seconds + engine.engine_core.multimodal_seconds,
                   "loop_lag_ms_p50": float("nan"), "loop_lag_ms_p99": float("nan"),
                   "loop_lag_ms_max": float("nan"), "gc_ms_max": float("nan")}  # no event loop
         _note_first_data(results, processor.first_data_at, None)

@@ -57,6 +57,7 @@ from itertools import repeat
 
 import numpy as np
 import torch
+from vllm import envs
 from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
@@ -236,6 +237,8 @@ class TalkerWorker:
         self._output_path_us: deque[float] = deque(maxlen=_HISTORY)  # the latest steps: a server runs for long
         self._step_starts: deque[float] = deque(maxlen=_HISTORY)
         self.first_chunk_at: OrderedDict[str, float] = OrderedDict()  # request id (no vLLM suffix) -> monotonic
+        # vLLM adds "-" and 8 random characters to the caller's request id unless told not to
+        self._ids_as_given = bool(envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
 
     # ------------------------------------------------------------------ vLLM's worker RPCs
 
@@ -536,7 +539,7 @@ class TalkerWorker:
         ids = [req_ids[i] for i in sampling.tolist()]
         produced = self._produced[state_rows]
         for b in np.flatnonzero(produced == 0).tolist():
-            self.first_chunk_at[ids[b].rsplit("-", 1)[0]] = now
+            self.first_chunk_at[ids[b] if self._ids_as_given else ids[b].rsplit("-", 1)[0]] = now
         while len(self.first_chunk_at) > _HISTORY:  # a long-running server: the newest only
             self.first_chunk_at.popitem(last=False)
         i, host = self._index.host()
