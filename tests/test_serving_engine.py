@@ -273,12 +273,35 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
         engine.shutdown()
 
 
+def test_the_async_engine_refuses_a_deeper_sleep_before_it_pauses(tmp_path):
+    """``OmniAsyncLLM.sleep`` (what vLLM's ``/sleep`` route calls): levels 1 and 2 refused, and the
+    engine serves on, unpaused."""
+    args = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=2,
+                              args_cls=AsyncEngineArgs, disable_log_stats=True)
+
+    async def serve():
+        engine = OmniAsyncLLM.from_engine_args(args)
+        try:
+            for level in (1, 2):
+                with pytest.raises(ValueError, match=f"sleep level {level}: .*nothing was paused"):
+                    await engine.sleep(level=level)
+            assert not await engine.is_sleeping()
+            params = SamplingParams(max_tokens=5, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+            return await asyncio.wait_for(_served(engine, "after", [5, 6, 7], params), 60)
+        finally:
+            engine.shutdown()
+
+    reason, audio = asyncio.run(serve())
+    assert reason == "length" and audio.equal(tk.expected_audio(tk.rollout(tk.ToyTalker(0), [5, 6, 7], 5)))
+
+
 def test_a_paused_engine_loses_nothing_and_a_deeper_sleep_is_refused_clearly(tmp_path):
     """vLLM's ``sleep(level=0)`` pauses scheduling (its pause asks the worker to wait for its
     device); a stream paused mid-way resumes on ``wake_up`` with every sample. Levels 1 and 2
-    would free the worker's memory, which the talker keeps: they raise an error that says so (vLLM
-    has paused the engine and, in its default mode, aborted its requests by then), and
-    ``wake_up`` resumes serving; so does ``release_kv_cache_memory``. Over ZMQ."""
+    would free the worker's memory, which the talker keeps: they raise an error that says so
+    before anything pauses (vLLM's engine core paused, aborting the request in flight, and stayed
+    paused until ``wake_up``); ``release_kv_cache_memory`` is refused after a pause, and
+    ``wake_up`` resumes serving. Over ZMQ."""
     engine = OmniLLM.from_engine_args(talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu",
                                                          max_num_seqs=4, disable_log_stats=True))
     prompt, frames = [10, 11, 12], 40
@@ -301,9 +324,16 @@ def test_a_paused_engine_loses_nothing_and_a_deeper_sleep_is_refused_clearly(tmp
         while engine.has_unfinished_requests():
             step()
         assert torch.cat(pieces).equal(want)
-        with pytest.raises(Exception, match="sleep level 1: the talker keeps its weights"):
-            engine.sleep(level=1)
-        assert engine.wake_up() and not engine.is_sleeping()
+        pieces.clear()
+        engine.add_request("in-flight", TokensPrompt(prompt_token_ids=prompt), delta)
+        step()
+        for level in (1, 2):  # refused before vLLM pauses: the request in flight goes on, whole
+            with pytest.raises(ValueError, match=f"sleep level {level}: the talker keeps its weights.*nothing was"):
+                engine.sleep(level=level)
+            assert not engine.is_sleeping()
+        while engine.has_unfinished_requests():
+            step()
+        assert torch.cat(pieces).equal(want)
         # vLLM's release_kv_cache_memory (after a completed pause): refused, and the engine wakes up
         engine.sleep(level=0)
         with pytest.raises(Exception, match="the talker keeps no KV cache"):

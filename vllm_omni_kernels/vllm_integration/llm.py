@@ -252,6 +252,16 @@ def _take_config(engine, vllm_config: VllmConfig) -> str | None:
     return endpoint
 
 
+def refuse_deep_sleep(level: int) -> None:
+    """Sleep levels 1 and 2 free the weights and the KV cache, while the talker keeps its weights and
+    output rings resident: ``ValueError`` before vLLM pauses anything (its engine core pauses the
+    scheduler, aborting the requests in flight by default, before it asks the worker, which
+    refuses too: the engine stayed paused, every later request waiting, until ``wake_up``)."""
+    if level >= 1:
+        raise ValueError(f"sleep level {level}: the talker keeps its weights and output rings resident; use level 0 "
+                         "(pause scheduling only); nothing was paused")
+
+
 class OmniLLM(LLMEngine):
     """vLLM's ``LLMEngine`` with the multimodal channel (module docstring). ``generate`` runs
     prompts to completion and returns one ``OmniRequestOutput`` each."""
@@ -300,6 +310,12 @@ class OmniLLM(LLMEngine):
         return cls(config, Executor.get_class(config), log_stats=not engine_args.disable_log_stats,
                    usage_context=usage_context, stat_loggers=stat_loggers, multiprocess_mode=bool(multiprocess),
                    processor_options=processor_options)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's ``sleep`` at level 0 (a pause); deeper levels refused before anything pauses
+        (``refuse_deep_sleep``)."""
+        refuse_deep_sleep(level)
+        super().sleep(level, mode)
 
     def shutdown(self) -> None:
         """Stop the engine core (its process, with the multiprocess engine), as ``OmniAsyncLLM.shutdown``
@@ -470,6 +486,12 @@ class OmniAsyncLLM(AsyncLLM):
             self._frontend_profiler_worker_name = f"{socket.gethostname()}_{os.getpid()}.async_llm"
             self.profiler = create_frontend_profiler(vllm_config.profiler_config,
                                                      worker_name=self._frontend_profiler_worker_name)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's ``sleep`` at level 0 (a pause); deeper levels refused before anything pauses
+        (``refuse_deep_sleep``)."""
+        refuse_deep_sleep(level)
+        await super().sleep(level, mode)
 
     async def add_request(self, request_id: str, *args, **kwargs):
         """vLLM's; refused with ``ShuttingDownError`` while ``shutdown`` lets the requests in flight
