@@ -432,6 +432,28 @@ def test_a_client_behind_the_engine_hands_every_step_to_its_streams_before_the_n
         assert set(sizes) == {tk.FRAME_SAMPLES}, (rid, sizes)  # no output carries two steps' audio
 
 
+def test_a_step_that_only_delivers_the_rest_of_a_stopped_request_counts_as_a_step_with_output(tmp_path):
+    """A request alone that ends on its third token: three steps sample a frame each, and a fourth
+    samples nothing and delivers its rest (the stop is seen once the third step resolves). The
+    worker's figures count four steps with output, as its copies do on a GPU (the fourth was left
+    out: copies per step came out above one)."""
+    prompt = next(p for p in ([5, 6, 7 + i] for i in range(200))
+                  if (t := (tk.rollout(tk.ToyTalker(0), p, 3)[:, 0] + tk.TEXT_VOCAB).tolist())[2] not in t[:2])
+    stop = int(tk.rollout(tk.ToyTalker(0), prompt, 3)[2, 0]) + tk.TEXT_VOCAB
+    engine = OmniLLM.from_engine_args(talker_engine_args(make_model_dir(tmp_path / "model"), max_num_seqs=2,
+                                                         disable_log_stats=True, async_scheduling=False),
+                                      enable_multiprocessing=False)
+    try:
+        engine.collective_rpc("reset_output_path_stats")
+        (out,) = engine.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+            max_tokens=10, output_kind=RequestOutputKind.DELTA, detokenize=False, stop_token_ids=[stop]))
+        stats = engine.collective_rpc("output_path_stats")[0]
+    finally:
+        engine.shutdown()
+    assert out.outputs[0].finish_reason == "stop" and stats["stopped"] == 1
+    assert stats["output_steps"] == 4 and stats["steps"] == 4
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_requests_that_end_on_a_stop_token_get_all_their_audio_in_process(tmp_path, async_scheduling):
     """A stop token is known only when its step's copy lands, after the scheduler has sent the

@@ -533,8 +533,11 @@ class TalkerWorker:
         self.stats["steps"] += 1
         now = time.monotonic()
         self._step_starts.append(now)
-        if B == 0:
+        if B == 0:  # (the rest of requests that ended on a stop token, and nothing sampled)
+            t0 = time.perf_counter()
             packed = self._collect([], flush, 0) if flush else None
+            if packed is not None:  # a step with output (and its copy) as any other
+                self._note_output_path(t0, packed.host.numel())
             return _StepOutput(self, req_ids, sampling, opened, replayed, packed=packed)
         ids = [req_ids[i] for i in sampling.tolist()]
         produced = self._produced[state_rows]
