@@ -806,6 +806,37 @@ def _samples_of(processor, kind, n=2):
 
 
 @pytest.mark.parametrize("kind", list(RequestOutputKind), ids=lambda k: k.name)
+@pytest.mark.parametrize("by", ["caller's id", "parent's id"])
+@pytest.mark.parametrize("queued", [False, True], ids=["LLMEngine", "AsyncLLM"])
+def test_samples_of_n_aborted_leave_nothing_behind(kind, by, queued):
+    """A request of n = 2 aborted mid-way, by the caller's id (``AsyncLLM.abort``, ``LLMEngine.abort_request``)
+    or its parent's (a cancelled ``generate``): no sample's state and no ``ParentRequest`` is left (by
+    the caller's id, vLLM kept the parent, its params and its aggregate, for every such request)."""
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    processor = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio")
+    parent = ParentRequest(core_request("par-1234", [3, 4], sampling(kind, n=2, max_tokens=6, detokenize=False)))
+    parent.external_req_id = "par"
+    queue = RequestOutputCollector(kind, "par") if queued else None
+    kids = []
+    for index in range(2):
+        child_id, params = parent.get_child_info(index)
+        kids.append(child_id)
+        child = core_request(child_id, [3, 4], params)
+        child.external_req_id = "par"
+        processor.add_request(child, None, parent, index, queue)
+    processor.process_outputs([token_output(c, 5, cls=OmniEngineCoreOutput, multimodal_output={"audio": torch.ones(4)})
+                               for c in kids])
+    if by == "caller's id":
+        aborted = processor.abort_requests(["par"], internal=False)
+    else:
+        aborted = processor.abort_requests([parent.request_id], internal=True)
+    assert sorted(aborted) == sorted(kids)
+    assert not processor.request_states and not processor.external_req_ids and not processor.parent_requests
+    assert not processor.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind), ids=lambda k: k.name)
 @pytest.mark.parametrize("one_step", [True, False], ids=["in one step", "step by step"])
 def test_samples_of_n_the_worker_fails_end_their_request_once_each_saying_why(kind, one_step):
     """n = 3 under ``LLMEngine``, every sample failed by the worker, all in one step or one a step:

@@ -564,7 +564,13 @@ class MultimodalOutputProcessor(OutputProcessor):
         states = dict(self.request_states)
         aborted = super().abort_requests(request_ids, internal)
         for rid in aborted:
-            self._forget(rid, states.get(rid))
+            state = states.get(rid)
+            self._forget(rid, state)
+            parent = getattr(state, "parent_req", None)
+            if parent is not None:  # as vLLM's _finish_request: its abort by the caller's id kept the
+                parent.child_requests.discard(rid)  # sample's ParentRequest for ever
+                if not parent.child_requests:
+                    self.parent_requests.pop(parent.request_id, None)
         if self._failures:  # an abort's final output that failed to consolidate: the request is over already
             gone = {id(states.get(rid)) for rid in aborted}
             self._failures[:] = [(state, exc) for state, exc in self._failures if id(state) not in gone]
