@@ -887,6 +887,32 @@ def test_a_server_drains_its_streams_on_sigterm(tmp_path_factory, api_servers):
     assert "output_handler failed" not in server["log"].read_text()
 
 
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_whole_files_in_flight_when_the_server_stops_are_answered_503(tmp_path_factory, api_servers):
+    """SIGTERM without ``--shutdown-timeout`` while whole files are made: each is a request the
+    engine let go of before its first audio, a 503 with Retry-After (another server can serve it).
+    They were a 500, and with two API server processes no response at all: the process manager
+    killed the processes at the timeout, 0 s, before they answered."""
+    with contextlib.contextmanager(running_server)(tmp_path_factory, "--api-server-count", api_servers) as server:
+        url, proc = server["url"], server["proc"]
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                body = {"input": "a" * 2900, "voice": "alloy", "response_format": "pcm", "stream": False}
+                files = [asyncio.create_task(client.post("/v1/audio/speech", json=body)) for _ in range(3)]
+                t0 = time.time()
+                while (await client.get("/v1/audio/speech/stats")).json()["worker"]["requests_held"] < 3:
+                    assert time.time() - t0 < 60
+                    await asyncio.sleep(0.1)
+                proc.terminate()
+                return await asyncio.gather(*files)
+
+        answers = asyncio.run(run())
+        assert proc.wait(30) == 0
+    for r in answers:
+        assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text)
+
+
 @pytest.mark.parametrize("argv", [["--headless"], ["--api-server-count", "0"], ["--grpc"], ["--skip-tokenizer-init"],
                                   ["--data-parallel-size", "2"]])
 def test_what_the_speech_server_cannot_be_is_refused_at_once(tmp_path, argv):
@@ -1153,23 +1179,32 @@ def test_the_load_scripts_check_counts_what_is_lost_altered_or_extra_and_every_u
 
 
 @pytest.mark.parametrize("after_audio", [False, True])
-def test_output_memory_running_out_turns_a_request_away_only_before_its_first_audio(after_audio):
-    """The output memory refusing a request (``OutputMemoryError``) before its first audio turns it
-    away (a 503: a retry can be served, and ``Admission`` counts it rejected). After audio went out
-    the stream is cut, and it counts as failed: the client got part of its audio, not a refusal."""
+@pytest.mark.parametrize("why", ["output memory", "shut down", "engine died"])
+def test_a_request_the_engine_lets_go_is_turned_away_only_before_its_first_audio_and_if_it_may_be_retried(
+        after_audio, why):
+    """The output memory refusing a request (``OutputMemoryError``), or the engine stopped under it
+    (``EngineShutDownError``: the server stops), before its first audio turns it away (a 503: a
+    retry can be served, and ``Admission`` counts it rejected; a request stopped under it was a
+    500). After audio went out the stream is cut, and it counts as failed: the client got part of
+    its audio, not a refusal. An engine that died fails it either way (a 500)."""
     from vllm.outputs import RequestOutput
+    from vllm.v1.engine.exceptions import EngineDeadError
 
     from vllm_omni_kernels.errors import OutputMemoryError
     from vllm_omni_kernels.payload import MultimodalPayload
+    from vllm_omni_kernels.vllm_integration.llm import EngineShutDownError
     from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput
     from vllm_omni_kernels.vllm_integration.speech import Admission, SpeechFailedError, SpeechStream
+
+    error = {"output memory": OutputMemoryError("the audio ring's budget is spent", request_id="r", key="audio"),
+             "shut down": EngineShutDownError(), "engine died": EngineDeadError()}[why]
 
     async def engine_outputs():
         if after_audio:
             audio = MultimodalPayload({"audio": torch.ones(tk.FRAME_SAMPLES)}, axes={"audio": -1})
             completion = MultimodalCompletionOutput(0, "", [7], None, None, multimodal_output=audio)
             yield RequestOutput("r", None, [1], None, [completion], finished=False)
-        raise OutputMemoryError("the audio ring's budget is spent", request_id="r", key="audio")
+        raise error
 
     class Engine:  # what close() calls on a stream the engine has already let go: nothing
         async def abort(self, request_id):
@@ -1180,7 +1215,7 @@ def test_output_memory_running_out_turns_a_request_away_only_before_its_first_au
         assert admission.try_acquire()
         stream = SpeechStream(Engine(), admission, "r", engine_outputs(), "f32", time.time())
         got = []
-        with pytest.raises(SpeechFailedError, match="request r .*key 'audio'"):
+        with pytest.raises(SpeechFailedError, match="request r .*(key 'audio'|engine)"):
             while True:
                 piece, _ = await stream.next_audio()
                 got.append(piece)
@@ -1188,8 +1223,8 @@ def test_output_memory_running_out_turns_a_request_away_only_before_its_first_au
         return got, stream, admission.counts()
 
     got, stream, counts = asyncio.run(run())
-    assert stream.turned_away is not after_audio and stream.failed
-    assert stream.outcome == ("failed" if after_audio else "rejected")
+    assert stream.turned_away is (not after_audio and why != "engine died") and stream.failed
+    assert stream.outcome == ("rejected" if stream.turned_away else "failed")
     assert counts[stream.outcome] == 1 and len(got) == after_audio
 
 

@@ -412,8 +412,10 @@ class ShuttingDownError(RetryableRequestError):
 
 class EngineShutDownError(EngineDeadError):
     """What a request still in flight gets once ``OmniAsyncLLM.shutdown`` has stopped the engine
-    (nothing more can come for it). vLLM's ``generate`` raises it as it raises ``EngineDeadError``,
-    sending no abort; after vLLM's own shutdown such a request's caller waited forever."""
+    (nothing more can come for it; an engine that died gives vLLM's ``EngineDeadError``). vLLM's
+    ``generate`` raises it as it raises ``EngineDeadError``, sending no abort; after vLLM's own
+    shutdown such a request's caller waited forever. The speech route answers it as a request the
+    engine let go of: 503 before the request's first audio."""
 
     ENGINE_DEAD_MESSAGE = "the engine was shut down before the request finished"
 
@@ -520,6 +522,8 @@ class OmniAsyncLLM(AsyncLLM):
         On the serving loop, or with that loop stopped, it does not wait: nothing could finish.
         The requests still in flight then raise ``EngineShutDownError`` to their callers."""
         self.shutdown_requested = True
+        core = getattr(self, "engine_core", None)  # (None: a construction that failed first)
+        died = core is not None and core.resources.engine_dead  # (before vLLM's shutdown marks it so)
         handler = getattr(self, "output_handler", None)
         loop = handler.get_loop() if handler is not None and not handler.done() else None
         if timeout and loop is not None and loop.is_running() and _running_loop() is not loop:
@@ -540,7 +544,8 @@ class OmniAsyncLLM(AsyncLLM):
         super().shutdown(timeout=timeout)
         processor = getattr(self, "output_processor", None)  # (None: a construction that failed first)
         if processor is not None and processor.has_unfinished_requests():  # their callers would wait forever
-            end, error = processor.propagate_error, EngineShutDownError()
+            # an engine that died: vLLM's error (a 500); one stopped: a retry can be served elsewhere
+            end, error = processor.propagate_error, EngineDeadError() if died else EngineShutDownError()
             owner = handler.get_loop() if handler is not None else None  # (the loop their callers wait on)
             if owner is not None and owner.is_running() and _running_loop() is not owner:
                 owner.call_soon_threadsafe(end, error)  # (their queues wake the loop's tasks)

@@ -48,6 +48,7 @@ logger = init_logger("vllm.omni_kernels.server")
 
 # A connection's bytes written but not yet sent, at most (TCP_NOTSENT_LOWAT): see ``pace_sends``.
 UNSENT_BYTES = 1 << 17
+_ANSWER_S = 5.0  # what a stopping multi-process server leaves its API server processes at least
 
 
 def pace_sends(sock: socket.socket) -> None:
@@ -241,7 +242,9 @@ def serve_multi(args, count: int) -> None:
     finally:
         deadline = time.monotonic() + config.shutdown_timeout if stopping else None
         left = (lambda: None) if deadline is None else (lambda: max(deadline - time.monotonic(), 0.0))
-        servers.shutdown(timeout=left())
+        # the API server processes answer what they still hold (a 503 before a request's first
+        # audio) before they are killed: at least _ANSWER_S, as one API server process does
+        servers.shutdown(timeout=None if deadline is None else max(left(), _ANSWER_S))
         if launch.engine_manager:
             launch.engine_manager.shutdown(timeout=left())
         if coordinator:

@@ -74,6 +74,7 @@ from vllm.utils import random_uuid
 from ..errors import MultimodalOutputError, OutputMemoryError
 from ..serving import talker as tk
 from ..serving.wav import pcm16, wav_header
+from .llm import EngineShutDownError
 
 logger = init_logger("vllm.omni_kernels.speech")  # under "vllm.": vLLM's handler prints it
 
@@ -263,8 +264,10 @@ class SpeechStream:
             out = await anext(self.gen)
         except (MultimodalOutputError, VLLMServerError) as exc:
             self.finished = self.failed = True  # the engine has let the request go
-            # (vLLM's RetryableRequestError, a paused engine's say, is a 503 as vLLM's routes answer it)
-            self.turned_away = isinstance(exc, (OutputMemoryError, RetryableRequestError)) and not self.first_at
+            # (vLLM's RetryableRequestError, a paused engine's say, is a 503 as vLLM's routes answer it,
+            # and so is the end of a request in flight when the server stops: another can serve it)
+            self.turned_away = isinstance(exc, (OutputMemoryError, RetryableRequestError, EngineShutDownError)) \
+                and not self.first_at
             detail = str(exc)
             if isinstance(exc, MultimodalOutputError):  # its reason and key, without the request's name again
                 detail = exc.reason if exc.key is None else f"key {exc.key!r}: {exc.reason}"
