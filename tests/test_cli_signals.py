@@ -80,3 +80,39 @@ def test_a_signal_to_the_main_job_stops_its_engine_core_too(tmp_path, sig):
     assert proc.poll() is None, log_path.read_text()[-3000:]
     assert _ends_alone(proc, sig, log_path) == 128 + sig
     assert "Traceback" not in log_path.read_text()
+
+
+def test_a_signal_that_interrupts_a_task_no_one_awaits_leaves_no_exception_unread(tmp_path):
+    """A signal that lands in an event loop's task that no one awaits (vLLM's output task is one):
+    the task ends with the SystemExit, which is read once the loop runs on to close, so asyncio logs
+    no "exception was never retrieved" with a traceback when the task goes (``simulate`` printed one
+    now and then after SIGINT)."""
+    script = tmp_path / "interrupted.py"
+    script.write_text("""
+import asyncio, os, signal, sys, threading, time
+from vllm_omni_kernels.cli import exit_on_signals
+
+exit_on_signals()
+tasks = []
+
+async def busy():  # Python work in a task no one awaits: the signal lands here
+    while True:
+        t0 = time.time()
+        while time.time() - t0 < 0.01:
+            sum(range(1000))
+        await asyncio.sleep(0)
+
+async def main():
+    tasks.append(asyncio.create_task(busy()))
+    while True:
+        await asyncio.sleep(0.05)
+
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    asyncio.run(main())
+finally:
+    print(tasks[0], "unread:", tasks[0]._log_traceback)
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 128 + signal.SIGINT, run.stderr
+    assert "exception=SystemExit(130)" in run.stdout and "unread: False" in run.stdout, run.stdout + run.stderr

@@ -5,6 +5,7 @@ directory), ``info`` (backends and versions)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.metadata
 import json
 import os
@@ -18,16 +19,30 @@ def exit_on_signals() -> None:
     traceback; every ``finally`` runs on the way out, so the engine core's process is stopped (the
     default SIGTERM left it running, orphaned). Not a KeyboardInterrupt: vLLM swallows that while
     it starts an engine core (its ``zmq_socket_ctx``), abandoning the handshake, and the start then
-    waits for an engine that never answers. A signal during that way out is ignored."""
+    waits for an engine that never answers. A signal during that way out is ignored. A task of an
+    event loop that the signal interrupts ends with the SystemExit: it is read once the task is done
+    (asyncio would log it, with a traceback, as never retrieved: vLLM's output task is awaited by no
+    one)."""
     stopping = []
 
     def stop(signum, frame):
         if not stopping:
             stopping.append(signum)
+            try:
+                task = asyncio.current_task()
+            except RuntimeError:  # no event loop runs in this thread
+                task = None
+            if task is not None:
+                task.add_done_callback(_read_exception)
             raise SystemExit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+
+
+def _read_exception(task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def main(argv: list[str] | None = None) -> int:
