@@ -19,30 +19,35 @@ def exit_on_signals() -> None:
     traceback; every ``finally`` runs on the way out, so the engine core's process is stopped (the
     default SIGTERM left it running, orphaned). Not a KeyboardInterrupt: vLLM swallows that while
     it starts an engine core (its ``zmq_socket_ctx``), abandoning the handshake, and the start then
-    waits for an engine that never answers. A signal during that way out is ignored. A task of an
-    event loop that the signal interrupts ends with the SystemExit: it is read once the task is done
-    (asyncio would log it, with a traceback, as never retrieved: vLLM's output task is awaited by no
-    one)."""
+    waits for an engine that never answers. A signal during that way out is ignored. The tasks of an
+    event loop that the SystemExit ends (the one it interrupts, and those that await that one) are
+    over with the program: the loop does not report them as tasks whose exception no one read (a
+    traceback each, when they go: vLLM's output task is awaited by no one)."""
     stopping = []
 
     def stop(signum, frame):
         if not stopping:
             stopping.append(signum)
+            exit_now = SystemExit(128 + signum)
             try:
-                task = asyncio.current_task()
+                loop = asyncio.get_running_loop()
             except RuntimeError:  # no event loop runs in this thread
-                task = None
-            if task is not None:
-                task.add_done_callback(_read_exception)
-            raise SystemExit(128 + signum)
+                loop = None
+            if loop is not None:
+                loop.set_exception_handler(_quiet_about(exit_now, loop.get_exception_handler()))
+            raise exit_now
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
 
 
-def _read_exception(task) -> None:
-    if not task.cancelled():
-        task.exception()
+def _quiet_about(exit_now: SystemExit, handler):
+    """An event loop's exception handler that passes over what ``exit_now`` ended and hands anything
+    else to ``handler`` (None: the loop's default)."""
+    def handle(loop, context):
+        if context.get("exception") is not exit_now:
+            (handler or type(loop).default_exception_handler)(loop, context)
+    return handle
 
 
 def main(argv: list[str] | None = None) -> int:
