@@ -432,14 +432,26 @@ def test_a_client_behind_the_engine_hands_every_step_to_its_streams_before_the_n
         assert set(sizes) == {tk.FRAME_SAMPLES}, (rid, sizes)  # no output carries two steps' audio
 
 
+def _stopping_at_the_third_frame(count: int) -> list[tuple[list[int], int]]:
+    """``count`` (prompt, stop token) pairs: prompts whose third frame's token is new there, so a
+    request with that stop token makes 3 frames, then stops."""
+    found = []
+    for i in range(200):
+        prompt = [5, 6, 7 + i]
+        tokens = (tk.rollout(tk.ToyTalker(0), prompt, 3)[:, 0] + tk.TEXT_VOCAB).tolist()
+        if tokens[2] not in tokens[:2]:
+            found.append((prompt, tokens[2]))
+        if len(found) == count:
+            return found
+    raise AssertionError(f"fewer than {count} such prompts")
+
+
 def test_a_step_that_only_delivers_the_rest_of_a_stopped_request_counts_as_a_step_with_output(tmp_path):
     """A request alone that ends on its third token: three steps sample a frame each, and a fourth
     samples nothing and delivers its rest (the stop is seen once the third step resolves). The
     worker's figures count four steps with output, as its copies do on a GPU (the fourth was left
     out: copies per step came out above one)."""
-    prompt = next(p for p in ([5, 6, 7 + i] for i in range(200))
-                  if (t := (tk.rollout(tk.ToyTalker(0), p, 3)[:, 0] + tk.TEXT_VOCAB).tolist())[2] not in t[:2])
-    stop = int(tk.rollout(tk.ToyTalker(0), prompt, 3)[2, 0]) + tk.TEXT_VOCAB
+    ((prompt, stop),) = _stopping_at_the_third_frame(1)
     engine = OmniLLM.from_engine_args(talker_engine_args(make_model_dir(tmp_path / "model"), max_num_seqs=2,
                                                          disable_log_stats=True, async_scheduling=False),
                                       enable_multiprocessing=False)
@@ -998,14 +1010,7 @@ def test_streams_that_end_on_a_stop_token_leave_room_for_the_next_in_their_seat(
 
     with pytest.raises(ValueError, match=r"262144 bytes at least"):
         OmniLLM.from_engine_args(args(128 << 10), enable_multiprocessing=False)
-    plans = []  # (prompt, stop token): prompts whose third frame's token is new there: 3 frames, then stop
-    for i in range(200):
-        prompt = [5, 6, 7 + i]
-        tokens = (tk.rollout(tk.ToyTalker(0), prompt, 3)[:, 0] + tk.TEXT_VOCAB).tolist()
-        if tokens[2] not in tokens[:2]:
-            plans.append((prompt, tokens[2]))
-        if len(plans) == 6:
-            break
+    plans = _stopping_at_the_third_frame(6)
 
     async def serve():
         engine = OmniAsyncLLM.from_engine_args(args(256 << 10))

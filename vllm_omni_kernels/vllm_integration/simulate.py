@@ -61,6 +61,7 @@ from ..serving import talker as tk
 from ..serving.wav import read_wav, write_wav_f32
 from .llm import (TALKER_MAX_MODEL_LEN, OmniAsyncLLM, OmniLLM, omni_vllm_config, talker_engine_args,
                   talker_processor_options, warm_up, with_talker_options)
+from .talker_model import check_seed
 
 KINDS = ("delta", "cumulative", "final_only")
 PATHS = ("worker", "upstream")
@@ -128,8 +129,7 @@ class SimConfig:
             raise ValueError(f"device {self.device!r}: one of auto, cpu, cuda, cuda:N")
         if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} but torch sees no CUDA device here (--device auto takes the CPU)")
-        if not 0 <= self.seed < 2**63:  # (vLLM's seed is an int64)
-            raise ValueError(f"seed {self.seed}: at least 0 and below 2**63")
+        check_seed(self.seed)
         limit = self.engine_args.get("max_model_len", TALKER_MAX_MODEL_LEN)
         if self.max_frames + _LONGEST_PROMPT > limit:
             raise ValueError(f"max_frames {self.max_frames}: at most {limit - _LONGEST_PROMPT} (a request's prompt, up "

@@ -74,6 +74,12 @@ class OmniTalkerForTTS(nn.Module):
         return logits
 
 
+def check_seed(seed: int) -> None:
+    """ValueError for a seed vLLM cannot take: outside ``[0, 2**63)`` (its seed is an int64)."""
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed {seed}: at least 0 and below 2**63")
+
+
 def make_model_dir(path: str | Path, seed: int = 0) -> Path:
     """Write the talker's config and tokenizer into ``path`` (created; a talker's directory there is
     rewritten); returns it. ValueError for a seed outside ``[0, 2**63)`` (vLLM's seed is an int64)
@@ -82,8 +88,7 @@ def make_model_dir(path: str | Path, seed: int = 0) -> Path:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    if not 0 <= seed < 2**63:
-        raise ValueError(f"seed {seed}: at least 0 and below 2**63")
+    check_seed(seed)
     path = Path(path)
     config = path / "config.json"
     if config.exists():
