@@ -50,12 +50,8 @@ def load() -> str | None:
             pass
     from . import pdl
 
-    set_programmatic_launch(pdl.enabled())
+    pdl.set_enabled(pdl.enabled())  # the library starts with the setting
     return None
-
-
-def set_programmatic_launch(enabled: bool) -> None:
-    torch.ops.vllm_omni_kernels.set_programmatic_launch(enabled)
 
 
 def ring_write(arena, state, meta, src, *, rows, frame_elems, last, max_elems) -> None:

@@ -19,8 +19,7 @@ import triton
 import triton.language as tl
 
 from . import layout, pdl
-from .triton_gdc import wait_previous_grid
-from .triton_launch import Launcher
+from .triton_launch import Launcher, wait_previous_grid
 
 # Elements of a float row per program and warps per program: 2048 and 4 were the best or within 5%
 # of it for MTP and non-MTP steps at B=1024, H=4096, bf16 on the H200; 8 or 16 warps lose 10-40%.

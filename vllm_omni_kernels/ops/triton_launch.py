@@ -1,4 +1,5 @@
-"""Launching a Triton kernel without Triton's per-call dispatch: ``Launcher``.
+"""Launching a Triton kernel without Triton's per-call dispatch: ``Launcher``; and the kernels' grid
+dependency control (programmatic dependent launch: ``pdl.py``).
 
 ``kernel[grid](...)`` binds and specializes every argument, builds its cache key and checks the
 kernel's globals on every call: 33 to 42 µs of host time per launch on the H200's host, against 8.5
@@ -14,11 +15,18 @@ therefore never reuses a kernel that Triton would not have chosen for it. Triton
 (``TRITON_DEBUG``, instrumentation) apply as they were at a specialization's first launch. Under
 the interpreter (``TRITON_INTERPRET=1``) the kernel is an ``InterpretedFunction`` and every call
 goes through ``kernel[grid]``.
+
+``wait_previous_grid()``: wait for the kernel ahead of this one in the stream to finish and its
+writes to be visible; ``launch_dependents()``: let the next kernel be scheduled now. Both are
+Hopper instructions, used only under a ``PDL`` constexpr that is false on other devices and under
+the interpreter.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
@@ -61,3 +69,14 @@ class Launcher:
             found = self._compiled[key] = (compiled, tuple(kwargs[name] for name in rest))
         compiled, constexprs = found
         compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
+
+
+@triton.jit
+def wait_previous_grid():
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def launch_dependents():
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)

@@ -26,8 +26,7 @@ import triton.language as tl
 
 from . import layout
 from . import pdl
-from .triton_gdc import launch_dependents, wait_previous_grid
-from .triton_launch import Launcher
+from .triton_launch import Launcher, launch_dependents, wait_previous_grid
 
 # Rows of more than SINGLE_MAX elements: BLOCK elements per program, MULTI_WARPS warps, doubled for a
 # launch of at most SMALL_GRID programs (latency-bound: more threads issue the loads sooner).
