@@ -99,6 +99,8 @@ def test_errors_name_request_and_key_and_leave_others_intact(backend):
     cases = [
         (torch.randn(2, 3, dtype=torch.float64), "dtype"),
         (torch.randn(3, 3), "frame shape"),
+        (torch.randn(2), "of 1 dimension: chunks of this key have 2 ([*frame, n], frame shape (2,))"),
+        (torch.tensor(1.0), "of 0 dimensions: chunks of this key have 2"),
         (torch.randn(2, 3, device="meta"), "pool is on cpu"),
         ("not a tensor", "expected a tensor"),
         (torch.randn(2, 9), "overwrite unread data"),
@@ -118,7 +120,7 @@ def test_errors_name_request_and_key_and_leave_others_intact(backend):
     res = pool.append(["good", "good"], [good, good])
     assert len(res.errors) == 1 and "twice" in str(res.errors[0])
     _other_intact(pool, ["good"], [torch.cat([good, good], dim=-1)])
-    assert pool.stats().rejected == 7
+    assert pool.stats().rejected == 9
 
 
 def test_padded_batch_errors_per_request(backend):

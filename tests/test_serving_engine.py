@@ -35,7 +35,8 @@ from vllm_omni_kernels.vllm_integration.talker_model import make_model_dir  # no
 from vllm_omni_kernels.vllm_integration.wire import OmniMsgpackDecoder  # noqa: E402
 from vllm_omni_kernels.accumulator import EmitPolicy  # noqa: E402
 from vllm_omni_kernels.serving.worker_accumulator import WorkerAccumulator  # noqa: E402
-from vllm_omni_kernels.vllm_integration.worker import key_budgets, talker_cpu_threads, talker_output_keys  # noqa: E402
+from vllm_omni_kernels.vllm_integration.worker import (  # noqa: E402
+    TalkerExecutor, key_budgets, talker_cpu_threads, talker_output_keys)
 
 pytestmark = pytest.mark.vllm
 
@@ -104,14 +105,24 @@ def test_client_processes_share_one_engine_core_every_sample_exact(tmp_path):
     assert all(s[f"first_chunk_{stage}_ms_p99"] >= 0 for stage in STAGES)
 
 
+class _OwnTalkerExecutor(TalkerExecutor):
+    """An integrator's executor: the talker's, subclassed."""
+
+
+@pytest.mark.parametrize("executor", [None, _OwnTalkerExecutor])
 @pytest.mark.parametrize("device, wanted, on", [("cpu", None, False), ("cpu", True, True), ("cuda", None, True),
                                                 ("cuda", False, False)])
-def test_async_scheduling_is_on_for_a_talker_on_cuda_unless_the_arguments_name_it(tmp_path, device, wanted, on):
+def test_async_scheduling_is_on_for_a_talker_on_cuda_unless_the_arguments_name_it(tmp_path, device, wanted, on,
+                                                                                   executor):
     """On the CPU the talker's forward runs inside ``execute_model``: scheduling a step ahead would
-    overlap nothing and hold every output back by one step. The config alone (no engine starts)."""
+    overlap nothing and hold every output back by one step. The config alone (no engine starts). A
+    subclass of ``TalkerExecutor`` passed to ``talker_engine_args`` is used, and decides the same."""
     model = make_model_dir(tmp_path / "model")
-    args = talker_engine_args(model, device=device, async_scheduling=wanted)
-    sched = omni_vllm_config(args, UsageContext.ENGINE_CONTEXT).scheduler_config
+    own = {} if executor is None else {"distributed_executor_backend": executor}
+    args = talker_engine_args(model, device=device, async_scheduling=wanted, **own)
+    config = omni_vllm_config(args, UsageContext.ENGINE_CONTEXT)
+    sched = config.scheduler_config
+    assert Executor.get_class(config) is (executor or TalkerExecutor)
     assert sched.async_scheduling is on
     assert sched.scheduler_cls is (OmniAsyncScheduler if on else OmniScheduler)
 

@@ -411,10 +411,12 @@ class RingPool:
         shape = t.shape[lead:]
         frame = tuple(shape[1:]) if not self.last else tuple(shape[:-1])
         if len(shape) != len(self.frame_shape) + 1 or frame != self.frame_shape:
-            axis = "[*frame, n]" if self.last else "[n, *frame]"
-            raise TensorAccumulationError(
-                f"shape {tuple(shape)} does not match the slot's frame shape {self.frame_shape} (chunks are {axis})",
-                request_id=request_id, key=self.key)
+            axis, dims = "[*frame, n]" if self.last else "[n, *frame]", len(self.frame_shape) + 1
+            why = f"does not match the slot's frame shape {self.frame_shape} (chunks are {axis})" \
+                if len(shape) == dims else \
+                f"of {len(shape)} dimension{'' if len(shape) == 1 else 's'}: chunks of this key have {dims} " \
+                f"({axis}, frame shape {self.frame_shape})"
+            raise TensorAccumulationError(f"shape {tuple(shape)} {why}", request_id=request_id, key=self.key)
         return int(shape[-1] if self.last else shape[0])
 
     def make_room(self, request_ids: Sequence[str], slots: np.ndarray, n: np.ndarray,

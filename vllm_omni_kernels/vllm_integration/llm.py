@@ -134,7 +134,7 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
                        output_path: str = "worker", max_num_seqs: int = 256, args_cls=AsyncEngineArgs,
                        **kwargs) -> EngineArgs:
     """Engine arguments that serve the talker of ``model`` (a ``talker_model.make_model_dir``) with
-    ``TalkerExecutor`` on ``device``. ``cadence``: audio samples a streaming request gets at a time;
+    ``TalkerExecutor`` (or the ``distributed_executor_backend`` given: a subclass) on ``device``. ``cadence``: audio samples a streaming request gets at a time;
     ``output_path``: "worker" (this package) or "upstream" (the comparison path). Other keywords
     go to vLLM's ``AsyncEngineArgs`` (an ``EngineArgs``: ``OmniAsyncLLM`` and ``OmniLLM`` take it);
     what ``additional_config["omni"]`` says of the talker wins over these keywords, as in the
@@ -146,9 +146,9 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
     kwargs.setdefault("stream_interval", talker_stream_interval(extra["omni"].get("cadence")))
     kwargs.setdefault("max_model_len", TALKER_MAX_MODEL_LEN)
     kwargs.setdefault("max_num_batched_tokens", max(TALKER_MAX_MODEL_LEN, kwargs["max_model_len"]))
+    kwargs.setdefault("distributed_executor_backend", TalkerExecutor)
     return args_cls(model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
-                     distributed_executor_backend=TalkerExecutor, max_num_seqs=max_num_seqs,
-                     additional_config=extra, **kwargs)
+                     max_num_seqs=max_num_seqs, additional_config=extra, **kwargs)
 
 
 def with_talker_options(additional_config: dict | None, options: dict[str, Any]) -> dict:
@@ -203,14 +203,14 @@ async def warm_up(engine: AsyncLLM, requests: int | None = None, share: tuple[in
 def omni_vllm_config(engine_args: EngineArgs, usage_context: UsageContext,
                      api_process: tuple[int, int] | None = None) -> VllmConfig:
     """vLLM's config for ``engine_args`` with this package's scheduler class and, for
-    ``TalkerExecutor``, async scheduling decided as the module docstring says. ``api_process``:
+    ``TalkerExecutor`` and its subclasses, async scheduling decided as the module docstring says. ``api_process``:
     (count, rank) of the client processes that share one engine core (rank -1: their launcher), as
     ``vllm serve --api-server-count`` sets them."""
     if api_process is not None:
         engine_args._api_process_count, engine_args._api_process_rank = api_process
     config = engine_args.create_engine_config(usage_context)
     sched = config.scheduler_config
-    if Executor.get_class(config) is TalkerExecutor:
+    if issubclass(Executor.get_class(config), TalkerExecutor):
         wanted = engine_args.async_scheduling
         sched.async_scheduling = (WorkerOptions.from_config(config).torch_device().type == "cuda"
                                   if wanted is None else bool(wanted))
