@@ -171,7 +171,7 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
         await init_app_state(engine, app.state, args, tasks)
         # the key vLLM's authentication takes (its --api-key wins over VLLM_API_KEY), if it asks for one
         await speech.warm_up_route(app, next((key for key in (args.api_key or [envs.VLLM_API_KEY]) if key), None))
-        kwargs = {}
+        kwargs = {"http": speech.DroppableHTTP}
         if (log_config := get_uvicorn_log_config(args)) is not None:
             kwargs["log_config"] = log_config
         logger.info("speech server on %s: talker on %s, %s output path, at most %d speech requests in flight "

@@ -43,10 +43,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
 import math
+import socket
+import struct
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +62,7 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from vllm import SamplingParams, envs
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse, OpenAIBaseModel
@@ -330,6 +334,40 @@ class _ClientStalled(Exception):
     pass
 
 
+# The connection of the request a task serves (its transport), where ``DroppableHTTP`` serves it.
+_CONNECTION: contextvars.ContextVar[asyncio.Transport | None] = contextvars.ContextVar("omni_speech_connection",
+                                                                                      default=None)
+
+
+class DroppableHTTP(AutoHTTPProtocol):
+    """uvicorn's HTTP protocol (the one its ``http="auto"`` picks) whose requests know their
+    connection, so that a response whose client stopped reading can drop it (``_drop_connection``):
+    uvicorn closes the connection of a response left incomplete, and a close waits for the unsent
+    bytes to go, which a client that reads nothing never lets happen (its socket and buffers stayed
+    for as long as it kept the connection open)."""
+
+    def connection_made(self, transport) -> None:
+        self._omni_transport = transport
+        super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        _CONNECTION.set(self._omni_transport)  # (a request's task, made in this call, copies the context)
+        super().data_received(data)
+
+
+def _drop_connection() -> None:
+    """Reset the current request's connection (``DroppableHTTP``): closed at once, its unsent bytes
+    dropped. Nothing where the request came some other way (in process, the server's warm-up)."""
+    transport = _CONNECTION.get()
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):  # a linger of 0: the socket's close resets the connection
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
 # A streamed response's bytes go to the HTTP server at most this many at a time: the server takes
 # each once the client has made room for the one before (its buffer past 64 KiB waits), so a send
 # waits for about this many bytes of the client's reading, not for a whole merged span of audio.
@@ -346,7 +384,7 @@ class _ClosingStreamingResponse(StreamingResponse):
     A client that takes none of the next bytes for ``stall_s`` seconds (its connection open,
     nothing read: the HTTP server's send waits for room) loses its stream: the request is aborted
     (if it still runs), its slot given back, and the connection closed, so that stalled clients
-    cannot hold every slot of the server. The body goes out ``_SEND_BYTES`` at a time, and the
+    cannot hold every slot of the server (nor its sockets: the connection is reset). The body goes out ``_SEND_BYTES`` at a time, and the
     server's connections keep little unsent in the kernel (``server.pace_sends``), so a client that
     plays the audio as it comes makes room for the next send within a few seconds of audio, however
     far ahead of it the engine is."""
@@ -365,9 +403,11 @@ class _ClosingStreamingResponse(StreamingResponse):
 
         try:
             await super().__call__(scope, receive, send_unless_stalled)
-        except _ClientStalled:  # (the HTTP server closes a connection whose response did not complete)
-            logger.warning("speech response %s: its client took no bytes for %g s; the response is dropped "
-                           "(and the request aborted if it still runs)", self.stream.request_id, self._stall_s)
+        except _ClientStalled:
+            logger.warning("speech response %s: its client took no bytes for %g s; the response and its connection "
+                           "are dropped (and the request aborted if it still runs)", self.stream.request_id,
+                           self._stall_s)
+            _drop_connection()
         except SpeechFailedError:  # logged by the body: the response is left incomplete, and the HTTP
             pass  # server closes the connection without the last chunk (raised on, it would log the route's frames)
         finally:
