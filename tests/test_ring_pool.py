@@ -272,6 +272,22 @@ def test_a_request_that_needs_more_than_the_budget_can_ever_give_it_is_not_told_
     assert type(info.value) is TensorAccumulationError and "a" not in known and known.allocator.used_frames == 0
     known.alloc("a", frames=16)  # grows to 16 in place of its first 8
     assert not known.append(["a"], [torch.ones(16)]).errors
+    assert known.most_frames() == 16
+
+
+@pytest.mark.parametrize("frames", [8, 24, 32, 48, 100, 1000, 4096 + 24])
+def test_most_frames_is_what_a_request_that_says_its_length_can_hold(frames):
+    """``most_frames``: the longest ``alloc(frames=...)`` takes, in an empty pool: so much is held
+    (taken at once or grown into), one frame more is refused as no retry would hold it."""
+    pool = make_pool(budget_bytes=frames * 4, initial_frames=8, max_slots=4)
+    most = pool.most_frames()
+    assert 8 <= most <= pool.allocator.total_frames
+    pool.alloc("a", frames=most)
+    assert not pool.append(["a"], [torch.ones(most)]).errors and pool.unread_frames("a") == most
+    pool.free("a")
+    with pytest.raises(TensorAccumulationError, match="more than one request can hold") as info:
+        pool.alloc("b", frames=most + 1)
+    assert type(info.value) is TensorAccumulationError
 
 
 def test_consolidate_after_drain_is_a_consolidation_error():

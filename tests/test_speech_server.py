@@ -511,6 +511,24 @@ def test_a_request_that_fails_after_its_first_audio_is_cut_and_counted_as_failed
     assert again.status_code == 200 and again.content == expected(server, text).astype("<f4").tobytes()
 
 
+def test_a_whole_file_longer_than_the_audio_memory_ever_holds_is_400_before_the_engine_runs_it(small_audio_memory):
+    """The worker holds a whole file's audio until it ends: one longer than one request's share of
+    the output memory could ever be (``file_frames``) would fail however often it is sent (a 500,
+    which OpenAI's clients retry). It is refused as bad input, and nothing runs."""
+    server = small_audio_memory
+    before = idle(server)
+    most = before["file_frames"]
+    assert 0 < most < 4 * 3000  # (this server's: 36 MiB)
+    chars = most // 4 + 1  # at speed 0.25: four frames a character, one frame more than it holds
+    body = {"input": "d" * chars, "speed": 0.25, "response_format": "pcm"}
+    r = httpx.post(f"{server['url']}/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert "stream it" in r.json()["error"]["message"]
+    after = stats(server)
+    assert (after["rejected"], after["failed"], after["worker"]["steps"]) == \
+        (before["rejected"], before["failed"], before["worker"]["steps"])
+
+
 def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audio(small_audio_memory):
     """Twelve whole files at once: those the worker cannot hold (three, unless one has finished
     before the last arrives) are answered 503 with Retry-After (a retry succeeds once others
@@ -658,6 +676,8 @@ BAD = [
     ({"input": "y" * 2500, "speed": 0.25}, "input"),  # 10000 frames: past max_model_len
     ({"input": "hi \ud800 there"}, "input"),  # a lone surrogate: valid JSON, no text the tokenizer takes
     ({"input": "\u200b\ufeff\x00\x7f"}, "input"),  # nothing to speak: zero-width, format and control characters
+    ({"input": "caf\u00e9"}, "input"),  # characters the talker's tokenizer knows only as its unknown token
+    ({"input": "\U0001f600 hi"}, "input"),
 ]
 
 
@@ -729,7 +749,7 @@ def test_the_route_tokenizes_off_the_event_loop_as_the_oracle_does(tmp_path):
     from vllm.usage.usage_lib import UsageContext
 
     from vllm_omni_kernels.vllm_integration.llm import omni_vllm_config, talker_engine_args
-    from vllm_omni_kernels.vllm_integration.speech import TextTokenizer, plan_request
+    from vllm_omni_kernels.vllm_integration.speech import TextTokenizer, UnspokenInputError, plan_request
 
     model = make_model_dir(tmp_path)
     text_tokenizer = TextTokenizer(omni_vllm_config(talker_engine_args(model), UsageContext.OPENAI_API_SERVER)
@@ -747,12 +767,23 @@ def test_the_route_tokenizes_off_the_event_loop_as_the_oracle_does(tmp_path):
         await task
         return got, other_ran_first
 
-    for text, speed in [("Hello there.", 1.0), ("a\n\nb\tc", 0.5), ("é ü 中文", 2.0), ("long " * 800, 1.0),
+    for text, speed in [("Hello there.", 1.0), ("a\n\nb\tc", 0.5), ("long " * 800, 1.0),
                         ("<s>", 1.0), ("I say </s> and [PAD] [UNK] <s>.", 1.0)]:
         got, other_ran_first = asyncio.run(plan(text, speed))
         assert got == plan_request(tokenizer, VOICES["echo"], text, speed) and other_ran_first, text
         if speed == 1.0:
             assert len(got[0]) == 1 + len(text) and got[1] == len(text), (text, got)  # a character a token
+    for plan_with in (lambda text: asyncio.run(plan(text, 2.0)), lambda text: plan_request(tokenizer, 1, text)):
+        with pytest.raises(UnspokenInputError, match=r"character 'é' \(U\+00E9\) at 2 is not in this model's"):
+            plan_with("a é ü 中文")  # (the talker's tokenizer has ASCII characters alone)
+
+
+@pytest.mark.parametrize("instructions", ["", "  \n"])
+def test_empty_or_blank_instructions_are_no_instruction(server, instructions):
+    text = "Plain."
+    r = httpx.post(f"{server['url']}/v1/audio/speech", timeout=60,
+                   json={"input": text, "instructions": instructions, "response_format": "pcm", "sample_format": "f32"})
+    assert r.status_code == 200 and r.content == expected(server, text).astype("<f4").tobytes()
 
 
 def test_special_token_strings_in_the_input_are_spoken_as_text(server):

@@ -266,9 +266,8 @@ class RingPool:
         except TypeError:
             raise TensorAccumulationError(f"a frames hint of type {type(frames).__name__}, not an integer",
                                           request_id=request_id, key=self.key) from None
-        least = self.allocator.min_frames
-        reserve = frames > least and 16 * frames <= self.allocator.total_frames
-        if frames > least and not self.allocator.ever_fits(frames, 0 if reserve else least):
+        reserve = self._reserves(frames)
+        if not self._ever_holds(frames):
             # (not an OutputMemoryError: no retry holds it; the growth that would find out comes late,
             # and, with other requests growing at once, as an OutputMemoryError)
             raise TensorAccumulationError(
@@ -289,6 +288,24 @@ class RingPool:
         self.version += 1
         self._note_usage()
         return slot
+
+    def _reserves(self, frames: int) -> bool:
+        """Whether ``alloc(frames=frames)`` takes a region for all of it at once (else the smallest)."""
+        return frames > self.allocator.min_frames and 16 * frames <= self.allocator.total_frames
+
+    def _ever_holds(self, frames: int) -> bool:
+        """Whether a slot of the budget could ever hold ``frames`` (``alloc``'s hint): taken at once,
+        or grown to it from the smallest region, which it keeps until its data has moved."""
+        least = self.allocator.min_frames
+        return frames <= least or self.allocator.ever_fits(frames, 0 if self._reserves(frames) else least)
+
+    def most_frames(self) -> int:
+        """The most frames ``alloc(frames=...)`` takes: what one request of this pool can ever hold."""
+        low, high = self.allocator.min_frames, self.allocator.total_frames + 1  # holds low, not high
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if self._ever_holds(mid) else (low, mid)
+        return low
 
     @property
     def arena_bytes(self) -> int:

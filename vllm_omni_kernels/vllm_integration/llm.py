@@ -134,11 +134,12 @@ def talker_engine_args(model: str | Path, *, device: str = "auto", cadence: int 
                        output_path: str = "worker", max_num_seqs: int = 256, args_cls=AsyncEngineArgs,
                        **kwargs) -> EngineArgs:
     """Engine arguments that serve the talker of ``model`` (a ``talker_model.make_model_dir``) with
-    ``TalkerExecutor`` (or the ``distributed_executor_backend`` given: a subclass) on ``device``. ``cadence``: audio samples a streaming request gets at a time;
-    ``output_path``: "worker" (this package) or "upstream" (the comparison path). Other keywords
-    go to vLLM's ``AsyncEngineArgs`` (an ``EngineArgs``: ``OmniAsyncLLM`` and ``OmniLLM`` take it);
-    what ``additional_config["omni"]`` says of the talker wins over these keywords, as in the
-    server; vLLM's ``stream_interval`` defaults to the cadence in frames (``talker_stream_interval``)."""
+    ``TalkerExecutor`` (or the ``distributed_executor_backend`` given: a subclass) on ``device``.
+    ``cadence``: audio samples a streaming request gets at a time; ``output_path``: "worker" (this
+    package) or "upstream" (the comparison path). Other keywords go to vLLM's ``AsyncEngineArgs``
+    (an ``EngineArgs``: ``OmniAsyncLLM`` and ``OmniLLM`` take it); what ``additional_config["omni"]``
+    says of the talker wins over these keywords, as in the server; vLLM's ``stream_interval``
+    defaults to the cadence in frames (``talker_stream_interval``)."""
     omni: dict[str, Any] = {"device": device, "output_path": output_path}
     if cadence is not None:
         omni["cadence"] = int(cadence)

@@ -165,7 +165,8 @@ async def run(args, listen_address: str | None = None, sock=None, client_config:
         limit = args.max_inflight if args.max_inflight is not None else config.scheduler_config.max_num_seqs
         limits = speech.SpeechLimits(max_inflight=limit, max_input_chars=args.max_input_chars,
                                      retry_after_s=args.retry_after, stall_s=args.stall_timeout,
-                                     request_id_headers=args.enable_request_id_headers)
+                                     request_id_headers=args.enable_request_id_headers,
+                                     file_frames=(await engine.collective_rpc("whole_file_frames"))[0])
         speech.install(app, engine.model_config, limits, shared_counts=getattr(args, "omni_speech_counts", None),
                        api_server=(index, count))
         await init_app_state(engine, app.state, args, tasks)

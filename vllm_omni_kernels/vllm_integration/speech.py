@@ -23,11 +23,12 @@ frames per character when faster), ``stream`` (default false), and this server's
   (``OutputMemoryError``: the worker's ``pool_budget_bytes``, which a FINAL_ONLY request fills with
   all its audio until it finishes), for one that vLLM refuses as retryable (a paused engine), and
   for one the engine itself aborts before its first audio (its shutdown, a pause that aborts); each
-  counts as turned away, not served. A request that needs more than the output memory could ever
-  give it fails (a 500): no retry would hold it.
+  counts as turned away, not served. A whole file longer than the output memory could ever hold
+  (``SpeechLimits.file_frames``) is a 400 before the engine runs it: no retry would hold it.
 - Bad requests: ``400`` with an OpenAI-style error body naming the parameter; the engine is not touched.
   OpenAI's ``instructions`` (how to speak) is one: the talker's voices take none, and a request that
-  asks for a manner of speech is refused rather than served without it (empty is no instruction).
+  asks for a manner of speech is refused rather than served without it (empty or white space is no
+  instruction). So is a character the model's tokenizer knows only as its unknown token.
 - Headers: ``Content-Type``, ``X-Audio-Format``, ``X-Audio-Sample-Rate``, ``X-Audio-Sample-Format``,
   ``X-Audio-Channels``, ``X-Request-Id``.
 
@@ -115,6 +116,7 @@ class SpeechLimits:
     retry_after_s: int = 1
     stall_s: float = 60.0  # a response gives its request up when its client takes no bytes this long
     request_id_headers: bool = False  # vLLM's --enable-request-id-headers: its middleware sets X-Request-Id
+    file_frames: int | None = None  # the most codec frames of a whole file the worker can hold (None: no bound)
 
 
 class FirstAudio:
@@ -383,11 +385,11 @@ class _ClosingStreamingResponse(StreamingResponse):
     however the response ends (its body marks the stream delivered after its last piece was sent).
     A client that takes none of the next bytes for ``stall_s`` seconds (its connection open,
     nothing read: the HTTP server's send waits for room) loses its stream: the request is aborted
-    (if it still runs), its slot given back, and the connection closed, so that stalled clients
-    cannot hold every slot of the server (nor its sockets: the connection is reset). The body goes out ``_SEND_BYTES`` at a time, and the
-    server's connections keep little unsent in the kernel (``server.pace_sends``), so a client that
-    plays the audio as it comes makes room for the next send within a few seconds of audio, however
-    far ahead of it the engine is."""
+    (if it still runs), its slot given back, and the connection reset (``_drop_connection``), so that
+    stalled clients cannot hold the server's slots, nor its sockets. The body goes out
+    ``_SEND_BYTES`` at a time, and the server's connections keep little unsent in the kernel
+    (``server.pace_sends``), so a client that plays the audio as it comes makes room for the next
+    send within a few seconds of audio, however far ahead of it the engine is."""
 
     def __init__(self, stream: SpeechStream, body, stall_s: float, **kwargs):
         super().__init__(body, **kwargs)
@@ -442,7 +444,7 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
     voices = _voices(engine)
     if request.voice not in voices:
         return _error(f"voice {request.voice!r} is not one of this model's voices {sorted(voices)}", "voice")
-    if request.instructions:
+    if request.instructions and not request.instructions.isspace():
         return _error("this model speaks its voices as they are and takes no instructions; leave instructions out",
                       "instructions")
     if len(request.input) > limits.max_input_chars:  # (first: the checks below read every character)
@@ -456,11 +458,25 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
     return None
 
 
+class UnspokenInputError(ValueError):
+    """Input the model's tokenizer does not take as it is: a character it knows only as its unknown
+    token (which every such character would be spoken as, alike)."""
+
+
 def plan_request(tokenizer, voice_token: int, text: str, speed: float = 1.0) -> tuple[list[int], int]:
     """The prompt (the voice's token, then the text's) and the number of codec frames to speak. The
     input is all text: a special token's string in it (``"</s>"``, ``"[PAD]"``) is spoken as the
-    characters it is, never taken for the token (a client cannot put control tokens in a prompt)."""
-    return _plan(voice_token, tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"], speed)
+    characters it is, never taken for the token (a client cannot put control tokens in a prompt).
+    ``UnspokenInputError`` for a character the tokenizer knows only as its unknown token."""
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if unknown is not None and unknown in ids:
+        at = ids.index(unknown)
+        what = f"character {text[at]!r} (U+{ord(text[at]):04X}) at {at}" if len(ids) == len(text) else \
+            f"token {at}"
+        raise UnspokenInputError(f"input's {what} is not in this model's vocabulary (its unknown token would be "
+                                 "spoken for it, as for any other such character)")
+    return _plan(voice_token, ids, speed)
 
 
 class TextTokenizer:
@@ -538,13 +554,23 @@ async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
     if (bad := _validate(request, raw_request, limits)) is not None:
         return bad
     engine = state.engine_client
-    prompt, frames = await state.omni_speech_text.plan(_voices(engine)[request.voice], request.input, request.speed)
+    try:
+        prompt, frames = await state.omni_speech_text.plan(_voices(engine)[request.voice], request.input,
+                                                           request.speed)
+    except UnspokenInputError as exc:
+        return _error(str(exc), "input")
     if len(prompt) + frames > engine.model_config.max_model_len:
         return _error(f"input needs {len(prompt) + frames} positions at speed {request.speed}; this model serves "
                       f"{engine.model_config.max_model_len}", "input")
     streamed = request.stream or request.stream_format == "sse"
     if request.stream_format == "sse" and "stream" in request.model_fields_set and not request.stream:
         return _error("stream_format 'sse' streams the audio; stream false asks for one file", "stream")
+    if not streamed and limits.file_frames is not None and frames > limits.file_frames:
+        # (the worker holds a whole file's audio until it ends: a retry would fail the same way)
+        seconds = lambda n: n * tk.FRAME_SAMPLES / tk.SAMPLE_RATE  # noqa: E731
+        return _error(f"input makes {seconds(frames):g} s of audio at speed {request.speed}; this server's audio "
+                      f"memory holds at most {seconds(limits.file_frames):g} s of one file: stream it (stream "
+                      "true) or send less", "input")
     if not admission.try_acquire():
         return _unavailable(f"{admission.inflight} speech requests in flight, the most this server takes; "
                             "retry later", limits)
@@ -656,9 +682,10 @@ def _event(data: dict) -> bytes:
 
 @router.get("/v1/audio/speech/stats")
 async def speech_stats(raw_request: Request) -> JSONResponse:
-    """Admission counters (of every API server process), the answering process's index and the
-    first-audio phases of the streamed requests it served (``FirstAudio``; ``?reset=1`` clears them
-    after reading), and the worker's output-path and pool statistics."""
+    """Admission counters (of every API server process), the most frames of a whole file
+    (``SpeechLimits.file_frames``), the answering process's index and the first-audio phases of the
+    streamed requests it served (``FirstAudio``; ``?reset=1`` clears them after reading), and the
+    worker's output-path and pool statistics."""
     state = raw_request.app.state
     admission: Admission = state.omni_speech_admission
     worker = (await state.engine_client.collective_rpc("output_path_stats"))[0]
@@ -667,6 +694,7 @@ async def speech_stats(raw_request: Request) -> JSONResponse:
     if raw_request.query_params.get("reset") == "1":
         state.omni_speech_first_audio = FirstAudio()
     return JSONResponse({"inflight": admission.inflight, "max_inflight": admission.limit, **admission.counts(),
+                         "file_frames": state.omni_speech_limits.file_frames,
                          "api_server": dict(zip(("index", "count"), state.omni_api_server)), "first_audio": phases,
                          "worker": worker})
 
@@ -725,5 +753,5 @@ def install(app, model_config, limits: SpeechLimits, shared_counts=None, api_ser
         requests.labels(outcome=outcome)
 
 
-__all__ = ["SpeechFailedError", "SpeechLimits", "SpeechRequest", "TextTokenizer", "install", "plan_request",
-           "router", "samples_bytes", "speech_frames", "warm_up_route"]
+__all__ = ["DroppableHTTP", "SpeechFailedError", "SpeechLimits", "SpeechRequest", "TextTokenizer",
+           "UnspokenInputError", "install", "plan_request", "router", "samples_bytes", "speech_frames", "warm_up_route"]
