@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ALL_DTYPES, random_tensor
 from ring_cases import check_complex_pool
-from vllm_omni_kernels.errors import OutputMemoryError, TensorAccumulationError, TensorConsolidationError
+from vllm_omni_kernels.errors import OutputMemoryError, OutputTooLargeError, TensorAccumulationError, TensorConsolidationError
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 
@@ -244,7 +244,7 @@ def test_a_request_that_needs_more_than_the_budget_can_ever_give_it_is_not_told_
     pool.alloc("b")
     res = pool.append(["a"], [torch.ones(8)])  # 17: a 32-frame region, the whole arena
     (err,) = res.errors
-    assert type(err) is TensorAccumulationError and err.request_id == "a" and "more than one request can hold" in str(err)
+    assert type(err) is OutputTooLargeError and err.request_id == "a" and "more than one request can hold" in str(err)
     assert pool.unread_frames("a") == 9
     wide = make_pool(budget_bytes=64 * 4, initial_frames=8, max_slots=4)
     wide.alloc("a")
@@ -269,7 +269,7 @@ def test_a_request_that_needs_more_than_the_budget_can_ever_give_it_is_not_told_
     known = make_pool(budget_bytes=32 * 4, initial_frames=8, max_slots=4)
     with pytest.raises(TensorAccumulationError, match="will hold 17 samples, more than one request can hold") as info:
         known.alloc("a", frames=17)
-    assert type(info.value) is TensorAccumulationError and "a" not in known and known.allocator.used_frames == 0
+    assert type(info.value) is OutputTooLargeError and "a" not in known and known.allocator.used_frames == 0
     known.alloc("a", frames=16)  # grows to 16 in place of its first 8
     assert not known.append(["a"], [torch.ones(16)]).errors
     assert known.most_frames() == 16
@@ -287,7 +287,7 @@ def test_most_frames_is_what_a_request_that_says_its_length_can_hold(frames):
     pool.free("a")
     with pytest.raises(TensorAccumulationError, match="more than one request can hold") as info:
         pool.alloc("b", frames=most + 1)
-    assert type(info.value) is TensorAccumulationError
+    assert type(info.value) is OutputTooLargeError
 
 
 def test_consolidate_after_drain_is_a_consolidation_error():

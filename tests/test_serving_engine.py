@@ -24,7 +24,7 @@ from vllm.usage.usage_lib import UsageContext  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.executor import Executor  # noqa: E402
 
-from vllm_omni_kernels.errors import MultimodalOutputError, OutputMemoryError  # noqa: E402
+from vllm_omni_kernels.errors import MultimodalOutputError, OutputMemoryError, OutputTooLargeError  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.vllm_integration.llm import (  # noqa: E402
     OmniAsyncLLM, OmniLLM, omni_vllm_config, talker_engine_args, talker_processor_options)
@@ -817,7 +817,9 @@ def test_a_whole_file_no_slot_could_ever_hold_fails_at_once_and_is_not_told_to_r
 
     refused, streamed, short, stats = asyncio.run(serve())
     for rid, exc in zip(("alone", "samples", "together0", "together1"), refused):
-        assert isinstance(exc, MultimodalOutputError) and not isinstance(exc, RetryableRequestError), (rid, exc)
+        assert isinstance(exc, OutputTooLargeError) and not isinstance(exc, RetryableRequestError), (rid, exc)
+        # vLLM's validation error, which its routes answer with 400 naming the parameter
+        assert isinstance(exc, VLLMValidationError) and exc.parameter == "max_tokens", exc
         assert exc.request_id == rid and "more than one request can hold" in str(exc), exc
     rollout = tk.rollout(tk.ToyTalker(0), [5, 6, 7], 300)
     for (reason, audio), frames in ((streamed, 300), (short, 20)):
@@ -914,10 +916,61 @@ def test_a_shutdown_on_the_serving_loop_ends_the_streams_left_in_flight_with_an_
                 return exc
             return "finished"
 
-        return await asyncio.wait_for(asyncio.gather(*(rest(s) for s in streams)), 30)
+        ended = await asyncio.wait_for(asyncio.gather(*(rest(s) for s in streams)), 30)
+        with pytest.raises(EngineShutDownError):  # a request sent afterwards is told so too
+            await anext(engine.generate(TokensPrompt(prompt_token_ids=[5, 6]), params, request_id="late"))
+        return ended
 
     ended = asyncio.run(serve())
     assert all(isinstance(e, EngineShutDownError) for e in ended), ended
+
+
+@pytest.mark.parametrize("how", ["shut down in process", "shut down", "killed"])
+def test_a_sync_engine_that_stopped_raises_at_its_next_step_and_request(tmp_path, how):
+    """``OmniLLM`` with streams in flight, once its engine core has stopped: shut down (in this
+    process or its own, which aborts the requests in flight first) or killed (SIGKILL, as the OOM
+    killer kills it). A step raises ``EngineShutDownError``, or vLLM's ``EngineDeadError`` for an
+    engine that died, and so does a new request. vLLM's ``LLMEngine`` waited forever in ``step`` (its client's output thread stops
+    without a word), and in process went on stepping, its requests finishing as if nothing happened."""
+    import os
+    import signal
+    import threading
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from vllm_omni_kernels.vllm_integration.llm import EngineShutDownError
+
+    args = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4, disable_log_stats=True)
+    engine = OmniLLM.from_engine_args(args, enable_multiprocessing=how != "shut down in process")
+    expected = EngineDeadError if how == "killed" else EngineShutDownError
+    params = SamplingParams(max_tokens=4000, output_kind=RequestOutputKind.DELTA, detokenize=False)
+    try:
+        for i in range(2):
+            engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=[5, 6, 7 + i]), params)
+        engine.step()
+        if how == "killed":
+            (core,) = engine.engine_core.resources.engine_manager.processes
+            os.kill(core.pid, signal.SIGKILL)
+        else:
+            engine.shutdown()
+        raised = []
+
+        def steps():  # on past the requests' end (an engine core shut down aborts them): a step must raise
+            try:
+                while True:
+                    engine.step()
+            except EngineDeadError as exc:
+                raised.append(exc)
+
+        stepping = threading.Thread(target=steps, daemon=True)
+        stepping.start()
+        stepping.join(60)
+        assert not stepping.is_alive() and [type(e) for e in raised] == [expected], raised
+        with pytest.raises(EngineDeadError) as info:
+            engine.add_request("late", TokensPrompt(prompt_token_ids=[5, 6]), params)
+        assert type(info.value) is expected
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -527,6 +527,11 @@ def test_a_whole_file_longer_than_the_audio_memory_ever_holds_is_400_before_the_
     after = stats(server)
     assert (after["rejected"], after["failed"], after["worker"]["steps"]) == \
         (before["rejected"], before["failed"], before["worker"]["steps"])
+    # vLLM's own routes: a 400 naming max_tokens as the worker refuses it (its first step), not a 500
+    completion = {"model": str(server["model"]), "prompt": "hi", "max_tokens": most + 1}
+    r = httpx.post(f"{server['url']}/v1/completions", json=completion, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "more than one request can hold" in r.json()["error"]["message"]
 
 
 def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audio(small_audio_memory):

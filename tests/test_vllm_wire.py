@@ -238,18 +238,20 @@ def test_a_workers_failure_for_want_of_memory_arrives_as_an_output_memory_error(
     """The worker's ``OutputMemoryError`` (a retry can succeed: vLLM answers 503) stays one across
     the wire, with its key, for the request it names; any other failure is a plain
     ``TensorAccumulationError``."""
-    from vllm_omni_kernels.errors import OutputMemoryError
+    from vllm_omni_kernels.errors import OutputMemoryError, OutputTooLargeError
     from vllm_omni_kernels.vllm_integration.wire import MultimodalError
 
     errors = {"oom": OutputMemoryError("pool budget spent", request_id="oom", key="audio"),
-              "bad": TensorAccumulationError("dtype changed", request_id="bad", key="codes")}
+              "bad": TensorAccumulationError("dtype changed", request_id="bad", key="codes"),
+              "large": OutputTooLargeError("more than the budget ever holds", request_id="large", key="audio")}
     outs = OmniEngineCoreOutputs(outputs=[
         OmniEngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR,
                              multimodal_error=MultimodalError.of(exc)) for rid, exc in errors.items()])
     got = OmniMsgpackDecoder().decode(MsgpackEncoder().encode(outs))
-    oom, bad = (eco.multimodal_error.to_exception(eco.request_id) for eco in got.outputs)
+    oom, bad, large = (eco.multimodal_error.to_exception(eco.request_id) for eco in got.outputs)
     assert isinstance(oom, OutputMemoryError) and oom.request_id == "oom" and oom.key == "audio"
     assert type(bad) is TensorAccumulationError and bad.request_id == "bad" and bad.key == "codes"
+    assert type(large) is OutputTooLargeError and large.request_id == "large" and large.key == "audio"
 
 
 def test_payload_and_completion_round_trip_through_vllm_msgpack():

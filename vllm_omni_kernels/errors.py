@@ -40,6 +40,12 @@ class OutputMemoryError(TensorAccumulationError):
     frees as other requests finish: the request can be retried, or the budget raised."""
 
 
+class OutputTooLargeError(TensorAccumulationError):
+    """The request needs more output memory than the budget could ever give one request, however
+    many others finish: no retry holds it (it must ask for less, or have its data read as it goes:
+    streamed; or the budget must be raised)."""
+
+
 class TensorConsolidationError(MultimodalOutputError):
     """A request's accumulated output cannot be produced; the request must fail visibly."""
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from .. import backend, ops
-from ..errors import OutputMemoryError, TensorAccumulationError, TensorConsolidationError
+from ..errors import OutputMemoryError, OutputTooLargeError, TensorAccumulationError, TensorConsolidationError
 from ..modality import TensorAccumulationStrategy as Strategy
 from ..ops.layout import BASE, CAP, HEAD_SHIFT, LIN_OFF, LIN_STRIDE, META_COLS, POS, SLOT, UNREAD
 from ..profiling import nvtx_range
@@ -270,7 +270,7 @@ class RingPool:
         if not self._ever_holds(frames):
             # (not an OutputMemoryError: no retry holds it; the growth that would find out comes late,
             # and, with other requests growing at once, as an OutputMemoryError)
-            raise TensorAccumulationError(
+            raise OutputTooLargeError(
                 f"the request will hold {frames} {self.unit}, more than one request can hold in this pool's budget "
                 f"of {self.arena_bytes} bytes; raise the budget", request_id=request_id, key=self.key)
         region = self.allocator.alloc(frames) if reserve else None  # none free: the smallest one, grown when needed
@@ -487,7 +487,7 @@ class RingPool:
         if region is not None:
             return region
         if not self.allocator.ever_fits(needed, cap):  # (not an OutputMemoryError: a retry would fail the same way)
-            return TensorAccumulationError(
+            return OutputTooLargeError(
                 f"{needed} {self.unit} unread are more than one request can hold in this pool's budget of "
                 f"{self.arena_bytes} bytes (a growing slot keeps its old region until its data has moved); raise "
                 "the budget", request_id=request_id, key=self.key)

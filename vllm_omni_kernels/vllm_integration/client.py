@@ -1,6 +1,6 @@
 """Engine-core clients that receive the multimodal channel, built by ``OmniLLM``/``OmniAsyncLLM``:
 ``OmniSyncMPClient``, ``OmniAsyncMPClient`` (the engine core in its own process) and
-``OmniInprocClient``.
+``OmniInprocClient``; and ``EngineShutDownError``.
 
 vLLM's multiprocess clients decode with ``MsgpackDecoder(EngineCoreOutputs)``, which drops the
 multimodal fields, and their output thread or task takes the decoder during construction: one set
@@ -14,8 +14,19 @@ import asyncio
 import time
 
 from vllm.v1.engine.core_client import AsyncMPClient, InprocClient, MPClient, SyncMPClient
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from .wire import OmniEngineCoreOutputs, OmniMsgpackDecoder, as_omni_outputs, resolve_regions
+
+
+class EngineShutDownError(EngineDeadError):
+    """What a request gets once its engine was shut down: one still in flight (nothing more can come
+    for it; an engine that died gives vLLM's ``EngineDeadError``), or one sent afterwards. vLLM's
+    ``generate`` raises it as it raises ``EngineDeadError``, sending no abort; after vLLM's own
+    shutdown such a request's caller waited forever. The speech route answers it as a request the
+    engine let go of: 503 before the request's first audio."""
+
+    ENGINE_DEAD_MESSAGE = "the engine was shut down: the requests in flight and any sent since are not served"
 
 
 class OmniDecoding(MPClient):
@@ -29,7 +40,32 @@ class OmniDecoding(MPClient):
 
 
 class OmniSyncMPClient(SyncMPClient, OmniDecoding):
-    """vLLM's ``SyncMPClient`` (``LLMEngine``'s) decoding the multimodal channel."""
+    """vLLM's ``SyncMPClient`` (``LLMEngine``'s) decoding the multimodal channel. Once it is shut
+    down, which vLLM's monitor does when the engine core dies, a caller waiting for outputs, and
+    every later one, gets the error (``EngineShutDownError``, or vLLM's ``EngineDeadError`` for an
+    engine that died): vLLM's output thread stops without a word, and ``get_output`` waited forever."""
+
+    _ended: EngineDeadError | None = None
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        died = self.resources.engine_dead  # (vLLM's monitor marks it before it shuts the client down)
+        super().shutdown(timeout)
+        if self._ended is None:
+            self._ended = EngineDeadError(suppress_context=True) if died else EngineShutDownError()
+            self.outputs_queue.put_nowait(self._ended)  # (wakes a caller waiting)
+
+    def get_output(self):
+        if self._ended is not None and self.outputs_queue.empty():
+            raise self._ended
+        return super().get_output()
+
+    def ensure_alive(self) -> None:
+        if isinstance(self._ended, EngineShutDownError):  # (vLLM's would say the engine core failed)
+            raise EngineShutDownError()
+        super().ensure_alive()
+
+    def _format_exception(self, e: Exception) -> Exception:
+        return e if isinstance(e, EngineShutDownError) else super()._format_exception(e)
 
 
 class OmniAsyncMPClient(AsyncMPClient, OmniDecoding):
@@ -60,8 +96,20 @@ class OmniInprocClient(InprocClient):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.multimodal_seconds = 0.0
+        self._shut = False  # shut down: a step or a request raises EngineShutDownError, as over ZMQ
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self._shut = True
+        super().shutdown(timeout)
+
+    def add_request(self, request) -> None:
+        if self._shut:
+            raise EngineShutDownError()
+        super().add_request(request)
 
     def get_output(self):
+        if self._shut:
+            raise EngineShutDownError()
         outputs = super().get_output()
         if isinstance(outputs, OmniEngineCoreOutputs):
             t0 = time.perf_counter()

@@ -57,7 +57,7 @@ from vllm.v1.metrics.loggers import StatLoggerManager, load_stat_logger_plugin_f
 from ..accumulator import AccumulatorConfig
 from ..modality import OutputModality, TensorAccumulationStrategy
 from ..serving import talker as tk
-from .client import OmniAsyncMPClient, OmniInprocClient, OmniSyncMPClient
+from .client import EngineShutDownError, OmniAsyncMPClient, OmniInprocClient, OmniSyncMPClient
 from .output_processor import MultimodalOutputProcessor
 from .outputs import OmniRequestOutput, wrap_output
 from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
@@ -411,16 +411,6 @@ class ShuttingDownError(RetryableRequestError):
     another server."""
 
 
-class EngineShutDownError(EngineDeadError):
-    """What a request still in flight gets once ``OmniAsyncLLM.shutdown`` has stopped the engine
-    (nothing more can come for it; an engine that died gives vLLM's ``EngineDeadError``). vLLM's
-    ``generate`` raises it as it raises ``EngineDeadError``, sending no abort; after vLLM's own
-    shutdown such a request's caller waited forever. The speech route answers it as a request the
-    engine let go of: 503 before the request's first audio."""
-
-    ENGINE_DEAD_MESSAGE = "the engine was shut down before the request finished"
-
-
 _ENGINE_STOP_S = 5.0  # what OmniAsyncLLM.shutdown leaves the engine core at least to stop (it takes about 2 s)
 
 
@@ -498,9 +488,12 @@ class OmniAsyncLLM(AsyncLLM):
 
     async def add_request(self, request_id: str, *args, **kwargs):
         """vLLM's; refused with ``ShuttingDownError`` while ``shutdown`` lets the requests in flight
-        finish (as vLLM's engine core aborts one that comes while it drains)."""
+        finish (as vLLM's engine core aborts one that comes while it drains), and with
+        ``EngineShutDownError`` once it has shut down."""
         self._adding += 1  # (before the check: a drain that began meanwhile sees it and waits for it)
         try:
+            if self.shutdown_requested and not self._draining:  # (vLLM's would say the engine core failed)
+                raise EngineShutDownError()
             if self._draining:
                 raise ShuttingDownError(f"request {request_id}: this API server is shutting down")
             return await super().add_request(request_id, *args, **kwargs)

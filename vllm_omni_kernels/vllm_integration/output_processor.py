@@ -42,7 +42,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from vllm.exceptions import GenerationError, RetryableRequestError
+from vllm.exceptions import GenerationError, RetryableRequestError, VLLMValidationError
 from vllm.outputs import PoolingRequestOutput, RequestError
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, FinishReason
@@ -51,7 +51,8 @@ from vllm.v1.engine.logprobs import LogprobsProcessor
 from vllm.v1.engine.output_processor import OutputProcessor, OutputProcessorOutput, RequestState
 
 from ..accumulator import AccumulatorConfig, EmitPolicy, MultimodalAccumulator
-from ..errors import MultimodalOutputError, OutputMemoryError, TensorAccumulationError, TensorConsolidationError
+from ..errors import (MultimodalOutputError, OutputMemoryError, OutputTooLargeError, TensorAccumulationError,
+                      TensorConsolidationError)
 from ..modality import OutputModality, TensorAccumulationStrategy, parse_strategy
 from ..payload import GrowingTensor, MultimodalPayload
 from ..profiling import nvtx_range
@@ -79,10 +80,21 @@ class OutputMemoryFailedError(OutputMemoryError, AccumulationFailedError, Retrya
     ``RetryableRequestError`` (a retry can succeed), which its API server answers with 503."""
 
 
+class OutputTooLargeFailedError(OutputTooLargeError, VLLMValidationError):
+    """What ``generate`` raises for an ``OutputTooLargeError``: vLLM's ``VLLMValidationError`` (the
+    request asks for more than the output memory ever holds for one: no retry would succeed), which
+    its API server answers with 400 naming ``max_tokens``, and ``generate`` raises as it is."""
+
+    def __init__(self, message: str, *, request_id: str | None = None, key: str | None = None):
+        super().__init__(message, request_id=request_id, key=key)
+        self.parameter = "max_tokens"
+
+
 def _raised_by_generate(exc: MultimodalOutputError, request_id: str) -> MultimodalOutputError:
     """``exc`` as what ``generate`` raises, naming the request by the id its caller gave."""
     cls = ConsolidationFailedError if isinstance(exc, TensorConsolidationError) else \
-        OutputMemoryFailedError if isinstance(exc, OutputMemoryError) else AccumulationFailedError
+        OutputMemoryFailedError if isinstance(exc, OutputMemoryError) else \
+        OutputTooLargeFailedError if isinstance(exc, OutputTooLargeError) else AccumulationFailedError
     return cls(exc.reason, request_id=request_id, key=exc.key)
 
 

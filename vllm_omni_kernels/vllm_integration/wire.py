@@ -39,7 +39,7 @@ import torch
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, bytestr
 
-from ..errors import OutputMemoryError, TensorAccumulationError
+from ..errors import OutputMemoryError, OutputTooLargeError, TensorAccumulationError
 from ..payload import MultimodalPayload
 from ..profiling import nvtx_range
 from ..serving.worker_accumulator import split_region
@@ -62,18 +62,21 @@ class MultimodalRegion(msgspec.Struct, array_like=True, gc=False):  # type: igno
 
 class MultimodalError(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
     """Why the worker failed a request's multimodal output (``key``: the key concerned, if one;
-    ``out_of_memory``: its output memory was full, ``OutputMemoryError``)."""
+    ``out_of_memory``: its output memory was full, ``OutputMemoryError``; ``too_large``: it could
+    never hold the request, ``OutputTooLargeError``)."""
 
     message: str
     key: str | None = None
     out_of_memory: bool = False
+    too_large: bool = False
 
     @classmethod
     def of(cls, exc: TensorAccumulationError) -> MultimodalError:
-        return cls(exc.reason, exc.key, isinstance(exc, OutputMemoryError))
+        return cls(exc.reason, exc.key, isinstance(exc, OutputMemoryError), isinstance(exc, OutputTooLargeError))
 
     def to_exception(self, request_id: str) -> TensorAccumulationError:
-        cls = OutputMemoryError if self.out_of_memory else TensorAccumulationError
+        cls = OutputMemoryError if self.out_of_memory else OutputTooLargeError if self.too_large else \
+            TensorAccumulationError
         return cls(self.message, request_id=request_id, key=self.key)
 
 
