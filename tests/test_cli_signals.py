@@ -89,13 +89,14 @@ def test_tasks_a_signal_ends_are_not_reported_as_tasks_whose_exception_no_one_re
     SIGINT or SIGTERM). Another task's unread exception is still reported."""
     script = tmp_path / "interrupted.py"
     script.write_text("""
-import asyncio, gc, os, signal, sys, threading, time
+import asyncio, gc, os, signal, sys, time
 from vllm_omni_kernels.cli import exit_on_signals
 
 exit_on_signals()
 tasks = []
 
 async def busy():  # Python work in a task no one awaits: the signal lands here
+    os.kill(os.getpid(), signal.SIGINT)  # (its handler runs at the next bytecode: this task's loop)
     while True:
         t0 = time.time()
         while time.time() - t0 < 0.01:
@@ -106,11 +107,12 @@ async def fails():
     raise ValueError("an exception of its own")
 
 async def main():
-    tasks.extend([asyncio.create_task(busy()), asyncio.create_task(fails())])
+    tasks.append(asyncio.create_task(fails()))
+    await asyncio.sleep(0.05)  # (it has failed)
+    tasks.insert(0, asyncio.create_task(busy()))
     while True:
         await asyncio.sleep(0.05)
 
-threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
 try:
     asyncio.run(main())
 except SystemExit as exc:
