@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ALL_DTYPES, random_tensor
 from ring_cases import check_complex_pool
-from vllm_omni_kernels.errors import OutputMemoryError, OutputTooLargeError, TensorAccumulationError, TensorConsolidationError
+from vllm_omni_kernels.errors import (OutputMemoryError, OutputTooLargeError, TensorAccumulationError,
+                                      TensorConsolidationError)
 from vllm_omni_kernels.modality import TensorAccumulationStrategy as S
 from vllm_omni_kernels.ring import PaddedBatch, RingPool
 

@@ -930,8 +930,9 @@ def test_a_sync_engine_that_stopped_raises_at_its_next_step_and_request(tmp_path
     """``OmniLLM`` with streams in flight, once its engine core has stopped: shut down (in this
     process or its own, which aborts the requests in flight first) or killed (SIGKILL, as the OOM
     killer kills it). A step raises ``EngineShutDownError``, or vLLM's ``EngineDeadError`` for an
-    engine that died, and so does a new request. vLLM's ``LLMEngine`` waited forever in ``step`` (its client's output thread stops
-    without a word), and in process went on stepping, its requests finishing as if nothing happened."""
+    engine that died, and so does a new request. vLLM's ``LLMEngine`` waited forever in ``step``
+    (its client's output thread stops without a word), and in process went on stepping, its
+    requests finishing as if nothing happened."""
     import os
     import signal
     import threading

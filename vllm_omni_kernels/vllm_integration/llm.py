@@ -204,9 +204,9 @@ async def warm_up(engine: AsyncLLM, requests: int | None = None, share: tuple[in
 def omni_vllm_config(engine_args: EngineArgs, usage_context: UsageContext,
                      api_process: tuple[int, int] | None = None) -> VllmConfig:
     """vLLM's config for ``engine_args`` with this package's scheduler class and, for
-    ``TalkerExecutor`` and its subclasses, async scheduling decided as the module docstring says. ``api_process``:
-    (count, rank) of the client processes that share one engine core (rank -1: their launcher), as
-    ``vllm serve --api-server-count`` sets them."""
+    ``TalkerExecutor`` and its subclasses, async scheduling decided as the module docstring says.
+    ``api_process``: (count, rank) of the client processes that share one engine core (rank -1:
+    their launcher), as ``vllm serve --api-server-count`` sets them."""
     if api_process is not None:
         engine_args._api_process_count, engine_args._api_process_rank = api_process
     config = engine_args.create_engine_config(usage_context)
