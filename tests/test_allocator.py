@@ -95,32 +95,26 @@ def test_random_allocs_and_frees_match_a_model_of_the_arena(seed):
     assert a.is_merged() and a.used_frames == 0
 
 
-@pytest.mark.parametrize("total, least", [(64, 8), (96, 8), (1000, 16), (56, 8), (8, 8), (8, 2), (72, 8)])
-def test_ever_fits_is_whether_some_placement_of_the_held_region_leaves_room(total, least):
-    """Checked against the allocator itself: for every aligned place of a held region (its blocks
-    taken, every other smallest block given back), whether the region asked for can be had."""
-    blocks = BuddyAllocator(total, least).total_frames // least
-
-    def fits_somewhere(frames, held):
-        for first in range(0, blocks, held // least):
-            if first + held // least > blocks:
-                break
-            a = BuddyAllocator(total, least)
-            offsets = [a.alloc(least)[0] for _ in range(blocks)]
-            kept = range(first * least, (first + held // least) * least)
-            for off in offsets:
-                if off not in kept:
-                    a.free(off)
-            if a.alloc(frames) is not None:
-                return True
-        return False
+@pytest.mark.parametrize("total, least", [(64, 8), (96, 8), (1000, 16), (56, 8), (8, 8), (8, 2), (72, 8), (288, 8)])
+def test_ever_fits_and_grows_to_are_what_the_allocator_does_in_an_empty_arena(total, least):
+    """``ever_fits``: a region taken at once; ``grows_to``: reached from the smallest region by
+    doubling, each larger region taken before the one before is given back (regions past half the
+    largest initial block never are, and a smaller initial block can hold the first ones)."""
+    def grown(frames):
+        a = BuddyAllocator(total, least)
+        region = a.alloc(least)
+        while region[1] < frames:
+            larger = a.alloc(2 * region[1])
+            if larger is None:
+                return False
+            a.free(region[0])
+            region = larger
+        return True
 
     sizes = sorted({f for k in range(12) for f in ((least << k) - 1, least << k, (least << k) + 1)})
-    for held in (least << k for k in range(8) if least << k <= blocks * least):
-        for frames in sizes:
-            if BuddyAllocator(total, least).order_for(frames) > BuddyAllocator(total, least).order_for(held):
-                assert BuddyAllocator(total, least).ever_fits(frames, held) == fits_somewhere(frames, held), \
-                    (held, frames)
     for frames in sizes:
         assert BuddyAllocator(total, least).ever_fits(frames) == (BuddyAllocator(total, least).alloc(frames)
                                                                   is not None)
+        assert BuddyAllocator(total, least).grows_to(frames) == grown(frames), frames
+    assert BuddyAllocator(64, 8).grows_to(32) and not BuddyAllocator(64, 8).grows_to(33)  # one block: half
+    assert BuddyAllocator(24, 8).grows_to(16)  # its first region in the 8-frame block, then the 16-frame one

@@ -258,13 +258,14 @@ def test_a_request_that_needs_more_than_the_budget_can_ever_give_it_is_not_told_
     wide.free("b")
     wide.free("c")
     assert not wide.append(["a"], [torch.ones(8)]).errors and wide.unread_frames("a") == 17
-    # 48 frames: blocks of 32 and 16. A request grown to 16 inside the 32-frame block cannot grow to
-    # 32 where it is, but sent again it could (from the 16-frame block): that is a retry's error.
+    # 48 frames: blocks of 32 and 16. A request's first regions are taken in the 32-frame block
+    # (lowest address first), so it can never grow to 32, sent again or not: past 16 frames it needs
+    # a block larger than its region's class.
     split = make_pool(budget_bytes=48 * 4, initial_frames=8, max_slots=4)
     split.alloc("a")
     assert not split.append(["a"], [torch.ones(9)]).errors
     (err,) = split.append(["a"], [torch.ones(8)]).errors
-    assert type(err) is OutputMemoryError
+    assert type(err) is OutputTooLargeError and split.most_frames() == 16
     # A request that says what it will hold (``frames``: a whole file of known length) and could
     # never hold it is refused when it takes its slot, not after growing into the budget.
     known = make_pool(budget_bytes=32 * 4, initial_frames=8, max_slots=4)
@@ -276,16 +277,26 @@ def test_a_request_that_needs_more_than_the_budget_can_ever_give_it_is_not_told_
     assert known.most_frames() == 16
 
 
-@pytest.mark.parametrize("frames", [8, 24, 32, 48, 100, 1000, 4096 + 24])
-def test_most_frames_is_what_a_request_that_says_its_length_can_hold(frames):
-    """``most_frames``: the longest ``alloc(frames=...)`` takes, in an empty pool: so much is held
-    (taken at once or grown into), one frame more is refused as no retry would hold it."""
+@pytest.mark.parametrize("frames", [8, 24, 32, 40, 48, 72, 100, 288, 1000, 4096 + 24])
+@pytest.mark.parametrize("step", [3, 1000])
+def test_most_frames_is_what_a_request_that_says_its_length_can_hold(frames, step):
+    """``most_frames``: the longest ``alloc(frames=...)`` takes, in an empty pool: so much is held,
+    taken at once or grown into ``step`` frames at a time (as a worker appends), and one frame more
+    is refused as no retry would hold it, as it arrives; one that did not say its length, alone in
+    the pool, fails growing on with the same error (a retry could never be held either)."""
     pool = make_pool(budget_bytes=frames * 4, initial_frames=8, max_slots=4)
     most = pool.most_frames()
     assert 8 <= most <= pool.allocator.total_frames
-    pool.alloc("a", frames=most)
-    assert not pool.append(["a"], [torch.ones(most)]).errors and pool.unread_frames("a") == most
-    pool.free("a")
+    for rid, hint in (("sized", most), ("grown", 0)):
+        pool.alloc(rid, frames=hint)
+        for at in range(0, most, step):
+            assert not pool.append([rid], [torch.ones(min(step, most - at))]).errors, (rid, at)
+        assert pool.unread_frames(rid) == most
+        if rid == "grown":  # alone in the pool: grown on, it fails as a request no retry would hold
+            while not (errors := pool.append([rid], [torch.ones(step)]).errors):
+                pass
+            assert type(errors[0]) is OutputTooLargeError
+        pool.free(rid)
     with pytest.raises(TensorAccumulationError, match="more than one request can hold") as info:
         pool.alloc("b", frames=most + 1)
     assert type(info.value) is OutputTooLargeError

@@ -970,6 +970,12 @@ def test_a_sync_engine_that_stopped_raises_at_its_next_step_and_request(tmp_path
         with pytest.raises(EngineDeadError) as info:
             engine.add_request("late", TokensPrompt(prompt_token_ids=[5, 6]), params)
         assert type(info.value) is expected
+        depths = []
+        for _ in range(3):  # every later step raises too, each with a traceback of its own
+            with pytest.raises(expected) as info:
+                engine.step()
+            depths.append(len(info.traceback))
+        assert depths[0] == depths[2], depths
     finally:
         engine.shutdown()
 

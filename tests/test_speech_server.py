@@ -791,6 +791,22 @@ def test_empty_or_blank_instructions_are_no_instruction(server, instructions):
     assert r.status_code == 200 and r.content == expected(server, text).astype("<f4").tobytes()
 
 
+def test_an_unknown_word_is_named_where_it_stands_in_the_input(tmp_path):
+    """A tokenizer whose tokens are words: the unknown one is named by its place in the text (its
+    offsets), not by its index among the tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from vllm_omni_kernels.vllm_integration.speech import UnspokenInputError, plan_request
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1, "there": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+    assert plan_request(tokenizer, 7, "hi there") == ([7, 1, 2], 2)
+    with pytest.raises(UnspokenInputError, match="input's text 'zz' at 3 is not in this model's vocabulary"):
+        plan_request(tokenizer, 7, "hi zz there")
+
+
 def test_special_token_strings_in_the_input_are_spoken_as_text(server):
     """``<s>``, ``</s>``, ``[PAD]``, ``[UNK]`` in the input are characters to speak, a frame each, not
     the tokenizer's control tokens (which would shorten the audio and put them in the prompt)."""
@@ -1222,25 +1238,29 @@ def test_the_load_scripts_check_counts_what_is_lost_altered_or_extra_and_every_u
 
 
 @pytest.mark.parametrize("after_audio", [False, True])
-@pytest.mark.parametrize("why", ["output memory", "shut down", "engine died"])
+@pytest.mark.parametrize("why", ["output memory", "shut down", "engine died", "too large"])
 def test_a_request_the_engine_lets_go_is_turned_away_only_before_its_first_audio_and_if_it_may_be_retried(
         after_audio, why):
     """The output memory refusing a request (``OutputMemoryError``), or the engine stopped under it
     (``EngineShutDownError``: the server stops), before its first audio turns it away (a 503: a
     retry can be served, and ``Admission`` counts it rejected; a request stopped under it was a
-    500). After audio went out the stream is cut, and it counts as failed: the client got part of
-    its audio, not a refusal. An engine that died fails it either way (a 500)."""
+    500); more than the output memory ever holds for one (``OutputTooLargeError``) is refused as a
+    bad request (a 400, rejected). After audio went out the stream is cut, and it counts as failed:
+    the client got part of its audio, not a refusal. An engine that died fails it either way (a 500)."""
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.exceptions import EngineDeadError
 
     from vllm_omni_kernels.errors import OutputMemoryError
     from vllm_omni_kernels.payload import MultimodalPayload
+    from vllm_omni_kernels.vllm_integration.output_processor import OutputTooLargeFailedError
     from vllm_omni_kernels.vllm_integration.llm import EngineShutDownError
     from vllm_omni_kernels.vllm_integration.outputs import MultimodalCompletionOutput
-    from vllm_omni_kernels.vllm_integration.speech import Admission, SpeechFailedError, SpeechStream
+    from vllm_omni_kernels.vllm_integration.speech import (Admission, SpeechFailedError, SpeechLimits, SpeechStream,
+                                                           _failed)
 
     error = {"output memory": OutputMemoryError("the audio ring's budget is spent", request_id="r", key="audio"),
-             "shut down": EngineShutDownError(), "engine died": EngineDeadError()}[why]
+             "shut down": EngineShutDownError(), "engine died": EngineDeadError(),
+             "too large": OutputTooLargeFailedError("more than one request can hold", request_id="r", key="audio")}[why]
 
     async def engine_outputs():
         if after_audio:
@@ -1258,17 +1278,20 @@ def test_a_request_the_engine_lets_go_is_turned_away_only_before_its_first_audio
         assert admission.try_acquire()
         stream = SpeechStream(Engine(), admission, "r", engine_outputs(), "f32", time.time())
         got = []
-        with pytest.raises(SpeechFailedError, match="request r .*(key 'audio'|engine)"):
+        with pytest.raises(SpeechFailedError, match="request r .*(key 'audio'|engine)") as info:
             while True:
                 piece, _ = await stream.next_audio()
                 got.append(piece)
         await stream.close()
-        return got, stream, admission.counts()
+        return got, stream, admission.counts(), _failed(info.value, stream, SpeechLimits())
 
-    got, stream, counts = asyncio.run(run())
-    assert stream.turned_away is (not after_audio and why != "engine died") and stream.failed
-    assert stream.outcome == ("rejected" if stream.turned_away else "failed")
+    got, stream, counts, answer = asyncio.run(run())
+    assert stream.turned_away is (not after_audio and why not in ("engine died", "too large")) and stream.failed
+    refused = not after_audio and why == "too large"
+    assert stream.outcome == ("rejected" if stream.turned_away or refused else "failed")
     assert counts[stream.outcome] == 1 and len(got) == after_audio
+    if not after_audio:  # (after it, the stream is cut: there is no answer to give)
+        assert answer.status_code == (503 if stream.turned_away else 400 if refused else 500)
 
 
 def test_a_warm_up_that_a_middleware_refuses_is_skipped_and_the_server_starts():

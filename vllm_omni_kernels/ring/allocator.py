@@ -36,6 +36,7 @@ class BuddyAllocator:
         # (lazily: an offset taken out of a set by a merge stays in its heap until popped)
         self._live: dict[int, int] = {}  # offset -> order
         self._kept: list[list[int]] = [[] for _ in range(self.max_order + 1)]  # freed regions by order, unmerged
+        self._grows: dict[int, bool] = {}  # size class -> grows_to's answer
         self.used_frames = 0
 
     def _initial_blocks(self, blocks: int) -> list[set[int]]:
@@ -60,16 +61,26 @@ class BuddyAllocator:
     def frames_of(self, order: int) -> int:
         return self.min_frames << order
 
-    def ever_fits(self, frames: int, holding: int = 0) -> bool:
-        """Whether a region of ``frames`` could be had, with nothing else taken but a smaller region
-        of ``holding`` frames somewhere (a slot that grows keeps its old region until its data has
-        moved; a request sent again starts anywhere): an initial block of a larger class holds both,
-        or the one of its class holds the new one and a smaller one the old one."""
+    def ever_fits(self, frames: int) -> bool:
+        """Whether a region of ``frames`` could be had at all: an initial block of its class or larger."""
+        return self.order_for(frames) <= self.max_order
+
+    def grows_to(self, frames: int) -> bool:
+        """Whether a holder that starts at the smallest region and doubles it, taking each larger
+        region before it gives the one before back (as a growing slot does), can reach ``frames``
+        with the arena otherwise empty: played out on an empty allocator of the same arena, since
+        where its earlier regions lie decides it. Answered once per size class."""
         order = self.order_for(frames)
-        roots = [k for k, blocks in enumerate(self._initial_blocks(self.total_frames // self.min_frames)) if blocks]
-        if any(k > order for k in roots):
-            return True
-        return order in roots and (not holding or any(self.order_for(holding) <= k < order for k in roots))
+        if order not in self._grows:
+            probe = BuddyAllocator(self.total_frames, self.min_frames)
+            region = probe.alloc(self.min_frames)
+            while region is not None and region[1] < self.frames_of(order):
+                larger = probe.alloc(2 * region[1])
+                if larger is not None:
+                    probe.free(region[0])
+                region = larger
+            self._grows[order] = region is not None
+        return self._grows[order]
 
     def alloc(self, frames: int) -> tuple[int, int] | None:
         order = self.order_for(frames)

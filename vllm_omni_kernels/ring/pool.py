@@ -295,9 +295,9 @@ class RingPool:
 
     def _ever_holds(self, frames: int) -> bool:
         """Whether a slot of the budget could ever hold ``frames`` (``alloc``'s hint): taken at once,
-        or grown to it from the smallest region, which it keeps until its data has moved."""
-        least = self.allocator.min_frames
-        return frames <= least or self.allocator.ever_fits(frames, 0 if self._reserves(frames) else least)
+        or grown to it (a slot keeps its old region until its data has moved: ``grows_to``)."""
+        return frames <= self.allocator.min_frames or \
+            (self.allocator.ever_fits(frames) if self._reserves(frames) else self.allocator.grows_to(frames))
 
     def most_frames(self) -> int:
         """The most frames ``alloc(frames=...)`` takes: what one request of this pool can ever hold."""
@@ -486,7 +486,7 @@ class RingPool:
         region = self.allocator.alloc(max(needed, 2 * cap))
         if region is not None:
             return region
-        if not self.allocator.ever_fits(needed, cap):  # (not an OutputMemoryError: a retry would fail the same way)
+        if not self.allocator.grows_to(needed):  # (not an OutputMemoryError: a retry would fail the same way)
             return OutputTooLargeError(
                 f"{needed} {self.unit} unread are more than one request can hold in this pool's budget of "
                 f"{self.arena_bytes} bytes (a growing slot keeps its old region until its data has moved); raise "

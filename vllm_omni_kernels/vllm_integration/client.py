@@ -49,14 +49,16 @@ class OmniSyncMPClient(SyncMPClient, OmniDecoding):
 
     def shutdown(self, timeout: float | None = None) -> None:
         died = self.resources.engine_dead  # (vLLM's monitor marks it before it shuts the client down)
-        super().shutdown(timeout)
-        if self._ended is None:
-            self._ended = EngineDeadError(suppress_context=True) if died else EngineShutDownError()
-            self.outputs_queue.put_nowait(self._ended)  # (wakes a caller waiting)
+        try:
+            super().shutdown(timeout)
+        finally:
+            if self._ended is None:
+                self._ended = EngineDeadError(suppress_context=True) if died else EngineShutDownError()
+                self.outputs_queue.put_nowait(self._ended)  # (wakes a caller waiting)
 
     def get_output(self):
         if self._ended is not None and self.outputs_queue.empty():
-            raise self._ended
+            raise self._ended.with_traceback(None)  # (each raise its own traceback, not one grown by every call)
         return super().get_output()
 
     def ensure_alive(self) -> None:

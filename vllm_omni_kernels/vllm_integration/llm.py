@@ -487,9 +487,9 @@ class OmniAsyncLLM(AsyncLLM):
         await super().sleep(level, mode)
 
     async def add_request(self, request_id: str, *args, **kwargs):
-        """vLLM's; refused with ``ShuttingDownError`` while ``shutdown`` lets the requests in flight
-        finish (as vLLM's engine core aborts one that comes while it drains), and with
-        ``EngineShutDownError`` once it has shut down."""
+        """vLLM's; refused with ``ShuttingDownError`` from the start of a ``shutdown`` that lets the
+        requests in flight finish (as vLLM's engine core aborts one that comes while it drains; a
+        503 on vLLM's routes), and with ``EngineShutDownError`` after one that does not wait."""
         self._adding += 1  # (before the check: a drain that began meanwhile sees it and waits for it)
         try:
             if self.shutdown_requested and not self._draining:  # (vLLM's would say the engine core failed)
@@ -515,13 +515,15 @@ class OmniAsyncLLM(AsyncLLM):
         stop taking outputs at once, their streams hanging until vLLM's process manager kills them.
         On the serving loop, or with that loop stopped, it does not wait: nothing could finish.
         The requests still in flight then raise ``EngineShutDownError`` to their callers."""
-        self.shutdown_requested = True
         core = getattr(self, "engine_core", None)  # (None: a construction that failed first)
         died = core is not None and core.resources.engine_dead  # (before vLLM's shutdown marks it so)
         handler = getattr(self, "output_handler", None)
         loop = handler.get_loop() if handler is not None and not handler.done() else None
-        if timeout and loop is not None and loop.is_running() and _running_loop() is not loop:
+        drain = bool(timeout) and loop is not None and loop.is_running() and _running_loop() is not loop
+        if drain:  # (first: a request that comes meanwhile is refused as during the drain)
             self._draining = True
+        self.shutdown_requested = True
+        if drain:
             deadline = time.monotonic() + timeout
             logger.info("[shutdown] OmniAsyncLLM: letting %d requests in flight finish (at most %s s)",
                         self.output_processor.get_num_unfinished_requests(), timeout)

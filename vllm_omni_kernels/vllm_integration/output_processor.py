@@ -542,8 +542,8 @@ class MultimodalOutputProcessor(OutputProcessor):
             completions = []
             for out in outs:  # LLMEngine: the output says so
                 if isinstance(out, PoolingRequestOutput):  # (its field for a request-level error)
-                    out.error = RequestError("multimodal_output_error", str(raised),
-                                             retryable=isinstance(raised, RetryableRequestError))
+                    code = "validation_error" if isinstance(raised, VLLMValidationError) else "multimodal_output_error"
+                    out.error = RequestError(code, str(raised), retryable=isinstance(raised, RetryableRequestError))
                     continue
                 # of a sample of n, its own completion (vLLM's parent does the rest)
                 completions += [c for c in out.outputs if parent is None or c.index == state.request_index]

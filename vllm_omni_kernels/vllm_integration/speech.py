@@ -76,7 +76,7 @@ from vllm.tokenizers.registry import cached_tokenizer_from_config
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
-from ..errors import MultimodalOutputError, OutputMemoryError
+from ..errors import MultimodalOutputError, OutputMemoryError, OutputTooLargeError
 from ..serving import talker as tk
 from ..serving.wav import pcm16, wav_header
 from .llm import EngineShutDownError
@@ -257,6 +257,7 @@ class SpeechStream:
         self.turned_away = False  # the engine let it go before its first audio, and a retry can be served (a 503):
         #                           no output memory, vLLM's retryable refusal (paused), the engine's own abort
         self.failed = False  # the engine failed it
+        self.too_large = False  # before its first audio, as more than the output memory ever holds for one (a 400)
         self.delivered = False  # the whole response was handed to the HTTP server
         self.samples = 0  # audio samples handed to the response so far
         self.output_tokens = 0  # codec frames the engine produced for it so far
@@ -274,6 +275,7 @@ class SpeechStream:
             # and so is the end of a request in flight when the server stops: another can serve it)
             self.turned_away = isinstance(exc, (OutputMemoryError, RetryableRequestError, EngineShutDownError)) \
                 and not self.first_at
+            self.too_large = isinstance(exc, OutputTooLargeError) and not self.first_at
             detail = str(exc)
             if isinstance(exc, MultimodalOutputError):  # its reason and key, without the request's name again
                 detail = exc.reason if exc.key is None else f"key {exc.key!r}: {exc.reason}"
@@ -312,7 +314,7 @@ class SpeechStream:
     def outcome(self) -> str:
         """How the request ended, as ``Admission`` counts it (a response that closed before all of
         it was handed over: its client left)."""
-        return "rejected" if self.turned_away else "failed" if self.failed else \
+        return "rejected" if self.turned_away or self.too_large else "failed" if self.failed else \
             "served" if self.delivered else "cancelled"
 
     async def close(self) -> None:
@@ -361,7 +363,7 @@ def _drop_connection() -> None:
     """Reset the current request's connection (``DroppableHTTP``): closed at once, its unsent bytes
     dropped. Nothing where the request came some other way (in process, the server's warm-up)."""
     transport = _CONNECTION.get()
-    if transport is None:
+    if transport is None or transport.is_closing():  # (its client has gone meanwhile)
         return
     sock = transport.get_extra_info("socket")
     if sock is not None:
@@ -471,9 +473,12 @@ def plan_request(tokenizer, voice_token: int, text: str, speed: float = 1.0) -> 
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     unknown = getattr(tokenizer, "unk_token_id", None)
     if unknown is not None and unknown in ids:
-        at = ids.index(unknown)
-        what = f"character {text[at]!r} (U+{ord(text[at]):04X}) at {at}" if len(ids) == len(text) else \
-            f"token {at}"
+        at, what = ids.index(unknown), f"token {ids.index(unknown)}"
+        if getattr(tokenizer, "is_fast", False):  # where in the text it is
+            start, end = tokenizer(text, add_special_tokens=False, split_special_tokens=True,
+                                   return_offsets_mapping=True)["offset_mapping"][at]
+            what = f"character {text[start]!r} (U+{ord(text[start]):04X}) at {start}" if end == start + 1 else \
+                f"text {text[start:end]!r} at {start}"
         raise UnspokenInputError(f"input's {what} is not in this model's vocabulary (its unknown token would be "
                                  "spoken for it, as for any other such character)")
     return _plan(voice_token, ids, speed)
@@ -601,9 +606,12 @@ async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
 
 def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) -> Response:
     """A request that failed before its response started: 503 with ``Retry-After`` when it was
-    turned away (``SpeechStream.turned_away``), else 500."""
+    turned away (``SpeechStream.turned_away``), 400 when it asks for more than the output memory
+    ever holds for one (no retry would be served), else 500."""
     if stream.turned_away:
         return _unavailable(f"{exc}; retry later", limits)
+    if stream.too_large:
+        return _error(f"{exc}: stream it (stream true) or send less", "input")
     return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
 
 

@@ -312,10 +312,10 @@ class TalkerWorker:
                 "accumulator": self.acc.stats(), "requests_held": len(self._row), "rows": self.max_requests}
 
     def whole_file_frames(self) -> int | None:
-        """The most frames a whole file can have (a FINAL_ONLY request without a stop token holds all
-        of them until it finishes; a longer one fails as it arrives: ``RingPool.alloc``). None: no
-        bound (the upstream path keeps no audio in the worker). An RPC for the speech route, which
-        refuses a longer whole file before the engine runs it."""
+        """The most frames a whole file can have: a FINAL_ONLY request holds all of them until it
+        finishes (a longer one fails as it arrives, ``RingPool.alloc``, or, with a stop token, as it
+        grows past them). None: no bound (the upstream path keeps no audio in the worker). An RPC
+        for the speech route, which refuses a longer whole file before the engine runs it."""
         if self.options.output_path != "worker":
             return None
         return min(pool.most_frames() // _STEP_FRAMES[pool.key] for pool in self.acc.pools)
