@@ -883,3 +883,28 @@ def test_complex_chunks_are_kept_bit_for_bit_and_wider_elements_are_refused_nami
 def test_a_budget_past_what_a_head_word_addresses_is_refused_before_anything_is_allocated():
     with pytest.raises(ValueError, match="head word"):
         RingPool("audio", torch.uint8, (), "cpu", S.CONCAT_LAST, budget_bytes=1 << 40)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_compiled_caller_appends_and_drains_as_an_eager_one(compiler, backend):
+    """A function that ``torch.compile`` compiles (as vLLM compiles its model runner's code) and that
+    appends a step, as a ``PaddedBatch`` and as a list, and drains: the pool's host planning and the
+    CPU reference copies run as they are (the compiler does not trace them: it turned the bit copies
+    into value conversions under aot_eager, and failed on the planning's numpy arrays), so the data
+    is bit for bit the eager caller's."""
+    def step(pool, x, ids):
+        pool.append(ids, PaddedBatch(x * 2, [5, 3]))
+        pool.append(ids, [x[0, :2] + 1, x[1, :1]])
+        return pool.drain(ids)
+
+    x = torch.arange(10, dtype=torch.float32).view(2, 5) + 0.5
+    got = {}
+    for how, run in (("eager", step), ("compiled", torch.compile(step, backend=compiler))):
+        torch._dynamo.reset()
+        pool = make_pool(S.CONCAT_LAST, ())
+        for r in ("a", "b"):
+            pool.alloc(r)
+        got[how] = [t.clone() for t in run(pool, x, ["a", "b"])]
+    expected = [torch.cat([x[0] * 2, x[0, :2] + 1]), torch.cat([x[1, :3] * 2, x[1, :1]])]
+    for kind in ("eager", "compiled"):
+        assert all(torch.equal(g, e) for g, e in zip(got[kind], expected)), (kind, got[kind])

@@ -101,6 +101,7 @@ def _meta(meta: torch.Tensor, rows: int) -> np.ndarray:
     return head.numpy() if head.device.type == "cpu" else head.cpu().numpy()
 
 
+@torch.compiler.disable  # (bit copies through numpy views: a compiler tracing them made value conversions of them)
 def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
     """Copy each row's chunk from ``src`` into its ring region at the head; advance the head. The
     heads are read and written in place through numpy (a CPU ``state``) or a host copy of it.
@@ -118,6 +119,7 @@ def ring_write(arena, state, meta, src, *, rows: int, frame_elems: int, last: bo
         state.copy_(host)
 
 
+@torch.compiler.disable
 def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool, max_elems: int) -> None:
     """Copy each row's ring span starting at POS into ``out`` at LIN_OFF (contiguous per row);
     ``max_elems`` as in ``ring_write``."""
@@ -126,6 +128,7 @@ def ring_read(arena, meta, out, *, rows: int, frame_elems: int, last: bool, max_
         _copy_rows(_Elements(arena), _Elements(out), m, m[:, POS], frame_elems, last, into_ring=False)
 
 
+@torch.compiler.disable
 def row_gather(jobs) -> None:
     """Carry out every job of a ``GatherJobs`` with plain torch copies (the gather's oracle).
 

@@ -58,6 +58,11 @@ MAX_SLOTS = 65535  # slots of a pool: the rows one launch takes (the grid's seco
 _MAX_FRAMES = (1 << (63 - HEAD_SHIFT)) - 1  # the frames of an arena: a head word's position field is signed
 UPLOAD_ELEMS = 4096  # rows longer than this: several programs per row, metadata copied to the device first
 
+# The pool's public steps plan on the host (numpy over the host mirrors) and launch: a caller that
+# torch.compile compiles runs them as they are, not traced (the compiler failed on the planning's
+# arrays, and would take the host mirrors for graph constants).
+_host_side = torch.compiler.disable
+
 
 def more_slots(slots: int) -> int:
     """The slots a pool of ``slots`` grows to when it needs one more: twice as many (at least one),
@@ -244,6 +249,7 @@ class RingPool:
     def __len__(self) -> int:
         return len(self._owner)
 
+    @_host_side
     def alloc(self, request_id: str, slot: int | None = None, frames: int = 0) -> int:
         """Give ``request_id`` a slot with ``initial_frames`` of capacity (or room for ``frames``, when
         the caller knows how much the request will hold and a sixteenth of the arena covers it);
@@ -316,6 +322,7 @@ class RingPool:
         """Return the request's slot and region. Unknown or already freed → TensorAccumulationError."""
         self.free_many((request_id,))
 
+    @_host_side
     def free_many(self, request_ids: Sequence[str]) -> None:
         """Return the slots and regions of all these requests at once (the requests a step
         finished). One that is unknown, already freed or named twice → TensorAccumulationError
@@ -518,6 +525,7 @@ class RingPool:
 
     # ----------------------------------------------------------------- append
 
+    @_host_side
     def append(self, request_ids: Sequence[str], chunks: PaddedBatch | Sequence[torch.Tensor | None], *,
                slots: np.ndarray | None = None) -> AppendResult:
         """Append one step's chunks for ``request_ids`` (aligned; a None chunk skips that request).
@@ -753,11 +761,13 @@ class RingPool:
 
     # ----------------------------------------------------------------- read out
 
+    @_host_side
     def drain(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
         """The unread span of each request (DELTA), as views into one new tensor; advances the tails."""
         out = torch.empty(self.unread_elements(request_ids), dtype=self.dtype, device=self.device)
         return self._views(out, *self.read_into(request_ids, out, drain=True))
 
+    @_host_side
     def consolidate(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
         """Everything each request appended, as views into one new tensor; nothing is advanced.
 
@@ -782,6 +792,7 @@ class RingPool:
                 raise TensorConsolidationError(f"{drained} {self.unit} were already drained; cannot consolidate",
                                                request_id=r, key=self.key)
 
+    @_host_side
     def read_into(self, request_ids: Sequence[str], out: torch.Tensor, *, drain: bool,
                   slots: np.ndarray | None = None, frames: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Copy each request's unread span back to back into ``out`` (a contiguous 1-D tensor of the
