@@ -1098,3 +1098,67 @@ def test_a_text_only_cumulative_request_gets_vllms_output_every_step_at_any_stre
         got = ours.process_outputs([token_output("c", words[i], finish=finish)]).request_outputs
         want = theirs.process_outputs([token_output("c", words[i], finish=finish)]).request_outputs
         assert len(got) == len(want) == 1 and summarize(got[0]) == summarize(want[0])
+
+
+def _side_by_side(**kw):
+    """vLLM's processor and this package's under the talker's modality (text+audio), alike otherwise."""
+    return {"vllm": OutputProcessor(TOK, **kw),
+            "omni": MultimodalOutputProcessor(TOK, output_modality="text+audio", **kw)}
+
+
+def test_a_text_only_cumulative_request_gets_vllms_outputs_under_a_multimodal_modality():
+    """A request that has no multimodal data, CUMULATIVE with ``stream_interval`` 3, served by a
+    processor whose modality has audio: an output every step with its text so far, as vLLM's
+    (thinning at the interval is for requests with data: two of five outputs came out empty)."""
+    texts = {}
+    for name, processor in _side_by_side(log_stats=False, stream_interval=3).items():
+        processor.add_request(core_request("c", [3, 4], sampling(RequestOutputKind.CUMULATIVE, max_tokens=5)), None)
+        texts[name] = [[o.outputs[0].text for o in processor.process_outputs(
+            [token_output("c", t, finish=FinishReason.LENGTH if i == 4 else None)]).request_outputs]
+            for i, t in enumerate(word_ids(TOK, "the quick brown fox jumps"))]
+    assert texts["omni"] == texts["vllm"] and all(len(step) == 1 for step in texts["vllm"])
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_a_sample_of_n_aborted_alone_leaves_its_siblings_outputs_as_vllm_makes_them(kind):
+    """n = 2 under ``LLMEngine`` (no queue), one sample aborted by its own id, the other finishing:
+    the outputs are vLLM's (a FINAL_ONLY request's had None in the aborted sample's place, which a
+    consumer reading each completion's text failed on), and once no sample is left its
+    ``ParentRequest`` is gone (vLLM keeps it for ever)."""
+    got = {}
+    for name, processor in _side_by_side(log_stats=False).items():
+        parent = ParentRequest(core_request("p", [3, 4], sampling(kind, n=2, max_tokens=2)))
+        kids = []
+        for index in range(2):
+            child_id, params = parent.get_child_info(index)
+            kids.append(child_id)
+            processor.add_request(core_request(child_id, [3, 4], params), None, parent, index, None)
+        first, second, third = word_ids(TOK, "the quick brown")
+        processor.process_outputs([token_output(kids[0], first), token_output(kids[1], second)])
+        processor.abort_requests([kids[1]], internal=True)
+        outs = processor.process_outputs([token_output(kids[0], third, finish=FinishReason.LENGTH)]).request_outputs
+        got[name] = [(o.finished, [None if c is None else (c.index, c.text, c.finish_reason) for c in o.outputs])
+                     for o in outs]
+        if name == "omni":
+            assert not processor.parent_requests and not processor.request_states
+    assert got["omni"] == got["vllm"]
+
+
+def test_a_text_output_without_a_token_counts_in_vllms_statistics():
+    """With ``log_stats``, an output with no new token that carries an event (a preemption) is vLLM's
+    to count (the processor's rule for outputs with multimodal data alone skipped it: no preemption
+    counted, no inter-token latency, the request's metrics a step behind)."""
+    from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType
+
+    seen = {}
+    for name, processor in _side_by_side(log_stats=True).items():
+        processor.add_request(core_request("a", [3, 4], sampling(max_tokens=3)), None)
+        processor.process_outputs([token_output("a", word_ids(TOK, "the")[0])], 2001.0, IterationStats())
+        stats = IterationStats()
+        preempted = EngineCoreEvent(type=EngineCoreEventType.PREEMPTED, timestamp=2001.5)
+        out = processor.process_outputs([EngineCoreOutput(request_id="a", new_token_ids=[], events=[preempted])],
+                                        2002.0, stats).request_outputs
+        metrics = out[0].metrics if out else None
+        seen[name] = (stats.num_preempted_reqs, len(stats.inter_token_latencies_iter),
+                      getattr(metrics, "num_preemptions", None), getattr(metrics, "last_token_ts", None))
+    assert seen["omni"] == seen["vllm"] and seen["vllm"][0] == 1

@@ -134,7 +134,12 @@ class OmniRequestState(RequestState):
     def has_multimodal_output(self) -> bool:
         """Whether the request's outputs carry multimodal output: its processor's modality has it, or
         data came for it."""
-        return self.multimodal or self.arrived is not None or self.accumulator is not None
+        return self.multimodal or self.has_data
+
+    @property
+    def has_data(self) -> bool:
+        """Whether multimodal data came for the request (from the worker, or as plain per-step values)."""
+        return self.arrived is not None or self.accumulator is not None
 
     def add_multimodal_tensor(self, payload: Mapping[str, Any] | None) -> list[TensorAccumulationError]:
         """Accumulate one step's ``{key: value}`` for this request (the per-request form of what the
@@ -261,11 +266,12 @@ class OmniRequestState(RequestState):
             return None, exc
 
     def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs):
-        """vLLM's, with the CUMULATIVE outputs of a request with multimodal output thinned at
-        ``stream_interval`` as vLLM thins DELTA ones (a text-only request's are vLLM's, every step)."""
+        """vLLM's, with the CUMULATIVE outputs of a request that has multimodal data thinned at
+        ``stream_interval`` as vLLM thins DELTA ones (the worker sends a request's first data with
+        its first output; a request without data is vLLM's, every step, whatever the modality)."""
         if (not self.upstream and self.output_kind == RequestOutputKind.CUMULATIVE and self.stream_interval > 1
                 and finish_reason is None and pooling_output is None and self.detokenizer is not None
-                and self.has_multimodal_output):
+                and self.has_data):
             tokens = self.detokenizer.num_output_tokens()
             if self.cumulative_sent and tokens - self.cumulative_sent < self.stream_interval:
                 return None
@@ -363,11 +369,13 @@ class MultimodalOutputProcessor(OutputProcessor):
         return result
 
     def _update_stats_from_output(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats):
-        """vLLM's, except for an output with multimodal data only (no token, not the first, not the
-        last: data arriving while the final output waits for the worker's rest), which adds no
-        inter-token latency."""
-        if (engine_core_output.new_token_ids or req_state.is_prefilling
-                or engine_core_output.finish_reason is not None):
+        """vLLM's, except for an output with multimodal data only (no token, no event, not the first,
+        not the last: data arriving while the final output waits for the worker's rest), which adds
+        no inter-token latency."""
+        eco = engine_core_output
+        data_only = not (eco.new_token_ids or eco.events or req_state.is_prefilling or eco.finish_reason is not None) \
+            and (getattr(eco, "multimodal_output", None) is not None or getattr(eco, "multimodal_delivered", None))
+        if not data_only:
             super()._update_stats_from_output(req_state, engine_core_output, engine_core_timestamp, iteration_stats)
 
     def _accumulate(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> None:
@@ -571,6 +579,7 @@ class MultimodalOutputProcessor(OutputProcessor):
     def _finish_request(self, req_state: RequestState) -> None:
         super()._finish_request(req_state)
         self._forget(req_state.request_id, req_state)
+        self._drop_parent_if_over(getattr(req_state, "parent_req", None))
 
     def abort_requests(self, request_ids, internal: bool) -> list[str]:
         states = dict(self.request_states)
@@ -578,15 +587,18 @@ class MultimodalOutputProcessor(OutputProcessor):
         for rid in aborted:
             state = states.get(rid)
             self._forget(rid, state)
-            parent = getattr(state, "parent_req", None)
-            if parent is not None:  # as vLLM's _finish_request: its abort by the caller's id kept the
-                parent.child_requests.discard(rid)  # sample's ParentRequest for ever
-                if not parent.child_requests:
-                    self.parent_requests.pop(parent.request_id, None)
+            self._drop_parent_if_over(getattr(state, "parent_req", None))
         if self._failures:  # an abort's final output that failed to consolidate: the request is over already
             gone = {id(states.get(rid)) for rid in aborted}
             self._failures[:] = [(state, exc) for state, exc in self._failures if id(state) not in gone]
         return aborted
+
+    def _drop_parent_if_over(self, parent) -> None:
+        """Forget a request of n samples none of whose samples is in flight any more (vLLM forgets
+        one when its last sample finishes: one with an aborted sample, the caller's abort of them
+        all included, stayed for ever). Its samples' outputs are left as vLLM makes them."""
+        if parent is not None and not any(child in self.request_states for child in parent.child_requests):
+            self.parent_requests.pop(parent.request_id, None)
 
     def _forget(self, request_id: str, state: RequestState | None) -> None:
         """A request that finished or was aborted: remembered as gone (the latest ``_GONE_KEPT``), its
