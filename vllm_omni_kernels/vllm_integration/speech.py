@@ -460,6 +460,9 @@ def _validate(request: SpeechRequest, raw_request: Request, limits: SpeechLimits
     return None
 
 
+_TOO_LARGE_HINT = "stream it (stream true) or send less"  # a 400 for audio the output memory never holds
+
+
 class UnspokenInputError(ValueError):
     """Input the model's tokenizer does not take as it is: a character it knows only as its unknown
     token (which every such character would be spoken as, alike)."""
@@ -574,8 +577,8 @@ async def _speech(request: SpeechRequest, raw_request: Request) -> Response:
         # (the worker holds a whole file's audio until it ends: a retry would fail the same way)
         seconds = lambda n: n * tk.FRAME_SAMPLES / tk.SAMPLE_RATE  # noqa: E731
         return _error(f"input makes {seconds(frames):g} s of audio at speed {request.speed}; this server's audio "
-                      f"memory holds at most {seconds(limits.file_frames):g} s of one file: stream it (stream "
-                      "true) or send less", "input")
+                      f"memory holds at most {seconds(limits.file_frames):g} s of one file: {_TOO_LARGE_HINT}",
+                      "input")
     if not admission.try_acquire():
         return _unavailable(f"{admission.inflight} speech requests in flight, the most this server takes; "
                             "retry later", limits)
@@ -611,7 +614,7 @@ def _failed(exc: SpeechFailedError, stream: SpeechStream, limits: SpeechLimits) 
     if stream.turned_away:
         return _unavailable(f"{exc}; retry later", limits)
     if stream.too_large:
-        return _error(f"{exc}: stream it (stream true) or send less", "input")
+        return _error(f"{exc}: {_TOO_LARGE_HINT}", "input")
     return _error(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
 
 
