@@ -202,6 +202,17 @@ def test_the_talkers_options_out_of_range_are_refused_with_the_config(tmp_path, 
         omni_vllm_config(args, UsageContext.ENGINE_CONTEXT)
 
 
+def test_a_talker_on_more_than_one_device_is_refused_with_the_config(tmp_path):
+    """``TalkerExecutor`` runs one worker on one device: tensor parallelism is refused when the
+    config is made and when an engine is built from vLLM's own config (it ran on one device, the
+    other ignored, without a word; vLLM refuses pipeline parallelism with this executor itself)."""
+    args = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="one device"):
+        omni_vllm_config(args, UsageContext.ENGINE_CONTEXT)
+    with pytest.raises(ValueError, match="one device"):
+        OmniLLM.from_vllm_config(args.create_engine_config(UsageContext.ENGINE_CONTEXT))
+
+
 def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_prompt(tmp_path):
     """``OmniLLM.generate`` takes every output ``step`` returns: with a request of the caller's own
     in flight (id "0", which ``generate`` once used itself) it refuses to run; a prompt vLLM refuses

@@ -973,7 +973,8 @@ def test_whole_files_in_flight_when_the_server_stops_are_answered_503(tmp_path_f
 
 
 @pytest.mark.parametrize("argv", [["--headless"], ["--api-server-count", "0"], ["--grpc"], ["--skip-tokenizer-init"],
-                                  ["--data-parallel-size", "2"]])
+                                  ["--data-parallel-size", "2"], ["--tensor-parallel-size", "2"],
+                                  ["--pipeline-parallel-size", "2"]])
 def test_what_the_speech_server_cannot_be_is_refused_at_once(tmp_path, argv):
     """vLLM's ``serve`` runs the engine alone for the first two, and a gRPC server for ``--grpc``;
     this server runs its engine with its HTTP API servers, tokenizes the speech route's text, and

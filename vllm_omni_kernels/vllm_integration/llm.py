@@ -216,7 +216,19 @@ def omni_vllm_config(engine_args: EngineArgs, usage_context: UsageContext,
         sched.async_scheduling = (WorkerOptions.from_config(config).torch_device().type == "cuda"
                                   if wanted is None else bool(wanted))
     _use_channel(config)
+    _check_one_device(config)
     return config
+
+
+def _check_one_device(config: VllmConfig) -> None:
+    """ValueError for a ``TalkerExecutor`` config of more than one device (tensor or pipeline
+    parallel): it runs one worker in one process, and vLLM's one-process executor would serve on one
+    device and leave the others unused without a word."""
+    parallel = config.parallel_config
+    if parallel.world_size > 1 and issubclass(Executor.get_class(config), TalkerExecutor):
+        raise ValueError(f"{Executor.get_class(config).__name__} runs the talker on one device: tensor_parallel_size "
+                         f"{parallel.tensor_parallel_size} and pipeline_parallel_size "
+                         f"{parallel.pipeline_parallel_size} are not supported (1 each)")
 
 
 def _use_channel(config: VllmConfig) -> None:
@@ -238,12 +250,14 @@ def _processor(renderer, config: VllmConfig, log_stats: bool, options: Processor
 
 def _take_config(engine, vllm_config: VllmConfig) -> str | None:
     """What both engines' constructors do first, as vLLM's do: vLLM's logging, the one-engine-core
-    check, this package's scheduler class (``_use_channel``), the configs on ``engine``, tracing.
+    and one-device checks, this package's scheduler class (``_use_channel``), the configs on
+    ``engine``, tracing.
     Returns the tracing endpoint (None: off)."""
     configure_logging_if_needed(vllm_config.logging_config)
     if vllm_config.parallel_config.data_parallel_size > 1:
         raise ValueError(f"{type(engine).__name__} serves one engine core (data_parallel_size 1)")
     _use_channel(vllm_config)  # (a config made by vLLM's own from_vllm_config path, say)
+    _check_one_device(vllm_config)
     engine.vllm_config = vllm_config
     engine.model_config = vllm_config.model_config
     engine.observability_config = vllm_config.observability_config

@@ -264,6 +264,9 @@ def main(argv: list[str]) -> None:
         raise SystemExit("the speech route tokenizes its input text: --skip-tokenizer-init is not supported")
     if (getattr(args, "data_parallel_size", 1) or 1) > 1:
         raise SystemExit("the speech server serves one engine core: --data-parallel-size above 1 is not supported")
+    if max(args.tensor_parallel_size or 1, args.pipeline_parallel_size or 1) > 1:
+        raise SystemExit("the talker runs on one device: --tensor-parallel-size and --pipeline-parallel-size above 1 "
+                         "are not supported")
     if args.model_tag is not None:  # what `vllm serve MODEL` does
         args.model = args.model_tag
     elif args.model == parser.get_default("model"):  # (vLLM's default model is no talker; no hub is reached)
