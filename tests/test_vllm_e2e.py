@@ -366,6 +366,30 @@ def test_a_plain_value_the_wire_cannot_carry_fails_its_request_alone(tmp_path, u
     assert "a" not in sched.requests and "b" in sched.requests
 
 
+def test_a_one_sample_view_of_a_strided_channel_is_carried_and_nothing_else_is_lost(tmp_path):
+    """A tensor of at most one element whose memory is strided (one sample of a channel of a
+    ``[T, C]`` buffer, or none: torch counts it contiguous) goes as its value: vLLM's encoder views
+    its flattened memory as bytes, which it refused, failing the whole step's message, every
+    request's output with it. The caller's values are left as they were."""
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    for rid in ("a", "b"):
+        sched.add_request(sched_request(rid, [5, 6, 7], sampling(max_tokens=8)))
+    _channel_step(sched, {"a": [40], "b": [40]})
+    wav = torch.randn(48, 2)
+    one, none, deep = wav.t()[0][10:11], wav.t()[1][4:4], wav[3:4, 1:2].t()
+    strided = {"audio": one, "empty": none, "nested": {"x": [1, (deep, "y")]}}
+    got = _received(_channel_step(sched, {"a": [41], "b": [41]},
+                                  plain={"a": strided, "b": {"audio": torch.arange(5.0)}}))
+    (a,), _ = got["a"]
+    assert a.multimodal_error is None and a.finish_reason is None
+    mm = a.multimodal_output
+    assert torch.equal(mm["audio"], one) and mm["empty"].shape == (0,)
+    assert torch.equal(mm["nested"]["x"][1][0], deep) and mm["nested"]["x"][1][1] == "y"
+    (b,), _ = got["b"]
+    assert torch.equal(b.multimodal_output["audio"], torch.arange(5.0))
+    assert strided["audio"] is one and strided["nested"]["x"][1][0] is deep  # (copies went, not these)
+
+
 def test_data_for_a_waiting_finish_reaches_a_client_whose_message_carries_plain_values_too(tmp_path):
     """In one step, a client's message carries another request's plain per-step values and the
     worker's data for a request whose finish waits for the worker's rest: that data arrives."""

@@ -317,6 +317,24 @@ def test_a_tensor_whose_memory_is_not_its_value_is_refused_by_the_engine_cores_c
                         check=True) == [["spec"]]
 
 
+def test_a_payload_between_stages_carries_a_one_sample_strided_view_and_names_what_it_cannot_carry():
+    """``encode_payload`` of a payload with a tensor of one element or none whose memory is strided
+    (torch counts it contiguous; vLLM's encoder refused its bytes with a RuntimeError) carries its
+    value; a lazily conjugated one is refused with a ``TensorAccumulationError`` naming its key, as
+    the engine core's check refuses it (it was a RuntimeError from inside vLLM's encoder)."""
+    wav = torch.randn(48, 2)
+    one, none = wav.t()[0][10:11], wav.t()[1][4:4]
+    payload = MultimodalPayload(tensors={"audio": one, "parts": [one, torch.ones(2)]},
+                                metadata={"empty": none, "deep": {"x": one}}, axes={"audio": -1})
+    back = decode_payload(encode_payload(payload))
+    assert torch.equal(back.tensors["audio"], one) and torch.equal(back.tensors["parts"][0], one)
+    assert back.metadata["empty"].shape == (0,) and torch.equal(back.metadata["deep"]["x"], one)
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    with pytest.raises(TensorAccumulationError, match="lazily") as err:
+        encode_payload(MultimodalPayload(tensors={"audio": torch.ones(2), "spec": [z]}))
+    assert err.value.key == "spec"
+
+
 @pytest.mark.parametrize("bad, message", [
     (["qint8", [4], 1], "a list where the message has a tensor"),  # a quantized dtype's name
     (["float32", [999], 1], "needs 3996 bytes"),   # shape not matching its buffer

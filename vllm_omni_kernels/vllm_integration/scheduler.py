@@ -44,7 +44,8 @@ from vllm.v1.request import RequestStatus
 from .outputs import OmniModelRunnerOutput
 from ..serving.worker_accumulator import PackedStep
 from ..errors import TensorAccumulationError
-from .wire import MultimodalError, MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs, tensor_paths
+from .wire import (MultimodalError, MultimodalRegion, OmniEngineCoreOutput, OmniEngineCoreOutputs, tensor_paths,
+                   with_carried_tensors)
 
 _AWAITED_STEPS = 8  # a finished request's finish waits this many steps at most for the worker's rest
 # The fields of vLLM's output that go with a request's finish, not with its last tokens
@@ -262,8 +263,8 @@ HOLDABLE = frozenset({"request_id", "new_token_ids", "events", "trace_headers"})
 
 
 def _carried(plain: dict, errors: dict) -> tuple[dict, dict]:
-    """The plain values that vLLM's wire carries as they are, and where their tensors are
-    (``tensor_paths``); a request whose value it would not carry (the engine core's encoder would
+    """The plain values that vLLM's wire carries (``with_carried_tensors``), and where their tensors
+    are (``tensor_paths``); a request whose value it would not carry (the engine core's encoder would
     fail the step, or the client's decoder the message) gets its error in ``errors`` instead, and
     none of its value goes."""
     tensors, unfit = {}, []
@@ -271,10 +272,14 @@ def _carried(plain: dict, errors: dict) -> tuple[dict, dict]:
         if not value:
             continue
         try:
-            tensors[rid] = tensor_paths(value, check=True)
+            tensors[rid] = paths = tensor_paths(value, check=True)
         except TensorAccumulationError as exc:
             errors.setdefault(rid, MultimodalError.of(exc))
             unfit.append(rid)
+            continue
+        carried = with_carried_tensors(value, paths)
+        if carried is not value:
+            plain = {**plain, rid: carried}
     if unfit:
         plain = {rid: value for rid, value in plain.items() if rid not in unfit}
     return plain, tensors

@@ -17,7 +17,8 @@ and indices), made when the output is built, and ``OmniMsgpackDecoder`` restores
 while the buffers are at hand (zero-copy): every other value arrives as it was sent. It also cuts
 the regions into each output's ``multimodal_delivered`` (``{key: (axis, tensor)}``, receiving side
 only). Bad data never costs another request its output: the scheduler fails a request whose
-values the wire would not carry as they are (``tensor_paths(check=True)``), a path that leads to
+values the wire would not carry as they are (``tensor_paths(check=True)``; a tensor of one element
+or none that vLLM's encoder refuses only for its strides goes as a copy), a path that leads to
 no tensor of this message makes a ``TensorAccumulationError`` the value of its key, and a region
 that does not fit its buffer fails the requests it names (``multimodal_error``).
 
@@ -253,6 +254,36 @@ def tensor_paths(values: Any, check: bool = False) -> list[list[str | int]]:
     return paths
 
 
+def carried_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a tensor of at most one element whose flattened stride is not 1 (one sample of
+    a strided channel) a contiguous copy: vLLM's encoder views the flattened memory as bytes, which
+    such a tensor refuses (torch counts it contiguous, so ``contiguous()`` keeps its stride), failing
+    the whole message."""
+    if t.numel() <= 1 and t.dim() and t.reshape(-1).stride(0) != 1:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def with_carried_tensors(values: dict, paths: list[list[str | int]]) -> dict:
+    """``values`` with each tensor at ``paths`` (``tensor_paths``) as ``carried_tensor`` makes it; the
+    dicts and lists that lead to a tensor it copies are copied (a tuple as a list, as it arrives),
+    the caller's left as they are."""
+    for path in paths:
+        tensor = _holder(values, path)[path[-1]]
+        carried = carried_tensor(tensor)
+        if carried is not tensor:
+            values = _replaced(values, path, carried)
+    return values
+
+
+def _replaced(root: Any, path: list[str | int], value: Any) -> Any:
+    if not path:
+        return value
+    copy = dict(root) if isinstance(root, dict) else list(root)
+    copy[path[0]] = _replaced(root[path[0]], path[1:], value)
+    return copy
+
+
 def _check_encodes(values: dict) -> None:
     """TensorAccumulationError, naming the key where one is to blame, unless msgspec's encoder takes
     ``values`` with its tensors left out (``_STRUCTURE``)."""
@@ -392,15 +423,19 @@ class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type:
 
     @classmethod
     def from_payload(cls, p: MultimodalPayload) -> PayloadWire:
+        """The payload's wire form. Raises ``TensorAccumulationError`` naming the key for a value
+        vLLM's encoder would not carry as it is (``tensor_paths(check=True)``)."""
         wire = cls(order=list(p.tensors), meta_order=list(p.metadata), axes=dict(p.axes))
-        for key, value in p.tensors.items():
+        tensors = with_carried_tensors(dict(p.tensors), tensor_paths(dict(p.tensors), check=True))
+        metadata = with_carried_tensors(dict(p.metadata), tensor_paths(dict(p.metadata), check=True))
+        for key, value in tensors.items():
             if isinstance(value, torch.Tensor):
                 wire.tensors[key] = value
             elif isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
                 wire.tensor_lists[key] = value
             else:
                 wire.other_lists[key] = list(value)
-        for key, value in p.metadata.items():
+        for key, value in metadata.items():
             (wire.meta_tensors if isinstance(value, torch.Tensor) else wire.metadata)[key] = value
         wire.other_lists = _lifted(wire.other_lists, ["other_lists"], wire.nested, wire.nested_paths)
         wire.metadata = _lifted(wire.metadata, ["metadata"], wire.nested, wire.nested_paths)
