@@ -23,6 +23,7 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.usage.usage_lib import UsageContext  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.executor import Executor  # noqa: E402
+from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 from vllm_omni_kernels.errors import MultimodalOutputError, OutputMemoryError, OutputTooLargeError  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
@@ -211,6 +212,50 @@ def test_a_talker_on_more_than_one_device_is_refused_with_the_config(tmp_path):
         omni_vllm_config(args, UsageContext.ENGINE_CONTEXT)
     with pytest.raises(ValueError, match="one device"):
         OmniLLM.from_vllm_config(args.create_engine_config(UsageContext.ENGINE_CONTEXT))
+
+
+class _Latencies(StatLoggerBase):
+    """A vLLM stat logger that keeps every inter-token latency and generation token count."""
+
+    def __init__(self, vllm_config, engine_index=0):
+        self.itl, self.tokens, self.ttft = [], 0, 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        if iteration_stats is not None:
+            self.itl += iteration_stats.inter_token_latencies_iter
+            self.tokens += iteration_stats.num_generation_tokens
+            self.ttft += len(iteration_stats.time_to_first_tokens_iter)
+
+    def log_engine_initialized(self):
+        pass
+
+
+@pytest.mark.parametrize("multiprocess", [True, False])
+def test_vllms_statistics_take_one_inter_token_latency_per_step_of_a_paced_stream(tmp_path, multiprocess):
+    """The scheduler holds a paced request's tokens back for its audio (a cadence of 4 frames:
+    one output in 4 steps; a whole file: one at its end), but vLLM's statistics are what they would
+    be from an output every step: one inter-token latency per step after the first token, each
+    about a step long, not one per output spanning the steps held (a 40-frame whole file read as
+    1 latency of its whole decode)."""
+    loggers = []
+
+    def factory(config, index=0):
+        loggers.append(_Latencies(config, index))
+        return loggers[-1]
+
+    args = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4,
+                              disable_log_stats=False)
+    engine = OmniLLM.from_engine_args(args, stat_loggers=[factory], enable_multiprocessing=multiprocess)
+    kinds = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
+    try:
+        engine.generate([TokensPrompt(prompt_token_ids=[5, 6, 7 + i]) for i in range(3)],
+                        sampling_params=[SamplingParams(max_tokens=40, output_kind=k, detokenize=False) for k in kinds])
+    finally:
+        engine.shutdown()
+    (log,) = loggers
+    assert log.tokens == 120 and log.ttft == 3
+    assert len(log.itl) == 3 * 39, len(log.itl)
+    assert min(log.itl) >= 0 and max(log.itl) < 5 * float(np.median(log.itl)) + 0.05
 
 
 def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_prompt(tmp_path):

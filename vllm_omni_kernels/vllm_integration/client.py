@@ -16,7 +16,7 @@ import time
 from vllm.v1.engine.core_client import AsyncMPClient, InprocClient, MPClient, SyncMPClient
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from .wire import OmniEngineCoreOutputs, OmniMsgpackDecoder, as_omni_outputs, resolve_regions
+from .wire import OmniEngineCoreOutputs, OmniMsgpackDecoder, as_omni_outputs, resolve_regions, resolve_token_times
 
 
 class EngineShutDownError(EngineDeadError):
@@ -117,8 +117,9 @@ class OmniInprocClient(InprocClient):
             t0 = time.perf_counter()
             if outputs.multimodal_buffer is not None:
                 outputs.multimodal_buffer = outputs.multimodal_buffer.clone()
-            if outputs.multimodal_regions:
+            if outputs.multimodal_regions or outputs.token_times:
                 as_omni_outputs(outputs)
                 resolve_regions(outputs)
+                resolve_token_times(outputs)
             self.multimodal_seconds += time.perf_counter() - t0
         return outputs

@@ -35,6 +35,8 @@ without the audio it belongs to.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -108,7 +110,10 @@ class MultimodalChannel:
         if self._awaiting:
             self._release_awaited(outputs, packed.final if packed is not None else (), errors)
         for client, batch in list(outputs.items()):
-            batch.outputs = self.held.thin(batch.outputs, self._worker_open, delivered)
+            batch.outputs = self.held.thin(batch.outputs, self._worker_open, delivered, batch.timestamp)
+            if self.held.released:
+                batch = _with_outputs(batch, batch.outputs, None)
+                batch.token_times = self.held.released
             if self._worker_open:
                 batch.outputs = self._await_worker(client, batch.outputs, delivered)
             outputs[client] = outputs_with_channel(batch, packed, plain, errors, self._worker_open, emitted, tensors)
@@ -124,7 +129,11 @@ class MultimodalChannel:
             else:
                 client = request.client_index
             batch = outputs.setdefault(client, OmniEngineCoreOutputs())
-            tokens, events = self.held.take(rid)  # (the data belongs to them; an error output ends the request)
+            tokens, events, times = self.held.take(rid)  # (the data belongs to them; an error output ends the request)
+            if times:
+                if not isinstance(batch, OmniEngineCoreOutputs):
+                    batch = outputs[client] = _with_outputs(batch, batch.outputs, None)
+                batch.token_times = {**(batch.token_times or {}), rid: times}
             batch.outputs.append(OmniEngineCoreOutput(
                 request_id=rid, new_token_ids=tokens, events=events or None, multimodal_output=plain.get(rid) or None,
                 multimodal_error=errors.get(rid), finish_reason=FinishReason.ERROR if rid in errors else None,
@@ -188,11 +197,15 @@ def _text_leaves_stop_out(request) -> bool:
 class HeldTokens:
     """Token outputs of paced requests held back until their request's data is due (module
     docstring). ``thin`` filters a step's outputs; ``drop`` forgets a request that ended without a
-    final output (aborted, failed)."""
+    final output (aborted, failed). With the tokens it keeps the engine core's time of each step
+    that held some (``time.monotonic``, as vLLM's message timestamps), which go with them
+    (``released``): vLLM's frontend takes one inter-token latency per step from them, as it would
+    from the step's own outputs."""
 
     def __init__(self):
-        self._held: dict[str, tuple[list[int], list]] = {}  # request id -> (token ids, events)
+        self._held: dict[str, tuple[list[int], list, list[float]]] = {}  # request id -> (token ids, events, times)
         self._started: set[str] = set()  # paced requests that had their first output
+        self.released: dict[str, list[float]] = {}  # the step times of what the last ``thin`` let go, by request
 
     @property
     def active(self) -> bool:
@@ -207,37 +220,43 @@ class HeldTokens:
         self._held.pop(request_id, None)
         self._started.discard(request_id)
 
-    def take(self, request_id: str) -> tuple[list[int], list]:
-        """The tokens and events held for the request (empty when none), no longer held."""
-        return self._held.pop(request_id, None) or ([], [])
+    def take(self, request_id: str) -> tuple[list[int], list, list[float]]:
+        """The tokens, events and step times held for the request (empty when none), no longer held."""
+        return self._held.pop(request_id, None) or ([], [], [])
 
-    def restore(self, held: dict[str, tuple[list[int], list]]) -> None:
-        """Hold ``take``'s tokens and events again, by request, for the request's next output that
-        goes, whatever its pace (a request that failed: its error output)."""
-        for rid, (tokens, events) in held.items():
+    def restore(self, held: dict[str, tuple[list[int], list, list[float]]]) -> None:
+        """Hold ``take``'s tokens, events and times again, by request, for the request's next output
+        that goes, whatever its pace (a request that failed: its error output)."""
+        for rid, (tokens, events, times) in held.items():
             if tokens or events:
-                self._held[rid] = (tokens, events)
+                self._held[rid] = (tokens, events, times)
 
-    def thin(self, ecos: list, paced, due) -> list:
+    def thin(self, ecos: list, paced, due, now: float | None = None) -> list:
         """``ecos`` without the outputs held this step, the earlier held tokens and events put in
-        front of the ones that go. ``paced``: requests the worker paces; ``due``: those with data
-        this step."""
+        front of the ones that go (their step times in ``released``). ``paced``: requests the
+        worker paces; ``due``: those with data this step; ``now``: the step's time (its message's
+        timestamp; default ``time.monotonic()``)."""
+        self.released = {}
         if not (paced or self.active):
             return ecos
         kept = []
         for eco in ecos:
             rid = eco.request_id
             if rid in paced and rid not in due and rid in self._started and _holdable(eco):
-                tokens, events = self._held.setdefault(rid, ([], []))
+                tokens, events, times = self._held.setdefault(rid, ([], [], []))
                 tokens += eco.new_token_ids
                 if eco.events:
                     events += eco.events
+                if eco.new_token_ids:
+                    times.append(time.monotonic() if now is None else now)
                 continue
             held = self._held.pop(rid, None)
             if held is not None:
                 eco.new_token_ids = held[0] + eco.new_token_ids
                 if held[1]:
                     eco.events = held[1] + (eco.events or [])
+                if held[2]:
+                    self.released[rid] = held[2]
             if eco.finish_reason is not None:
                 self._started.discard(rid)
             elif rid in paced:

@@ -89,6 +89,9 @@ class OmniEngineCoreOutput(EngineCoreOutput, array_like=True, omit_defaults=True
     multimodal_error: MultimodalError | None = None
     multimodal_delivered: dict[str, Any] | None = None  # receiving side only: {key: (axis, tensor)}
     multimodal_tensors: list[list[str | int]] | None = None  # where multimodal_output's tensors are
+    # receiving side only: the engine core's times of the earlier steps whose tokens come on this
+    # output, held back for its audio (the message's ``token_times``)
+    held_times: list[float] | None = None
 
     def __post_init__(self) -> None:
         # Runs on construction (with the values themselves) and on decoding (where the tensors are
@@ -113,6 +116,9 @@ class OmniEngineCoreOutputs(EngineCoreOutputs, array_like=True, omit_defaults=Tr
     outputs: list[OmniEngineCoreOutput] = []
     multimodal_buffer: torch.Tensor | None = None
     multimodal_regions: list[MultimodalRegion] | None = None
+    # by request whose held tokens go on its output here, the engine core's times of the steps that
+    # made them (``scheduler.HeldTokens``)
+    token_times: dict[str, list[float]] | None = None
 
 
 def as_omni_outputs(outputs: OmniEngineCoreOutputs) -> None:
@@ -122,6 +128,15 @@ def as_omni_outputs(outputs: OmniEngineCoreOutputs) -> None:
     if not all(isinstance(eco, OmniEngineCoreOutput) for eco in ecos):
         ecos[:] = [eco if isinstance(eco, OmniEngineCoreOutput) else OmniEngineCoreOutput.from_base(eco)
                    for eco in ecos]
+
+
+def resolve_token_times(outputs: OmniEngineCoreOutputs) -> None:
+    """Give the outputs that carry held tokens their steps' times (``held_times``). The outputs must
+    be ``OmniEngineCoreOutput``s (``as_omni_outputs``)."""
+    times = outputs.token_times
+    if times:
+        for eco in outputs.outputs:
+            eco.held_times = times.get(eco.request_id)
 
 
 def resolve_regions(outputs: OmniEngineCoreOutputs) -> None:
@@ -343,6 +358,7 @@ class OmniMsgpackDecoder(MsgpackDecoder):
                         if eco.multimodal_tensors and eco.multimodal_output is not None:
                             self._restore(eco)
                     resolve_regions(out)
+                    resolve_token_times(out)
             t2 = time.perf_counter()
             self.multimodal_seconds += t2 - t1
             self.seconds += t2 - t0
