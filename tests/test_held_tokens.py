@@ -78,3 +78,14 @@ def test_an_output_with_nans_in_its_logits_goes_at_once_and_vllm_counts_it():
     assert held.thin([eco("a", 2)], {"a"}, set()) == []
     (out,) = held.thin([eco("a", 3, num_nans_in_logits=2)], {"a"}, set())
     assert out.new_token_ids == [2, 3] and out.num_nans_in_logits == 2 and len(held) == 0
+
+
+def test_what_take_gave_is_held_again_by_restore_events_without_tokens_too():
+    """``restore`` holds again whatever ``take`` gave (the scheduler takes a failing request's held
+    tokens and events, then restores them for its error output), events with no token among them."""
+    from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType
+
+    held = HeldTokens()
+    event = EngineCoreEvent.new_event(EngineCoreEventType.PREEMPTED)
+    held.restore({"a": ([], [event], [])})
+    assert held.take("a") == ([], [event], []) and held.take("a") == ([], [], [])

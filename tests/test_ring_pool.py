@@ -734,6 +734,20 @@ def test_a_drain_of_at_most_some_frames_leaves_the_rest_unread(backend):
     assert torch.equal(rest[0], torch.arange(2.0, 5.0)) and torch.equal(rest[1], torch.tensor([12.0]))
 
 
+def test_a_drain_of_more_frames_than_a_request_holds_reads_what_it_holds(backend):
+    """``frames`` is at most: a count past what a request holds reads its unread span and no
+    older ring memory, and leaves it nothing unread (not a negative count)."""
+    pool = make_pool(initial_frames=8)
+    pool.alloc("a")
+    pool.alloc("b")
+    pool.append(["a", "b"], [torch.arange(5.0), torch.arange(10.0, 13.0)])
+    out = torch.full((16,), -1.0)
+    starts, n = pool.read_into(["a", "b"], out, drain=True, frames=np.array([2, 5], np.int64))
+    assert n.tolist() == [2, 3] and starts.tolist() == [0, 2]
+    assert torch.equal(out[:6], torch.tensor([0.0, 1.0, 10.0, 11.0, 12.0, -1.0]))
+    assert pool.unread_frames("a") == 3 and pool.unread_frames("b") == 0
+
+
 def test_read_into_an_out_too_short_writes_nothing_and_moves_nothing(backend):
     """An ``out`` shorter than every unread span: ValueError naming the pool before anything is
     copied; the data stays unread, whole."""

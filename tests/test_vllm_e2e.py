@@ -272,6 +272,29 @@ def test_worker_data_of_a_running_request_and_of_one_the_worker_closes_as_vllm_f
     assert "a" not in sched.requests and not sched._awaiting
 
 
+def test_a_stop_token_whose_text_is_left_out_waits_with_its_finish_for_the_workers_rest(tmp_path):
+    """vLLM's defaults (``detokenize``, ``include_stop_str_in_output`` off): a request that stops on a
+    stop token in a step that has data of it keeps the token for its final output, which waits for
+    the worker's rest; the step's data goes on an output of its own. vLLM's frontend leaves the stop
+    token out of the text only when it comes with the finish: sent ahead with the data, it would
+    be in the request's text."""
+    from vllm.v1.engine import FinishReason
+
+    sched = scheduler(OmniScheduler, tmp_path, max_num_seqs=4)
+    params = sampling(max_tokens=8, stop_token_ids=[42])
+    assert params.detokenize and not params.include_stop_str_in_output
+    sched.add_request(sched_request("a", [5, 6, 7], params))
+    _received(_channel_step(sched, {"a": [40]}, opened=["a"]))
+    mid, rest = torch.arange(2.0), torch.arange(2.0, 4.0)
+    outs, pieces = _received(_channel_step(sched, {"a": [42]}, _packed(mid, "a")))["a"]
+    assert all(42 not in o.new_token_ids and o.finish_reason is None for o in outs)
+    assert len(pieces) == 1 and torch.equal(pieces[0], mid)
+    outs, pieces = _received(_channel_step(sched, {}, _packed(rest, "a", final={"a"})))["a"]
+    (final,) = [o for o in outs if o.finish_reason is not None]
+    assert final.finish_reason == FinishReason.STOP and final.new_token_ids == [42]
+    assert len(pieces) == 1 and torch.equal(pieces[0], rest)
+
+
 def test_data_arriving_while_a_finish_waits_for_the_workers_rest_goes_on_outputs_of_its_own(tmp_path):
     """A request vLLM stops while the worker holds its output: data of the steps before the
     worker's rest arrives on outputs of its own, then the rest with the final output; none of it

@@ -258,6 +258,27 @@ def test_rows_given_by_the_caller_and_slots_sized_for_what_a_request_will_hold()
     assert torch.equal(packed.tensors("f")["codes"][:, 0], torch.arange(10))
 
 
+def test_an_end_after_several_reads_closes_a_stream_at_that_frame():
+    """A stream read at its cadence more than once, then closed at an end (``ends``: its stop token's
+    frame, seen a step late) gets exactly the frames up to that end: the end counts from everything
+    read before, not from the last read alone."""
+    acc = WorkerAccumulator([OutputKey("audio", S.CONCAT_LAST, torch.float32, (), cadence=8, initial_frames=64)],
+                            "cpu", budget_bytes=1 << 16, max_requests=4)
+    row = acc.add_request("s", EmitPolicy.DELTA)
+    got = []
+    for step in range(4):
+        acc.append(["s"], {"audio": [torch.arange(4.0 * step, 4.0 * step + 4)]})
+        ends = None
+        if step == 3:  # frames 14 and 15 lie past its end
+            ends = [np.full(acc.rows, np.iinfo(np.int64).max, np.int64)]
+            ends[0][row] = 14
+        packed = acc.collect(["s"] if step == 3 else [], ends=ends)
+        if packed is not None:
+            got.append(packed.tensors("s")["audio"].clone())
+    assert len(got) == 3  # the first chunk at once, one cadence interval, the close
+    assert torch.equal(torch.cat(got), torch.arange(14.0))
+
+
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 def test_frames_past_an_end_found_a_step_late_never_reach_the_request(backend_name, use_backend):
     """A step's token is known on the host only once its copy has landed, and under async scheduling
