@@ -218,12 +218,13 @@ class _Latencies(StatLoggerBase):
     """A vLLM stat logger that keeps every inter-token latency and generation token count."""
 
     def __init__(self, vllm_config, engine_index=0):
-        self.itl, self.tokens, self.ttft = [], 0, 0
+        self.itl, self.tokens, self.ttft, self.per_iteration = [], 0, 0, []
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         if iteration_stats is not None:
             self.itl += iteration_stats.inter_token_latencies_iter
             self.tokens += iteration_stats.num_generation_tokens
+            self.per_iteration.append(iteration_stats.num_generation_tokens)
             self.ttft += len(iteration_stats.time_to_first_tokens_iter)
 
     def log_engine_initialized(self):
@@ -236,7 +237,8 @@ def test_vllms_statistics_take_one_inter_token_latency_per_step_of_a_paced_strea
     one output in 4 steps; a whole file: one at its end), but vLLM's statistics are what they would
     be from an output every step: one inter-token latency per step after the first token, each
     about a step long, not one per output spanning the steps held (a 40-frame whole file read as
-    1 latency of its whole decode)."""
+    1 latency of its whole decode); and the generation tokens counted as they are made, a step's
+    at a time (a whole file's came all at its end)."""
     loggers = []
 
     def factory(config, index=0):
@@ -254,8 +256,40 @@ def test_vllms_statistics_take_one_inter_token_latency_per_step_of_a_paced_strea
         engine.shutdown()
     (log,) = loggers
     assert log.tokens == 120 and log.ttft == 3
+    # counted with the messages that carry outputs (a cadence interval apart here, when the three
+    # streams' outputs go): never a whole file's 39 held tokens at once
+    assert max(log.per_iteration) <= 3 * 4, log.per_iteration
     assert len(log.itl) == 3 * 39, len(log.itl)
     assert min(log.itl) >= 0 and max(log.itl) < 5 * float(np.median(log.itl)) + 0.05
+
+
+def test_the_tokens_of_a_whole_file_aborted_while_held_count_in_vllms_statistics(tmp_path):
+    """A whole file's tokens wait in the engine core for its audio, and an abort drops them with
+    its audio (no token goes without it); vLLM's generation-token count still has them, as it has
+    every token the engine made (it had the first alone)."""
+    loggers = []
+
+    def factory(config, index=0):
+        loggers.append(_Latencies(config, index))
+        return loggers[-1]
+
+    args = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4,
+                              disable_log_stats=False)
+    engine = OmniLLM.from_engine_args(args, stat_loggers=[factory], enable_multiprocessing=True)
+    try:
+        whole = SamplingParams(max_tokens=200, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        engine.add_request("file", TokensPrompt(prompt_token_ids=[5, 6, 7]), whole)
+        engine.add_request("stream", TokensPrompt(prompt_token_ids=[5, 6, 8]),
+                           SamplingParams(max_tokens=30, output_kind=RequestOutputKind.DELTA, detokenize=False))
+        for _ in range(20):
+            engine.step()
+        engine.abort_request(["file"])
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.shutdown()
+    (log,) = loggers
+    assert 30 + 19 <= log.tokens <= 30 + 22, log.tokens  # the stream's, and the file's made before its abort
 
 
 def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_prompt(tmp_path):

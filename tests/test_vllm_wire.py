@@ -79,12 +79,13 @@ def test_plain_vllm_frames_decode_with_the_omni_decoder():
 
 def test_empty_fields_are_none_and_cost_one_nil_each():
     """Empty multimodal fields are stored as None; vLLM's array-like frames keep every position (its
-    own None fields are encoded too), so each of the five fields costs one msgpack nil byte."""
+    own None fields are encoded too), so each of the six fields costs one msgpack byte (a nil, or the
+    count of held tokens, 0)."""
     empty = OmniEngineCoreOutput.from_base(EngineCoreOutput(request_id="a", new_token_ids=[1]), {})
     assert empty.multimodal_output is None and empty.multimodal_error is None and empty.multimodal_delivered is None
     with_none = bytes(MsgpackEncoder().encode(empty)[0])
     base = bytes(MsgpackEncoder().encode(EngineCoreOutput(request_id="a", new_token_ids=[1]))[0])
-    assert len(with_none) == len(base) + 5 and with_none.endswith(b"\xc0" * 5)
+    assert len(with_none) == len(base) + 6 and with_none.endswith(b"\xc0" * 5 + b"\x00")
 
 
 @pytest.mark.parametrize("lookalike", [["float32", [2], 0], ["int64", [], b"12345678"], ("uint8", [1], 1)])

@@ -371,20 +371,24 @@ class MultimodalOutputProcessor(OutputProcessor):
     def _update_stats_from_output(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats):
         """vLLM's, except for an output with multimodal data only (no token, no event, not the first,
         not the last: data arriving while the final output waits for the worker's rest), which adds
-        no inter-token latency; and an output with tokens the engine core held for their audio
-        (``held_times``) adds one inter-token latency for each step that made them, as the outputs
-        of those steps would have."""
+        no inter-token latency; and the tokens the engine core held for their audio count as they
+        would have with an output every step (``scheduler.HeldTokens``): in the step's generation
+        tokens when held (``tokens_held``), not again on the output that carries them, which adds
+        one inter-token latency for each step that made them (``held_times``)."""
         eco = engine_core_output
         data_only = not (eco.new_token_ids or eco.events or req_state.is_prefilling or eco.finish_reason is not None) \
             and (getattr(eco, "multimodal_output", None) is not None or getattr(eco, "multimodal_delivered", None))
-        held_times = getattr(eco, "held_times", None)
-        if held_times and iteration_stats is not None and not req_state.is_prefilling:
+        held_times = getattr(eco, "held_times", None) if iteration_stats is not None else None
+        if held_times and not req_state.is_prefilling:
             stats = req_state.stats
             for at in held_times:
-                iteration_stats.inter_token_latencies_iter.append(at - stats.last_token_ts)
-                stats.last_token_ts = at
+                if at != stats.last_token_ts:  # (a step that made several tokens: one latency)
+                    iteration_stats.inter_token_latencies_iter.append(at - stats.last_token_ts)
+                    stats.last_token_ts = at
         if not data_only:
             super()._update_stats_from_output(req_state, engine_core_output, engine_core_timestamp, iteration_stats)
+        if iteration_stats is not None:
+            iteration_stats.num_generation_tokens += getattr(eco, "tokens_held", 0) - len(held_times or ())
 
     def _accumulate(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> None:
         """One batched append per device for every multimodal output of the step. A bad value (or

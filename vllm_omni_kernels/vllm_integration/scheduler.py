@@ -103,7 +103,8 @@ class MultimodalChannel:
             # One that vLLM finished in this very step: its final output goes now, with the error,
             # instead of waiting for a rest the worker will never send.
             self._worker_open.difference_update(errors)
-        if not (plain or packed or errors or self._worker_open or self.held.active or self._awaiting):
+        if not (plain or packed or errors or self._worker_open or self.held.active or self._awaiting
+                or self.held.unsent):
             return outputs
         emitted: set[str] = set()
         delivered = packed.requests() if packed is not None else frozenset()
@@ -142,6 +143,8 @@ class MultimodalChannel:
                 outputs[client] = _with_outputs(batch, batch.outputs, packed)
         if self._text_stop:
             self._text_stop.intersection_update(self._worker_open)
+        if self.held.unsent:
+            count_held(self.held, outputs)
         sharing = {client: batch for client, batch in outputs.items()
                    if getattr(batch, "multimodal_buffer", None) is not None}
         if len(sharing) > 1:  # several clients: each message carries its own requests' data alone
@@ -197,15 +200,19 @@ def _text_leaves_stop_out(request) -> bool:
 class HeldTokens:
     """Token outputs of paced requests held back until their request's data is due (module
     docstring). ``thin`` filters a step's outputs; ``drop`` forgets a request that ended without a
-    final output (aborted, failed). With the tokens it keeps the engine core's time of each step
-    that held some (``time.monotonic``, as vLLM's message timestamps), which go with them
-    (``released``): vLLM's frontend takes one inter-token latency per step from them, as it would
-    from the step's own outputs."""
+    final output (aborted, failed). vLLM's frontend statistics stay what they would be with an
+    output every step: with each token it keeps the engine core's time of the step that made it
+    (``time.monotonic``, as vLLM's message timestamps), which go with the tokens (``released``),
+    so that the frontend takes one inter-token latency per step; and it counts the tokens it holds
+    (``unsent``) for the step's message, whose generation-token count takes them then (the tokens
+    of a whole file while it is made, those of a request aborted while held at all), and the
+    output that later carries them leaves them out of its count."""
 
     def __init__(self):
         self._held: dict[str, tuple[list[int], list, list[float]]] = {}  # request id -> (token ids, events, times)
         self._started: set[str] = set()  # paced requests that had their first output
-        self.released: dict[str, list[float]] = {}  # the step times of what the last ``thin`` let go, by request
+        self.released: dict[str, list[float]] = {}  # the times of the tokens the last ``thin`` let go, by request
+        self.unsent = 0  # tokens held since a message last counted them (``count_held``)
 
     @property
     def active(self) -> bool:
@@ -248,7 +255,8 @@ class HeldTokens:
                 if eco.events:
                     events += eco.events
                 if eco.new_token_ids:
-                    times.append(time.monotonic() if now is None else now)
+                    times += [time.monotonic() if now is None else now] * len(eco.new_token_ids)
+                    self.unsent += len(eco.new_token_ids)
                 continue
             held = self._held.pop(rid, None)
             if held is not None:
@@ -263,6 +271,19 @@ class HeldTokens:
                 self._started.add(rid)
             kept.append(eco)
         return kept
+
+
+def count_held(held: HeldTokens, outputs: dict) -> None:
+    """Put the tokens ``held`` holds unsent on the first output of a message that has one
+    (``tokens_held``: vLLM's statistics count them with that message; module docstring)."""
+    for batch in outputs.values():
+        if batch.outputs:
+            eco = batch.outputs[0]
+            if not isinstance(eco, OmniEngineCoreOutput):
+                eco = batch.outputs[0] = OmniEngineCoreOutput.from_base(eco)
+            eco.tokens_held = held.unsent
+            held.unsent = 0
+            return
 
 
 def _holdable(eco) -> bool:

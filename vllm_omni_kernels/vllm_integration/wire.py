@@ -89,9 +89,10 @@ class OmniEngineCoreOutput(EngineCoreOutput, array_like=True, omit_defaults=True
     multimodal_error: MultimodalError | None = None
     multimodal_delivered: dict[str, Any] | None = None  # receiving side only: {key: (axis, tensor)}
     multimodal_tensors: list[list[str | int]] | None = None  # where multimodal_output's tensors are
-    # receiving side only: the engine core's times of the earlier steps whose tokens come on this
-    # output, held back for its audio (the message's ``token_times``)
+    # receiving side only: the engine core's times of the earlier steps that made the tokens held
+    # back for its audio that come on this output, one per token (the message's ``token_times``)
     held_times: list[float] | None = None
+    tokens_held: int = 0  # tokens of paced requests the engine core held, for vLLM's statistics (HeldTokens)
 
     def __post_init__(self) -> None:
         # Runs on construction (with the values themselves) and on decoding (where the tensors are
@@ -117,7 +118,7 @@ class OmniEngineCoreOutputs(EngineCoreOutputs, array_like=True, omit_defaults=Tr
     multimodal_buffer: torch.Tensor | None = None
     multimodal_regions: list[MultimodalRegion] | None = None
     # by request whose held tokens go on its output here, the engine core's times of the steps that
-    # made them (``scheduler.HeldTokens``)
+    # made them, one per token (``scheduler.HeldTokens``)
     token_times: dict[str, list[float]] | None = None
 
 
