@@ -389,3 +389,14 @@ def test_a_request_moves_to_another_accumulator_only_while_it_holds_no_data(acc)
     (p,) = other.collect(["a"]).values()
     assert torch.equal(p.tensors["audio"], torch.arange(2.0)) and p.tensors["frames"] == ["w"]
     assert p.metadata == {"sr": 24000}
+
+
+def test_a_frame_as_large_as_the_pool_budget_fits():
+    """A key's frame of exactly ``pool_budget_bytes`` fits its pool (a 64-byte frame in 64 bytes)."""
+    acc = MultimodalAccumulator(AccumulatorConfig(strategies={"img": S.CONCAT_DIM0}, pool_budget_bytes=64,
+                                                  initial_frames=1))
+    acc.add_request("r", EmitPolicy.FINAL_ONLY)
+    x = torch.arange(16, dtype=torch.float32).reshape(1, 4, 4)
+    assert acc.append_step(["r"], {"img": [x]}) == []
+    assert torch.equal(acc.collect(finished=["r"])["r"].tensors["img"], x)
+

@@ -118,3 +118,19 @@ def test_ever_fits_and_grows_to_are_what_the_allocator_does_in_an_empty_arena(to
         assert BuddyAllocator(total, least).grows_to(frames) == grown(frames), frames
     assert BuddyAllocator(64, 8).grows_to(32) and not BuddyAllocator(64, 8).grows_to(33)  # one block: half
     assert BuddyAllocator(24, 8).grows_to(16)  # its first region in the 8-frame block, then the 16-frame one
+
+
+def test_a_region_given_back_is_handed_out_first_to_its_size():
+    """A freed region is kept for the next request of its size, not merged and split again
+    elsewhere: the arena stays whole enough to serve the sequence below (splitting anew left no
+    2-frame region free)."""
+    a = BuddyAllocator(16, 1)
+    first = a.alloc(1)
+    a.free(first[0])
+    a.alloc(4)
+    a.alloc(4)
+    assert a.alloc(1)[0] == first[0]
+    a.alloc(4)
+    a.alloc(1)
+    assert a.alloc(2) is not None
+

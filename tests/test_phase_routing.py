@@ -485,6 +485,67 @@ def test_an_evicted_code_slot_never_belongs_to_a_request_of_the_step():
     assert len(set(slots)) == 2 and evicted == ["c"]
 
 
+def test_code_slots_of_requests_that_ended_unreleased_are_taken_back_before_any_eviction():
+    """With every code slot held, the slots of requests no longer live (ended without a release) are
+    freed for new requests: without ``evict`` none is refused, and with it no live request (one
+    preempted, not in the step) is evicted while an ended one holds a slot."""
+    from vllm_omni_kernels.gather import DecodeGather
+    g = DecodeGather(hidden_size=4, dtype=torch.float32, device="cpu", max_rows=2, max_tokens=8, mtp=True)
+    g.code_slot("a", {"a", "b"})
+    g.code_slot("b", {"a", "b"})
+    assert {g.code_slot("c", {"c", "d"}), g.code_slot("d", {"c", "d"})} == {0, 1}
+    g = DecodeGather(hidden_size=4, dtype=torch.float32, device="cpu", max_rows=2, max_tokens=8, mtp=True)
+    g.code_slot("preempted", {"preempted", "ended"})
+    g.code_slot("ended", {"preempted", "ended"})
+    evicted = []
+    g.code_slot("new", {"preempted", "new"}, keep=["new"], evict=lambda r, s: evicted.append(r))
+    assert evicted == []
+    assert g.code_slot("preempted", {"preempted", "new"}) is not None and evicted == []
+
+
+def test_a_hook_that_broadcasts_one_row_of_its_slice_has_its_embeddings_used():
+    """A prefill hook may return a view of its own slice with other strides (the first token's row
+    for every token, ``expand``): that is new embeddings, copied in, not the slice as it was."""
+    runner = FakeRunner(FakeTalker(H, torch.float32, batch_hook=False))
+    runner.add_request("a", 4)
+    runner.model.preprocess = lambda input_ids, input_embeds, **info: (
+        input_ids, input_embeds[:1].expand(input_embeds.shape[0], H), {})
+    spans = runner.schedule([("a", 0, 3)])
+    runner.inputs_embeds[:3] = torch.arange(3 * H, dtype=torch.float32).view(3, H)
+    runner._omni_preprocess(runner.input_ids, runner.inputs_embeds, spans)
+    assert torch.equal(runner.inputs_embeds[:3], torch.arange(H, dtype=torch.float32).expand(3, H))
+
+
+def test_a_step_of_exactly_the_most_tokens_runs():
+    """vLLM fills a step up to ``max_num_batched_tokens`` (a long prompt's chunk): a step of exactly
+    that many tokens is routed, not refused."""
+    runner = FakeRunner(FakeTalker(H, torch.float32, mtp=False), max_tokens=16)
+    runner.add_request("a", 16)
+    runner.step([("a", 0, 16)])
+    assert "a" in runner.model_intermediate_buffer
+
+
+def test_a_hooks_nested_updates_merge_into_a_copy_the_request_owns():
+    """A hook's ``{key: dict}`` update merges one level deep into the request's info (what the
+    prefill set stays when a decode step adds to it), and the info keeps a copy: a dict the model
+    hands to several requests (a module default) is neither changed nor shared by a later update."""
+    from vllm_omni_kernels.phase.runner import OmniPhaseRunnerMixin
+
+    class Runner(OmniPhaseRunnerMixin):
+        def __init__(self):
+            self.model_intermediate_buffer = {}
+
+    defaults = {"voice": "alloy"}
+    r = Runner()
+    r._update_intermediate_buffer("a", {"style": defaults, "meta": {"prefill_offset": 3}})
+    r._update_intermediate_buffer("b", {"style": defaults})
+    r._update_intermediate_buffer("a", {"style": {"speed": 2.0}, "meta": {"decode_step": 3}})
+    info = r.model_intermediate_buffer
+    assert info["a"]["meta"] == {"prefill_offset": 3, "decode_step": 3}
+    assert info["a"]["style"] == {"voice": "alloy", "speed": 2.0}
+    assert info["b"]["style"] == {"voice": "alloy"} and defaults == {"voice": "alloy"}
+
+
 def test_scalar_hook_wrong_embedding_rows_names_request():
     runner = FakeRunner(FakeTalker(H, torch.float32, batch_hook=False))
     runner.add_request("a", 4)

@@ -1100,6 +1100,25 @@ def test_a_request_the_worker_fails_on_its_last_frame_ends_once(tmp_path, async_
     assert stats["late_outputs"] == 0 and stats["failed_by_worker"] == 3
 
 
+def test_a_sync_client_that_ended_hands_out_the_outputs_that_came_before_its_error():
+    """``OmniSyncMPClient.get_output`` after its engine core ended: the outputs already queued (a
+    finished request's final audio among them) come first, in order, then ``EngineShutDownError``."""
+    import queue
+    from types import SimpleNamespace
+
+    from vllm_omni_kernels.vllm_integration.client import EngineShutDownError, OmniSyncMPClient
+
+    client = object.__new__(OmniSyncMPClient)  # (its queue and end alone: no engine core to start)
+    client.outputs_queue = queue.Queue()
+    step = SimpleNamespace(wave_complete=None, outputs=["the final output of a request"])
+    client.outputs_queue.put_nowait(step)
+    client._ended = EngineShutDownError()
+    client.outputs_queue.put_nowait(client._ended)  # (what shutdown queues, to wake a waiting caller)
+    assert client.get_output() is step
+    with pytest.raises(EngineShutDownError):
+        client.get_output()
+
+
 def test_every_output_of_a_talker_request_has_multimodal_output_an_aborted_whole_file_too(tmp_path):
     """A whole-file (FINAL_ONLY) request aborted before its audio: its last output is still a
     ``MultimodalCompletionOutput``, ``multimodal_output`` None, as the README's loop reads it.

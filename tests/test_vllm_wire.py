@@ -355,3 +355,15 @@ def test_a_malformed_tensor_is_an_error_for_its_request_only(bad, message):
     assert isinstance(err, TensorAccumulationError) and err.request_id == "bad" and err.key == "audio"
     assert message in str(err) and broken.multimodal_output["sr"] == 16000 and broken.new_token_ids == [3]
     assert text.finish_reason == FinishReason.STOP
+
+
+def test_a_key_whose_first_nested_tensor_is_malformed_keeps_the_reason_why():
+    """A key holding several tensors whose first cannot be restored (its buffer is not in the
+    message) fails with that reason; the key's later tensors do not replace it with another."""
+    big = torch.arange(4096, dtype=torch.float32)  # large enough to travel in a buffer of its own
+    eco = OmniEngineCoreOutput(request_id="a", new_token_ids=[1], multimodal_output={"extra": {"p": big, "q": big + 1}})
+    frames = list(MsgpackEncoder().encode(OmniEngineCoreOutputs(outputs=[eco])))
+    assert len(frames) > 1
+    err = OmniMsgpackDecoder().decode(frames[:1]).outputs[0].multimodal_output["extra"]
+    assert isinstance(err, TensorAccumulationError) and "outside the message" in str(err), err
+
