@@ -231,14 +231,8 @@ class _Latencies(StatLoggerBase):
         pass
 
 
-@pytest.mark.parametrize("multiprocess", [True, False])
-def test_vllms_statistics_take_one_inter_token_latency_per_step_of_a_paced_stream(tmp_path, multiprocess):
-    """The scheduler holds a paced request's tokens back for its audio (a cadence of 4 frames:
-    one output in 4 steps; a whole file: one at its end), but vLLM's statistics are what they would
-    be from an output every step: one inter-token latency per step after the first token, each
-    about a step long, not one per output spanning the steps held (a 40-frame whole file read as
-    1 latency of its whole decode); and the generation tokens counted as they are made, a step's
-    at a time (a whole file's came all at its end)."""
+def _engine_logging_statistics(tmp_path, multiprocess: bool) -> tuple[OmniLLM, _Latencies]:
+    """A CPU talker's engine with statistics on, and the stat logger vLLM made for it."""
     loggers = []
 
     def factory(config, index=0):
@@ -248,13 +242,24 @@ def test_vllms_statistics_take_one_inter_token_latency_per_step_of_a_paced_strea
     args = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4,
                               disable_log_stats=False)
     engine = OmniLLM.from_engine_args(args, stat_loggers=[factory], enable_multiprocessing=multiprocess)
+    return engine, loggers[0]
+
+
+@pytest.mark.parametrize("multiprocess", [True, False])
+def test_vllms_statistics_take_one_inter_token_latency_per_step_of_a_paced_stream(tmp_path, multiprocess):
+    """The scheduler holds a paced request's tokens back for its audio (a cadence of 4 frames:
+    one output in 4 steps; a whole file: one at its end), but vLLM's statistics are what they would
+    be from an output every step: one inter-token latency per step after the first token, each
+    about a step long, not one per output spanning the steps held (a 40-frame whole file read as
+    1 latency of its whole decode); and the generation tokens counted as they are made, a step's
+    at a time (a whole file's came all at its end)."""
+    engine, log = _engine_logging_statistics(tmp_path, multiprocess)
     kinds = [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
     try:
         engine.generate([TokensPrompt(prompt_token_ids=[5, 6, 7 + i]) for i in range(3)],
                         sampling_params=[SamplingParams(max_tokens=40, output_kind=k, detokenize=False) for k in kinds])
     finally:
         engine.shutdown()
-    (log,) = loggers
     assert log.tokens == 120 and log.ttft == 3
     # counted with the messages that carry outputs (a cadence interval apart here, when the three
     # streams' outputs go): never a whole file's 39 held tokens at once
@@ -267,15 +272,7 @@ def test_the_tokens_of_a_whole_file_aborted_while_held_count_in_vllms_statistics
     """A whole file's tokens wait in the engine core for its audio, and an abort drops them with
     its audio (no token goes without it); vLLM's generation-token count still has them, as it has
     every token the engine made (it had the first alone)."""
-    loggers = []
-
-    def factory(config, index=0):
-        loggers.append(_Latencies(config, index))
-        return loggers[-1]
-
-    args = talker_engine_args(make_model_dir(tmp_path / "model"), device="cpu", max_num_seqs=4,
-                              disable_log_stats=False)
-    engine = OmniLLM.from_engine_args(args, stat_loggers=[factory], enable_multiprocessing=True)
+    engine, log = _engine_logging_statistics(tmp_path, True)
     try:
         whole = SamplingParams(max_tokens=200, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
         engine.add_request("file", TokensPrompt(prompt_token_ids=[5, 6, 7]), whole)
@@ -288,7 +285,6 @@ def test_the_tokens_of_a_whole_file_aborted_while_held_count_in_vllms_statistics
             engine.step()
     finally:
         engine.shutdown()
-    (log,) = loggers
     assert 30 + 19 <= log.tokens <= 30 + 22, log.tokens  # the stream's, and the file's made before its abort
 
 
