@@ -224,9 +224,9 @@ def _check_one_device(config: VllmConfig) -> None:
     """ValueError for a ``TalkerExecutor`` config of more than one device (tensor or pipeline
     parallel): it runs one worker in one process, and vLLM's one-process executor would serve on one
     device and leave the others unused without a word."""
-    parallel = config.parallel_config
-    if parallel.world_size > 1 and issubclass(Executor.get_class(config), TalkerExecutor):
-        raise ValueError(f"{Executor.get_class(config).__name__} runs the talker on one device: tensor_parallel_size "
+    parallel, executor = config.parallel_config, Executor.get_class(config)
+    if parallel.world_size > 1 and issubclass(executor, TalkerExecutor):
+        raise ValueError(f"{executor.__name__} runs the talker on one device: tensor_parallel_size "
                          f"{parallel.tensor_parallel_size} and pipeline_parallel_size "
                          f"{parallel.pipeline_parallel_size} are not supported (1 each)")
 

@@ -113,8 +113,7 @@ class MultimodalChannel:
         for client, batch in list(outputs.items()):
             batch.outputs = self.held.thin(batch.outputs, self._worker_open, delivered, batch.timestamp)
             if self.held.released:
-                batch = _with_outputs(batch, batch.outputs, None)
-                batch.token_times = self.held.released
+                batch = _with_token_times(batch, self.held.released)
             if self._worker_open:
                 batch.outputs = self._await_worker(client, batch.outputs, delivered)
             outputs[client] = outputs_with_channel(batch, packed, plain, errors, self._worker_open, emitted, tensors)
@@ -132,9 +131,7 @@ class MultimodalChannel:
             batch = outputs.setdefault(client, OmniEngineCoreOutputs())
             tokens, events, times = self.held.take(rid)  # (the data belongs to them; an error output ends the request)
             if times:
-                if not isinstance(batch, OmniEngineCoreOutputs):
-                    batch = outputs[client] = _with_outputs(batch, batch.outputs, None)
-                batch.token_times = {**(batch.token_times or {}), rid: times}
+                batch = outputs[client] = _with_token_times(batch, {rid: times})
             batch.outputs.append(OmniEngineCoreOutput(
                 request_id=rid, new_token_ids=tokens, events=events or None, multimodal_output=plain.get(rid) or None,
                 multimodal_error=errors.get(rid), finish_reason=FinishReason.ERROR if rid in errors else None,
@@ -368,6 +365,14 @@ def _with_outputs(batch: EngineCoreOutputs, outputs: list, packed: PackedStep | 
     batch.outputs = outputs
     if packed is not None:
         _set_data(batch, packed)
+    return batch
+
+
+def _with_token_times(batch: EngineCoreOutputs, times: dict[str, list[float]]) -> OmniEngineCoreOutputs:
+    """``batch`` as ``OmniEngineCoreOutputs`` with ``times`` among its held tokens' times
+    (``token_times``, by request)."""
+    batch = _with_outputs(batch, batch.outputs, None)
+    batch.token_times = {**(batch.token_times or {}), **times}
     return batch
 
 

@@ -476,7 +476,8 @@ def plan_request(tokenizer, voice_token: int, text: str, speed: float = 1.0) -> 
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     unknown = getattr(tokenizer, "unk_token_id", None)
     if unknown is not None and unknown in ids:
-        at, what = ids.index(unknown), f"token {ids.index(unknown)}"
+        at = ids.index(unknown)
+        what = f"token {at}"
         if getattr(tokenizer, "is_fast", False):  # where in the text it is
             start, end = tokenizer(text, add_special_tokens=False, split_special_tokens=True,
                                    return_offsets_mapping=True)["offset_mapping"][at]

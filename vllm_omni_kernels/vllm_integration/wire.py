@@ -443,8 +443,8 @@ class PayloadWire(msgspec.Struct, array_like=True, omit_defaults=True):  # type:
         """The payload's wire form. Raises ``TensorAccumulationError`` naming the key for a value
         vLLM's encoder would not carry as it is (``tensor_paths(check=True)``)."""
         wire = cls(order=list(p.tensors), meta_order=list(p.metadata), axes=dict(p.axes))
-        tensors = with_carried_tensors(dict(p.tensors), tensor_paths(dict(p.tensors), check=True))
-        metadata = with_carried_tensors(dict(p.metadata), tensor_paths(dict(p.metadata), check=True))
+        tensors, metadata = (with_carried_tensors(values, tensor_paths(values, check=True))
+                             for values in (dict(p.tensors), dict(p.metadata)))
         for key, value in tensors.items():
             if isinstance(value, torch.Tensor):
                 wire.tensors[key] = value
