@@ -65,6 +65,9 @@ def test_parse_strategy_accepts_names_and_values():
     assert parse_strategy(S.REPLACE) is S.REPLACE
     with pytest.raises(ValueError, match="supported"):
         parse_strategy("stack")
+    for value in (None, 3, ["concat_last"]):  # (a processor's strategies={"audio": None}, a typo in a config)
+        with pytest.raises(ValueError, match="supported"):
+            parse_strategy(value)
 
 
 def test_payload_primary_tensor_and_access():

@@ -96,6 +96,16 @@ def test_wav_round_trip_and_streaming_header(tmp_path):
     # a chunk after the samples (an editor's LIST) is not read as samples
     tagged = (tmp_path / "x.wav").read_bytes() + b"LIST" + struct.pack("<I", 4) + b"INFO"
     assert np.array_equal(read_wav(tagged)[0], x)
+    assert np.array_equal(read_wav(bytearray(tagged))[0], x) and np.array_equal(read_wav(memoryview(tagged))[0], x)
+    # samples it cannot tell the format of, or of a format it does not read, are refused, not guessed
+    header = wav_header(16000, float32=True, data_bytes=4 * len(x))
+    fmt_at, data_at = header.index(b"fmt "), header.index(b"data")
+    with pytest.raises(ValueError, match="before the fmt chunk"):
+        read_wav(header[:fmt_at] + header[data_at:] + x.tobytes() + header[fmt_at:data_at])
+    stereo = bytearray(header)
+    struct.pack_into("<H", stereo, fmt_at + 10, 2)
+    with pytest.raises(ValueError, match="2 channels"):
+        read_wav(bytes(stereo) + x.tobytes())
 
 
 def _chunks(raw: bytes) -> dict[bytes, bytes]:

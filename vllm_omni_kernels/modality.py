@@ -92,7 +92,7 @@ def parse_strategy(value: "TensorAccumulationStrategy | str") -> TensorAccumulat
     if isinstance(value, TensorAccumulationStrategy):
         return value
     for member in TensorAccumulationStrategy:
-        if value.lower() in (member.value, member.name.lower()):
+        if isinstance(value, str) and value.lower() in (member.value, member.name.lower()):
             return member
     raise ValueError(
         f"unknown accumulation strategy {value!r}; supported: {[m.value for m in TensorAccumulationStrategy]}"

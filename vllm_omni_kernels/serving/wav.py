@@ -46,17 +46,24 @@ def write_wav_f32(path: Path, samples: np.ndarray, sample_rate: int) -> None:
 def read_wav(path_or_bytes: Path | bytes) -> tuple[np.ndarray, int]:
     """Samples (float32 for format 3, int16 for PCM) and the sample rate; a streamed header's size
     (``STREAMING_SIZE``) reads to the end."""
-    raw = path_or_bytes if isinstance(path_or_bytes, bytes) else Path(path_or_bytes).read_bytes()
+    raw = bytes(path_or_bytes) if isinstance(path_or_bytes, (bytes, bytearray, memoryview)) \
+        else Path(path_or_bytes).read_bytes()
     if raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
         raise ValueError("not a RIFF/WAVE file")
-    pos, fmt, rate = 12, None, None
+    pos, dtype, rate = 12, None, None
     while pos + 8 <= len(raw):
         tag, size = raw[pos:pos + 4], struct.unpack_from("<I", raw, pos + 4)[0]
         if tag == b"fmt ":
-            fmt, _, rate = struct.unpack_from("<HHI", raw, pos + 8)
+            fmt, channels, rate = struct.unpack_from("<HHI", raw, pos + 8)
+            bits = struct.unpack_from("<H", raw, pos + 22)[0]
+            dtype = {(3, 32): "<f4", (1, 16): "<i2"}.get((fmt, bits))
+            if dtype is None or channels != 1:
+                raise ValueError(f"format {fmt} of {bits}-bit samples in {channels} channels: this reads "
+                                 "mono 32-bit float (3) and 16-bit PCM (1)")
         elif tag == b"data":
+            if dtype is None:
+                raise ValueError("a data chunk before the fmt chunk")
             end = len(raw) if size == STREAMING_SIZE else pos + 8 + size
-            dtype = "<f4" if fmt == 3 else "<i2"
             return np.frombuffer(raw[pos + 8:end], dtype=dtype), rate
         pos += 8 + size + (size & 1)
     raise ValueError("no data chunk")
