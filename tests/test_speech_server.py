@@ -480,16 +480,19 @@ def small_audio_memory(tmp_path_factory):
     (each reserves a 4 MiB region for all its audio; long enough that, on a loaded host too, none
     finishes before the last of twelve sent together arrives), and twelve requests in flight. Its
     talker makes a malformed second chunk for every request in the voice "onyx" (the worker's
-    ``bad_prompt_token``, a test option: a voice is a prompt's first token)."""
+    ``bad_prompt_token``, a test option: a voice is a prompt's first token). A middleware of the
+    function form (``tests/passthrough_middleware.py``) is on its routes, as deployments add one."""
     config = json.dumps({"omni": {"bad_prompt_token": VOICES["onyx"]}})
     yield from running_server(tmp_path_factory, "--audio-memory-mib", "36", "--max-inflight", "12",
-                              "--max-num-seqs", "12", "--additional-config", config)
+                              "--max-num-seqs", "12", "--additional-config", config,
+                              "--middleware", "tests.passthrough_middleware.passthrough")
 
 
 def test_a_request_that_fails_after_its_first_audio_is_cut_and_counted_as_failed(small_audio_memory):
     """The worker fails a request whose second chunk is malformed. A stream has had its first
     audio: its chunked response ends without the last chunk, so the client cannot take the audio
-    for complete; a whole file is a 500. Both count as failed, and the next request is exact."""
+    for complete (a middleware between the route and the HTTP server, which would end a body left
+    open, included); a whole file is a 500. Both count as failed, and the next request is exact."""
     server = small_audio_memory
     url = f"{server['url']}/v1/audio/speech"
     text = "Cut short after the first frame."

@@ -372,6 +372,24 @@ def _drop_connection() -> None:
     transport.abort()
 
 
+async def _end_incomplete(stall_s: float) -> None:
+    """End the current request's response where it is (``DroppableHTTP``): the bytes sent so far
+    go out, then the connection closes, and every later write to it is dropped, so the body never
+    gets its end (the last chunk) and the client cannot take it for complete, whatever runs between
+    the route and the HTTP server (a middleware of the function form ends a body that its app left
+    open). A connection whose client takes none of those bytes for ``stall_s`` seconds is reset."""
+    transport = _CONNECTION.get()
+    if transport is None:
+        return
+    deadline = time.monotonic() + stall_s
+    while transport.get_write_buffer_size() and not transport.is_closing():  # (a write now would go out)
+        if time.monotonic() > deadline:
+            _drop_connection()
+            return
+        await asyncio.sleep(0.005)
+    transport.close()  # (nothing left unsent: the transport drops what is written from here on)
+
+
 # A streamed response's bytes go to the HTTP server at most this many at a time: the server takes
 # each once the client has made room for the one before (its buffer past 64 KiB waits), so a send
 # waits for about this many bytes of the client's reading, not for a whole merged span of audio.
@@ -412,8 +430,8 @@ class _ClosingStreamingResponse(StreamingResponse):
                            "are dropped (and the request aborted if it still runs)", self.stream.request_id,
                            self._stall_s)
             _drop_connection()
-        except SpeechFailedError:  # logged by the body: the response is left incomplete, and the HTTP
-            pass  # server closes the connection without the last chunk (raised on, it would log the route's frames)
+        except SpeechFailedError:  # logged by the body (raised on, it would log the route's frames)
+            await _end_incomplete(self._stall_s)
         finally:
             await self.stream.close()
 
