@@ -30,6 +30,7 @@ from conftest import profiling_script  # noqa: E402
 from vllm_omni_kernels.serving import talker as tk  # noqa: E402
 from vllm_omni_kernels.serving.server_process import speech_server  # noqa: E402
 from vllm_omni_kernels.serving.wav import pcm16, read_wav  # noqa: E402
+from vllm_omni_kernels.vllm_integration.speech import SpeechLimits  # noqa: E402
 from vllm_omni_kernels.vllm_integration.talker_model import VOICES, make_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -699,6 +700,38 @@ def test_an_input_past_the_limit_is_refused_for_its_length_before_its_characters
     assert "3001 characters; at most 3000" in r.json()["error"]["message"]
 
 
+def test_a_body_longer_than_any_speech_request_needs_is_413_as_it_arrives(server):
+    """A body past ``SpeechLimits.max_body_bytes`` (the longest input, every character escaped at
+    its longest, and room for the other fields) is refused before it is parsed: by its declared
+    length, or, sent in chunks without one, once that many bytes have come; the next request is
+    exact. The longest input a request may have, escaped at its longest, is not: it gets the 400
+    that its characters earn."""
+    url = f"{server['url']}/v1/audio/speech"
+    json_headers = {"content-type": "application/json"}
+    limit = SpeechLimits(max_input_chars=3000).max_body_bytes  # the server's --max-input-chars
+    body = json.dumps({"input": "a" * limit}).encode()
+    before = idle(server)
+
+    def chunked():  # (a generator: httpx sends it chunked, with no Content-Length)
+        for i in range(0, len(body), 8192):
+            yield body[i:i + 8192]
+
+    for content in (body, chunked()):
+        r = httpx.post(url, content=content, headers=json_headers, timeout=30)
+        assert r.status_code == 413, r.text
+        assert f"longer than the {limit} bytes" in r.json()["error"]["message"]
+    longest = json.dumps({"input": "\U0001f600" * 3000, "voice": "alloy"})  # 12 bytes a character
+    assert len(longest) > 36000
+    r = httpx.post(url, content=longest, headers=json_headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    after = stats(server)
+    assert (after["served"], after["rejected"], after["worker"]["steps"]) == \
+        (before["served"], before["rejected"], before["worker"]["steps"])
+    text = "Served after a body too large."
+    r = httpx.post(url, json={"input": text, "response_format": "pcm", "sample_format": "f32"}, timeout=60)
+    assert r.status_code == 200 and r.content == expected(server, text).astype("<f4").tobytes()
+
+
 @pytest.mark.parametrize("body, param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
 def test_bad_requests_get_400_and_leave_the_engine_alone(server, body, param):
     before = idle(server)
@@ -1060,7 +1093,7 @@ def test_what_additional_config_says_of_the_talker_wins_over_the_servers_options
 def test_a_stream_that_ends_without_audio_adds_no_time_to_first_audio():
     """A streamed wav whose request ends with no audio still sends its header, but no time to first
     audio: none arrived (it would count from the epoch, and skew the p99)."""
-    from vllm_omni_kernels.vllm_integration.speech import FirstAudio, SpeechLimits, SpeechRequest, _respond
+    from vllm_omni_kernels.vllm_integration.speech import FirstAudio, SpeechRequest, _respond
 
     class Ended:  # what the route reads of a SpeechStream whose request ended with no audio
         request_id, received, first_at, first_metrics, output_tokens, delivered = "r", time.time(), 0.0, None, 0, False

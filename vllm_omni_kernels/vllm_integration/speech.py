@@ -26,6 +26,7 @@ frames per character when faster), ``stream`` (default false), and this server's
   counts as turned away, not served. A whole file longer than the output memory could ever hold
   (``SpeechLimits.file_frames``) is a 400 before the engine runs it: no retry would hold it.
 - Bad requests: ``400`` with an OpenAI-style error body naming the parameter; the engine is not touched.
+  A body longer than any request could need (``SpeechLimits.max_body_bytes``) is a ``413`` as it arrives.
   OpenAI's ``instructions`` (how to speak) is one: the talker's voices take none, and a request that
   asks for a manner of speech is refused rather than served without it (empty or white space is no
   instruction). So is a character the model's tokenizer knows only as its unknown token.
@@ -60,7 +61,8 @@ from typing import Literal
 
 import numpy as np
 import torch
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -117,6 +119,13 @@ class SpeechLimits:
     stall_s: float = 60.0  # a response gives its request up when its client takes no bytes this long
     request_id_headers: bool = False  # vLLM's --enable-request-id-headers: its middleware sets X-Request-Id
     file_frames: int | None = None  # the most codec frames of a whole file the worker can hold (None: no bound)
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The longest body a request this route could serve has: ``max_input_chars`` characters of
+        12 bytes each (a character beyond the BMP escaped in JSON as two ``\\uXXXX``), and 64 KiB
+        for the other fields. A longer one is refused as it arrives (``_BodyLimitedRoute``)."""
+        return 65536 + 12 * self.max_input_chars
 
 
 class FirstAudio:
@@ -540,7 +549,40 @@ def _headers(request: SpeechRequest, request_id: str, ids_by_vllm: bool) -> dict
             "X-Audio-Channels": "1"}
 
 
-router = APIRouter()
+class _BodyLimitedRoute(APIRoute):
+    """FastAPI's route, refusing a request whose body is longer than any the speech route serves
+    (``SpeechLimits.max_body_bytes``) with 413 as it arrives: read no further than that, and never
+    parsed, where a body of hundreds of megabytes, read and parsed on the event loop, would hold up
+    every stream the process serves for seconds. A declared length says so before any of the body
+    is read; a body sent in chunks is counted as it is read (an ``HTTPException``, which FastAPI
+    raises on from its body reading and vLLM's handler answers)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def limited(request: Request) -> Response:
+            limit = request.app.state.omni_speech_limits.max_body_bytes
+            message = f"the request body is longer than the {limit} bytes a speech request can need"
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                too_large = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+                return _error(message, status=too_large, err_type=too_large.phrase)
+            got = 0
+
+            async def counted():
+                nonlocal got
+                received = await request.receive()
+                got += len(received.get("body", b""))
+                if got > limit:
+                    raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE.value, message)
+                return received
+
+            return await handler(Request(request.scope, counted))
+
+        return limited
+
+
+router = APIRouter(route_class=_BodyLimitedRoute)
 
 
 @router.post("/v1/audio/speech", dependencies=[Depends(validate_json_request)],
