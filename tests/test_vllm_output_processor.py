@@ -908,6 +908,20 @@ def test_an_output_with_data_only_adds_no_inter_token_latency():
     assert sum(s.num_generation_tokens for s in stats) == 3
 
 
+def test_the_tokens_held_count_when_the_output_that_carries_the_count_is_for_a_request_gone():
+    """The engine core puts the count of the tokens it held (``tokens_held``) on its message's first
+    output; vLLM skips an output whose request was aborted here meanwhile. The count is the step's
+    all the same: generation tokens are what the engine made."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=True)
+    processor.add_request(core_request("live", [5, 6, 7], sampling(RequestOutputKind.DELTA, max_tokens=8,
+                                                                    detokenize=False)), None)
+    processor.process_outputs([token_output("live", 7)], engine_core_timestamp=0.0, iteration_stats=IterationStats())
+    stats = IterationStats()
+    processor.process_outputs([OmniEngineCoreOutput(request_id="gone", new_token_ids=[9], tokens_held=5),
+                               token_output("live", 8)], engine_core_timestamp=1.0, iteration_stats=stats)
+    assert stats.num_generation_tokens == 5 + 1  # the held five, and the live request's token
+
+
 @pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
 def test_worker_pieces_keep_the_per_step_values_metadata_and_axes(kind):
     """A request whose worker pieces and per-step values meet in one output gets the per-step

@@ -362,6 +362,11 @@ class MultimodalOutputProcessor(OutputProcessor):
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput], engine_core_timestamp=None,
                         iteration_stats=None, weight_version: str | None = None) -> OutputProcessorOutput:
         self._message_times = (engine_core_timestamp, time.monotonic())  # (first_data_at)
+        first = engine_core_outputs[0] if engine_core_outputs else None
+        if iteration_stats is not None and first is not None and first.request_id not in self.request_states:
+            # vLLM skips an output whose request is gone (aborted here): the tokens the engine core
+            # held, which the message's first output carries, count all the same
+            iteration_stats.num_generation_tokens += getattr(first, "tokens_held", 0)
         with self.stopwatch, nvtx_range("frontend.multimodal"):
             self._accumulate(engine_core_outputs)
         result = super().process_outputs(engine_core_outputs, engine_core_timestamp, iteration_stats, weight_version)
