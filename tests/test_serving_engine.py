@@ -333,7 +333,8 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
         # what the talker's sampling cannot honour is refused at admission (TalkerSampling), not ignored
         from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
 
-        for refused in ({"logprobs": 2}, {"prompt_logprobs": 1}, {"min_tokens": 3, "stop_token_ids": [1100]},
+        for refused in ({"logprobs": 2}, {"prompt_logprobs": 1}, {"logprob_token_ids": [1800]},
+                        {"min_tokens": 3, "stop_token_ids": [1100]},
                         {"allowed_token_ids": [1500]}, {"bad_words": ["x"]}, {"logit_bias": {1800: -100.0}},
                         {"structured_outputs": StructuredOutputsParams(choice=["yes", "no"])},
                         {"repetition_detection": RepetitionDetectionParams(max_pattern_size=4, min_count=3)}):
