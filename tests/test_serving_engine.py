@@ -312,6 +312,11 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
         assert not engine.has_unfinished_requests()
         (out,) = engine.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], final)
         assert out.multimodal.tensors["audio"].equal(tk.expected_audio(tk.rollout(tk.ToyTalker(0), [5, 6, 7], 7)))
+        # what code written for vLLM's LLM.generate reads, as on vLLM's RequestOutput
+        assert (out.prompt_token_ids, out.finished, out.outputs[0].finish_reason) == ([5, 6, 7], True, "length")
+        assert out.num_cached_tokens == out.request_output.num_cached_tokens and out.prompt_logprobs is None
+        with pytest.raises(AttributeError, match="no attribute 'no_such_field'"):
+            out.no_such_field
         (one,) = engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), final)  # one prompt, not a list of keys
         assert one.multimodal.tensors["audio"].equal(out.multimodal.tensors["audio"])
         (ids,) = engine.generate([5, 6, 7], final)  # one prompt of token ids

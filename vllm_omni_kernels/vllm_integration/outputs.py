@@ -144,6 +144,15 @@ class OmniRequestOutput:
         return cls(request_id=request_id, finished=True, output_modality=OutputModality.IMAGE, images=list(images),
                    stage_id=stage_id, prompt=prompt, metrics=dict(metrics or {}))
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped output's fields that this one has not (``prompt_token_ids``,
+        ``num_cached_tokens``, ``kv_transfer_params``...), so that code written for what vLLM's
+        ``LLM.generate`` returns reads them here too (``metrics`` is this output's own)."""
+        inner = self.__dict__.get("request_output")
+        if inner is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(inner, name)
+
     @property
     def text(self) -> str | None:
         if isinstance(self.request_output, RequestOutput) and self.request_output.outputs:
