@@ -908,6 +908,28 @@ def test_an_output_with_data_only_adds_no_inter_token_latency():
     assert sum(s.num_generation_tokens for s in stats) == 3
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_delivery_without_frames_is_nothing_new(kind):
+    """The worker's rest of a request that had nothing left unread (a stop on its first token,
+    whose frame went out at once) has no frames of any key: its output has nothing new, so a DELTA
+    one has no payload (not an empty one), a CUMULATIVE one everything so far. A key without frames
+    beside one with them stays (a consumer finds every key it knows)."""
+    processor = MultimodalOutputProcessor(TOK, log_stats=False)
+    processor.add_request(core_request("r", [5, 6, 7], sampling(kind, max_tokens=4, detokenize=False)), None)
+    empty = {"audio": (-1, torch.zeros(0)), "codes": (0, torch.zeros(0, 1, dtype=torch.int64))}
+    steps = [token_output("r", 7, cls=OmniEngineCoreOutput,
+                          multimodal_delivered={"audio": (-1, torch.arange(3.0)), "codes": empty["codes"]}),
+             token_output("r", 8, finish=FinishReason.STOP, cls=OmniEngineCoreOutput, multimodal_delivered=empty)]
+    payloads = [out.outputs[0].multimodal_output for step in steps
+                for out in processor.process_outputs([step]).request_outputs]
+    first = payloads[0] if kind == RequestOutputKind.DELTA else payloads[-1]
+    assert first.tensors["audio"].equal(torch.arange(3.0)) and first.tensors["codes"].shape == (0, 1)
+    if kind == RequestOutputKind.DELTA:
+        assert payloads[1] is None
+    elif kind == RequestOutputKind.CUMULATIVE:
+        assert payloads[1].tensors["audio"].equal(torch.arange(3.0))
+
+
 def test_the_tokens_held_count_when_the_output_that_carries_the_count_is_for_a_request_gone():
     """The engine core puts the count of the tokens it held (``tokens_held``) on its message's first
     output; vLLM skips an output whose request was aborted here meanwhile. The count is the step's

@@ -152,10 +152,12 @@ class OmniRequestState(RequestState):
         return self.accumulator.append_step([self.request_id], {k: [v] for k, v in payload.items()})
 
     def deliver(self, pieces: dict[str, tuple[int, torch.Tensor]]) -> None:
-        """Keep one delivery of the worker's data (``{key: (axis, tensor)}``) for the next output."""
+        """Keep one delivery of the worker's data (``{key: (axis, tensor)}``) for the next output; one
+        without frames of any key (the rest of a request that had none left unread) is nothing new."""
         if self.arrived is None:
             self.arrived = []
-        self.arrived.append(pieces)
+        if any(t.shape[axis] for axis, t in pieces.values()):
+            self.arrived.append(pieces)
 
     def take_payload(self, finished: bool) -> MultimodalPayload | None:
         """The payload due now (per output kind): the worker's pieces, then what the accumulator
