@@ -19,7 +19,8 @@ Per step and path it times, on the host:
 
 The client's processor runs with vLLM's ``stream_interval`` at the cadence in frames, as the
 talker's engine does (``llm.talker_stream_interval``). Every finished request's audio is checked
-sample for sample against what its frames decode to.
+sample for sample against what its frames decode to, its codes and tokens against those its steps
+sampled, and each CUMULATIVE output against the one before it.
 Prints one line per path and a ratio line; ``--out`` writes JSON (``plot.py`` draws it).
 
 Usage: python profiling/bench_output_path.py [--streams 64,256] [--frames 40] [--steps 200] [--device cuda]
@@ -75,6 +76,7 @@ class _Stream:
         self.audio: list[np.ndarray] = []
         self.codes: list[np.ndarray] = []
         self.sent: list[np.ndarray] = []  # the codes its steps produced
+        self.tokens: list[int] = []  # the token ids its outputs carried
 
 
 def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cadence: int,
@@ -161,13 +163,18 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
         by_id = {s.rid: s for s in live}
         for out in result.request_outputs:
             s = by_id[out.request_id]
+            delta = s.kind == RequestOutputKind.DELTA
+            s.tokens = s.tokens + list(out.outputs[0].token_ids) if delta else list(out.outputs[0].token_ids)
             payload = getattr(out.outputs[0], "multimodal_output", None)
             if payload is not None:
                 got_audio, got_codes = (payload.tensors[k].numpy(force=True).copy() for k in ("audio", "codes"))
-                if s.kind == RequestOutputKind.DELTA:
+                if delta:
                     s.audio.append(got_audio)
                     s.codes.append(got_codes)
-                else:
+                else:  # each CUMULATIVE output holds the one before it (the last alone could hide a wrong one)
+                    if s.audio and not (np.array_equal(got_audio[:s.audio[0].size], s.audio[0])
+                                        and np.array_equal(got_codes[:len(s.codes[0])], s.codes[0])):
+                        raise AssertionError(f"{s.rid} ({s.kind.name}): an output does not start with the one before")
                     s.audio, s.codes = [got_audio], [got_codes]
         if step >= 20:
             times["worker"].append(t1 - t0)
@@ -257,12 +264,15 @@ def launch_floor_us(B: int, cadence_frames: int, steps: int = 2000) -> float:
 
 
 def _check(s: _Stream) -> None:
-    """The stream's codes against those its steps produced, and its audio against what they decode
-    to (streams that started mid-way too: their frames count from ``first``)."""
+    """The stream's codes and tokens against those its steps produced, and its audio against what
+    they decode to (streams that started mid-way too: their frames count from ``first``)."""
     codes = torch.from_numpy(np.concatenate(s.codes)) if s.codes else torch.zeros(0, tk.CODEBOOKS, dtype=torch.int64)
     audio = torch.from_numpy(np.concatenate(s.audio)) if s.audio else torch.zeros(0)
     if not torch.equal(codes, torch.from_numpy(np.stack(s.sent))):
         raise AssertionError(f"{s.rid} ({s.kind.name}): {codes.shape[0]} frames arrived, not the {len(s.sent)} sent")
+    if s.tokens != [int(c[0]) + tk.TEXT_VOCAB for c in s.sent]:
+        raise AssertionError(f"{s.rid} ({s.kind.name}): its outputs' {len(s.tokens)} tokens are not the "
+                             f"{len(s.sent)} its steps sampled")
     want = tk.decode_frames(codes, torch.arange(s.first, s.frames)).reshape(-1)
     if not torch.equal(audio, want):
         raise AssertionError(f"{s.rid} ({s.kind.name}): audio differs from what its codes decode to")

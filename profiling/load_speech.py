@@ -13,7 +13,8 @@ count and in time (``--time-limit`` per path). Reported per path (JSON + PNG und
 - audio seconds delivered per wall second;
 - gaps: each wait between two chunks against the audio the chunk before covered (worst ratio), and
   underruns: chunks that came after a player started at the first byte would have run dry;
-- samples lost, altered or extra (against ``talker.expected_audio`` of the stream's rollout);
+- samples lost, altered or extra (against ``talker.expected_audio`` of the stream's rollout), and
+  streams cut; any of them, or an answer other than 200 and 503, makes the exit status 1;
 - 503 answers, and an overload probe: ``max_inflight + 8`` simultaneous requests (the extra ones must
   get 503 with Retry-After);
 - where the server says the time to first audio went (``speech.FirstAudio``), p50 / p99 (with
@@ -89,6 +90,7 @@ class Stream:
         self.t_send = self.t_first = None
         self.arrivals: list[tuple[float, int]] = []  # (time, bytes) per chunk
         self.data = bytearray()
+        self.cut = False  # its response ended before its end (the samples it lacks count as lost)
         self.nbytes = self.lost = self.altered = self.extra = 0  # after check()
 
 
@@ -111,11 +113,14 @@ async def one_stream(client: aiohttp.ClientSession, s: Stream) -> None:
         if r.status != 200:
             await r.read()
             return
-        async for chunk in r.content.iter_any():  # as the bytes arrive
-            now = time.perf_counter()
-            s.t_first = s.t_first or now
-            s.arrivals.append((now, len(chunk)))
-            s.data += chunk
+        try:
+            async for chunk in r.content.iter_any():  # as the bytes arrive
+                now = time.perf_counter()
+                s.t_first = s.t_first or now
+                s.arrivals.append((now, len(chunk)))
+                s.data += chunk
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):  # (a stream the server cut)
+            s.cut = True
 
 
 def _ttfb_ms(streams: list[Stream]) -> np.ndarray:
@@ -159,8 +164,8 @@ def check(streams: list[Stream], model: Path) -> None:
 def checked(streams: list[Stream]) -> dict:
     ok = [s for s in streams if s.status == 200]
     return {"samples_lost": sum(s.lost for s in ok), "samples_altered": sum(s.altered for s in ok),
-            "samples_extra": sum(s.extra for s in ok),
-            "streams_exact": sum(s.lost == 0 and s.altered == 0 and s.extra == 0 for s in ok)}
+            "samples_extra": sum(s.extra for s in ok), "streams_cut": sum(s.cut for s in ok),
+            "streams_exact": sum(s.lost == 0 and s.altered == 0 and s.extra == 0 and not s.cut for s in ok)}
 
 
 async def overload_probe(url: str, limit: int) -> dict:
@@ -273,7 +278,8 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
     audio_s = sum(s.nbytes for s in ok) / 4 / tk.SAMPLE_RATE
     step_ms = after_load["step_ms"]
     res = {"path": path, "clients": args.clients, "api_servers": args.api_servers, "streams": len(streams),
-           "ok": len(ok), "status_503": sum(s.status == 503 for s in streams), "wall_s": wall, "audio_s": audio_s,
+           "ok": len(ok), "status_503": sum(s.status == 503 for s in streams),
+           "status_other": sum(s.status not in (200, 503) for s in streams), "wall_s": wall, "audio_s": audio_s,
            "audio_s_per_wall_s": audio_s / wall, "ttfb_ms_p50": float(np.percentile(ttfb, 50)),
            "ttfb_ms_p99": float(np.percentile(ttfb, 99)), "step_ms": step_ms,
            "ttfb_p99_target_ms": 2 * step_ms + 50, "worst_gap_ratio": float(max(worst)),
@@ -287,7 +293,7 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
           f"target {res['ttfb_p99_target_ms']:.1f}: 2 steps of {step_ms:.2f} ms + 50); "
           f"worst gap {res['worst_gap_ratio']:.2f}x the previous chunk, {res['underruns']} underruns; "
           f"{verdict['samples_lost']} samples lost, {verdict['samples_altered']} altered, {verdict['samples_extra']} "
-          f"extra; 503s {res['status_503']}; probe {probe}; pool bytes {before['pool_bytes_used']} -> "
+          f"extra, {verdict['streams_cut']} streams cut; 503s {res['status_503']}, other errors {res['status_other']}; probe {probe}; pool bytes {before['pool_bytes_used']} -> "
           f"{after['pool_bytes_used']}, slots {after['pool_slots_used']}, RSS {before['rss_bytes']} -> "
           f"{[m['rss_bytes'] for m in rounds]} after each round", flush=True)
     if phases.get("count"):  # (the API server process that answered the stats request: one of --api-servers)
@@ -335,6 +341,10 @@ def main() -> None:
 
     plot(out / "load_speech.json")
     print(f"wrote {out / 'load_speech.json'} and load_speech.png")
+    wrong = [r["path"] for r in results if r["samples_lost"] or r["samples_altered"] or r["samples_extra"]
+             or r["streams_cut"] or r["status_other"]]
+    if wrong:  # (503s are the server's bound at work, not a failure)
+        raise SystemExit(f"samples lost, altered or extra, streams cut, or errors answered on {wrong}")
 
 
 if __name__ == "__main__":

@@ -417,11 +417,13 @@ def test_an_aborted_cumulative_request_is_checked_as_its_last_output_came():
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("spoil, message", [("an earlier frame's codes changed", "does not start with the output"),
-                                            ("codes a frame behind its tokens", "1 frames of codes for its 2 tokens")])
+                                            ("codes a frame behind its tokens", "1 frames of codes for its 2 tokens"),
+                                            ("a token not its frame's", "codes other than those of its 2 tokens")])
 def test_a_cumulative_output_must_hold_the_one_before_and_the_codes_of_its_tokens(spoil, message):
     """A CUMULATIVE output whose earlier codes differ from those the output before held (its audio
     the same: only the codes tell), or that holds fewer frames of codes than the tokens it reports,
-    marks its request inconsistent, which the check then fails."""
+    or codes other than its tokens', marks its request inconsistent (saying which), which the check
+    then fails."""
     pytest.importorskip("vllm")
     from vllm_omni_kernels.serving import talker as tk
     from vllm_omni_kernels.vllm_integration.simulate import _Plan, _Result, _take
@@ -437,6 +439,8 @@ def test_a_cumulative_output_must_hold_the_one_before_and_the_codes_of_its_token
         later = codes[:2].clone()
         later[0, 3] += 1  # (not codebook 0: the tokens stay right)
         _take(res, _output(audio[:2 * F].clone(), later, tokens[:2]))
+    elif spoil == "a token not its frame's":
+        _take(res, _output(audio[:2 * F].clone(), codes[:2].clone(), [tokens[0], tokens[1] + 1]))
     else:
         _take(res, _output(audio[:F].clone(), codes[:1].clone(), tokens[:2]))
     assert res.inconsistent is not None and message in res.inconsistent
@@ -445,7 +449,7 @@ def test_a_cumulative_output_must_hold_the_one_before_and_the_codes_of_its_token
 @pytest.mark.vllm
 def test_the_output_path_benchmark_checks_every_stream_and_its_check_can_fail():
     """``profiling/bench_output_path.py`` at a toy size on the CPU, both paths: every stream that
-    finished was checked exact; its check fails a stream with one code changed."""
+    finished was checked exact; its check fails a stream with a token lost or one code changed."""
     pytest.importorskip("vllm")
     import torch
     from conftest import profiling_script
@@ -458,10 +462,15 @@ def test_the_output_path_benchmark_checks_every_stream_and_its_check_can_fail():
         r = bop.bench(path, 4, 4, 6, torch.device("cpu"), tk.STREAM_CADENCE)
         assert r["checked_exact"] >= 4, r
     s = bop._Stream("r", 0, bop.KINDS[0], 2)
-    s.sent = [torch.randint(0, tk.CODEBOOK_SIZE, (tk.CODEBOOKS,)) for _ in range(2)]
-    s.codes = [torch.stack(s.sent)]
-    s.audio = [tk.decode_frames(s.codes[0], torch.arange(2)).reshape(-1)]
+    s.sent = list(torch.randint(0, tk.CODEBOOK_SIZE, (2, tk.CODEBOOKS)).numpy())
+    s.codes = [np.stack(s.sent)]
+    s.audio = [tk.decode_frames(torch.from_numpy(s.codes[0]), torch.arange(2)).reshape(-1).numpy()]
+    s.tokens = [int(c[0]) + tk.TEXT_VOCAB for c in s.sent]
     bop._check(s)
+    s.tokens = s.tokens[1:]  # (a token lost on the way: the codes and audio are right)
+    with pytest.raises(AssertionError, match="tokens are not the 2"):
+        bop._check(s)
+    s.tokens = [int(c[0]) + tk.TEXT_VOCAB for c in s.sent]
     s.codes[0][1, 5] += 1
     with pytest.raises(AssertionError, match="frames arrived"):
         bop._check(s)

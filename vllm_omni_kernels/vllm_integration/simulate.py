@@ -652,7 +652,8 @@ def _take(res: _Result, out) -> None:
                 res.inconsistent = f"output {res.payloads} does not start with the output before it"
             if res.inconsistent is None and (codes[:, 0] + tk.TEXT_VOCAB).tolist() != res.tokens:
                 res.inconsistent = (f"output {res.payloads} holds {codes.shape[0]} frames of codes for its "
-                                    f"{len(res.tokens)} tokens")
+                                    f"{len(res.tokens)} tokens" if codes.shape[0] != len(res.tokens) else
+                                    f"output {res.payloads} holds codes other than those of its {len(res.tokens)} tokens")
             res.audio, res.codes = [audio], [codes]
 
 
