@@ -242,6 +242,21 @@ def test_cumulative_outputs_are_thinned_at_the_stream_interval_and_each_is_vllms
     assert sent == ([1, 2, 3, 4, 5, 6, 7, 8] if interval == 1 or upstream else [1, 4, 7, 8])
 
 
+@pytest.mark.parametrize("payload", [{"sr": 24000, "audio": torch.arange(4.0)},
+                                     {"loss": torch.tensor(1.0), "audio": torch.arange(4.0)}, {"sr": 24000}],
+                         ids=["a plain value first", "a 0-d tensor first", "a plain value alone"])
+def test_the_upstream_style_takes_plain_and_0d_values_beside_tensors(payload):
+    """The upstream-style processor hands each step's values to the request as they are: a plain
+    value or a 0-d tensor among them (a sample rate, a loss) is data like the others."""
+    from vllm_omni_kernels.vllm_integration.upstream_style import UpstreamStyleOutputProcessor
+
+    processor = UpstreamStyleOutputProcessor(TOK, log_stats=False, output_modality="text+audio")
+    processor.add_request(core_request("c", [5, 6], sampling(RequestOutputKind.DELTA, max_tokens=2)), None)
+    (out,) = processor.process_outputs([mm_step("c", 7, payload)]).request_outputs
+    assert set(out.outputs[0].multimodal_output.tensors) | set(out.outputs[0].multimodal_output.metadata) \
+        == set(payload)
+
+
 def test_producer_keys_are_renamed_only_where_the_stage_says_so():
     p = MultimodalOutputProcessor(TOK, log_stats=False, output_modality="audio",
                                   key_aliases={"model_outputs": "audio"})
@@ -930,17 +945,25 @@ def test_a_delivery_without_frames_is_nothing_new(kind):
         assert payloads[1].tensors["audio"].equal(torch.arange(3.0))
 
 
-def test_the_tokens_held_count_when_the_output_that_carries_the_count_is_for_a_request_gone():
+@pytest.mark.parametrize("skipped", ["a request gone", "an error to a queue"])
+def test_the_tokens_held_count_when_vllm_skips_the_output_that_carries_the_count(skipped):
     """The engine core puts the count of the tokens it held (``tokens_held``) on its message's first
-    output; vLLM skips an output whose request was aborted here meanwhile. The count is the step's
-    all the same: generation tokens are what the engine made."""
+    output; vLLM takes no statistics from an output whose request was aborted here meanwhile, nor
+    from an error output to a request with a queue (AsyncLLM's). The count is the step's all the
+    same: generation tokens are what the engine made."""
     processor = MultimodalOutputProcessor(TOK, log_stats=True)
-    processor.add_request(core_request("live", [5, 6, 7], sampling(RequestOutputKind.DELTA, max_tokens=8,
-                                                                    detokenize=False)), None)
+    params = sampling(RequestOutputKind.DELTA, max_tokens=8, detokenize=False)
+    processor.add_request(core_request("live", [5, 6, 7], params), None)
+    if skipped == "a request gone":
+        first = OmniEngineCoreOutput(request_id="gone", new_token_ids=[9], tokens_held=5)
+    else:
+        processor.add_request(core_request("queued", [5, 6, 7], params), None,
+                              queue=RequestOutputCollector(RequestOutputKind.DELTA, "queued"))
+        first = OmniEngineCoreOutput(request_id="queued", new_token_ids=[], finish_reason=FinishReason.ERROR,
+                                     error=RequestError(code="engine_paused", message="paused"), tokens_held=5)
     processor.process_outputs([token_output("live", 7)], engine_core_timestamp=0.0, iteration_stats=IterationStats())
     stats = IterationStats()
-    processor.process_outputs([OmniEngineCoreOutput(request_id="gone", new_token_ids=[9], tokens_held=5),
-                               token_output("live", 8)], engine_core_timestamp=1.0, iteration_stats=stats)
+    processor.process_outputs([first, token_output("live", 8)], engine_core_timestamp=1.0, iteration_stats=stats)
     assert stats.num_generation_tokens == 5 + 1  # the held five, and the live request's token
 
 

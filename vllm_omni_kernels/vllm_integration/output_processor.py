@@ -152,12 +152,10 @@ class OmniRequestState(RequestState):
         return self.accumulator.append_step([self.request_id], {k: [v] for k, v in payload.items()})
 
     def deliver(self, pieces: dict[str, tuple[int, torch.Tensor]]) -> None:
-        """Keep one delivery of the worker's data (``{key: (axis, tensor)}``) for the next output; one
-        without frames of any key (the rest of a request that had none left unread) is nothing new."""
+        """Keep one delivery of the worker's data (``{key: (axis, tensor)}``) for the next output."""
         if self.arrived is None:
             self.arrived = []
-        if any(t.shape[axis] for axis, t in pieces.values()):
-            self.arrived.append(pieces)
+        self.arrived.append(pieces)
 
     def take_payload(self, finished: bool) -> MultimodalPayload | None:
         """The payload due now (per output kind): the worker's pieces, then what the accumulator
@@ -364,11 +362,10 @@ class MultimodalOutputProcessor(OutputProcessor):
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput], engine_core_timestamp=None,
                         iteration_stats=None, weight_version: str | None = None) -> OutputProcessorOutput:
         self._message_times = (engine_core_timestamp, time.monotonic())  # (first_data_at)
-        first = engine_core_outputs[0] if engine_core_outputs else None
-        if iteration_stats is not None and first is not None and first.request_id not in self.request_states:
-            # vLLM skips an output whose request is gone (aborted here): the tokens the engine core
-            # held, which the message's first output carries, count all the same
-            iteration_stats.num_generation_tokens += getattr(first, "tokens_held", 0)
+        if iteration_stats is not None and engine_core_outputs:
+            # the tokens the engine core held, counted on its message's first output; here, not in
+            # _update_stats_from_output, which vLLM skips for some outputs (a request gone, an error)
+            iteration_stats.num_generation_tokens += getattr(engine_core_outputs[0], "tokens_held", 0)
         with self.stopwatch, nvtx_range("frontend.multimodal"):
             self._accumulate(engine_core_outputs)
         result = super().process_outputs(engine_core_outputs, engine_core_timestamp, iteration_stats, weight_version)
@@ -380,7 +377,8 @@ class MultimodalOutputProcessor(OutputProcessor):
         not the last: data arriving while the final output waits for the worker's rest), which adds
         no inter-token latency; and the tokens the engine core held for their audio count as they
         would have with an output every step (``scheduler.HeldTokens``): in the step's generation
-        tokens when held (``tokens_held``), not again on the output that carries them, which adds
+        tokens when held (``tokens_held``, on the message's first output: ``process_outputs`` counts
+        it, whatever vLLM does with that output), not again on the output that carries them, which adds
         one inter-token latency for each step that made them (``held_times``)."""
         eco = engine_core_output
         data_only = not (eco.new_token_ids or eco.events or req_state.is_prefilling or eco.finish_reason is not None) \
@@ -395,7 +393,7 @@ class MultimodalOutputProcessor(OutputProcessor):
         if not data_only:
             super()._update_stats_from_output(req_state, engine_core_output, engine_core_timestamp, iteration_stats)
         if iteration_stats is not None:
-            iteration_stats.num_generation_tokens += getattr(eco, "tokens_held", 0) - len(held_times or ())
+            iteration_stats.num_generation_tokens -= len(held_times or ())  # (counted when held: process_outputs)
 
     def _accumulate(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> None:
         """One batched append per device for every multimodal output of the step. A bad value (or
@@ -464,7 +462,10 @@ class MultimodalOutputProcessor(OutputProcessor):
                 logger.error("request %s failed: %s", eco.request_id, exc)
                 self._failures.append((state, exc))
                 return
-        state.deliver(pieces)
+        if any(t.shape[axis] for axis, t in pieces.values()):
+            state.deliver(pieces)
+        elif state.arrived is None:  # (data came for it, none of it frames: nothing new)
+            state.arrived = []
 
     def _unknown(self, request_id: str, errors: list) -> None:
         """Output for a request without a state: one that finished or was aborted while the step was
