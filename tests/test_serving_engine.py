@@ -315,8 +315,9 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
         # what code written for vLLM's LLM.generate reads, as on vLLM's RequestOutput
         assert (out.prompt_token_ids, out.finished, out.outputs[0].finish_reason) == ([5, 6, 7], True, "length")
         assert out.num_cached_tokens == out.request_output.num_cached_tokens and out.prompt_logprobs is None
-        with pytest.raises(AttributeError, match="no attribute 'no_such_field'"):
-            out.no_such_field
+        for not_a_field in ("no_such_field", "add"):  # (vLLM's methods stay the wrapped output's)
+            with pytest.raises(AttributeError, match=f"'OmniRequestOutput' object has no attribute '{not_a_field}'"):
+                getattr(out, not_a_field)
         (one,) = engine.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), final)  # one prompt, not a list of keys
         assert one.multimodal.tensors["audio"].equal(out.multimodal.tensors["audio"])
         (ids,) = engine.generate([5, 6, 7], final)  # one prompt of token ids
@@ -339,6 +340,7 @@ def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_promp
         from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
 
         for refused in ({"logprobs": 2}, {"prompt_logprobs": 1}, {"logprob_token_ids": [1800]},
+                        {"prompt_logprob_token_ids": [[1800]]},
                         {"min_tokens": 3, "stop_token_ids": [1100]},
                         {"allowed_token_ids": [1500]}, {"bad_words": ["x"]}, {"logit_bias": {1800: -100.0}},
                         {"structured_outputs": StructuredOutputsParams(choice=["yes", "no"])},

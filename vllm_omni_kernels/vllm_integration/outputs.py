@@ -4,6 +4,7 @@ one non-nestable shape for every stage."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,10 @@ class MultimodalPoolingOutput(PoolingOutput):
     multimodal_output: MultimodalPayload | None = None
 
 
+# vLLM's RequestOutput fields that an OmniRequestOutput reads from the output it wraps
+_READ_THROUGH = frozenset(inspect.signature(RequestOutput.__init__).parameters) - {"self", "kwargs"}
+
+
 @dataclass
 class OmniRequestOutput:
     """The output of one request of one stage. Never nested: wrapping one returns it.
@@ -146,10 +151,11 @@ class OmniRequestOutput:
 
     def __getattr__(self, name: str) -> Any:
         """The wrapped output's fields that this one has not (``prompt_token_ids``,
-        ``num_cached_tokens``, ``kv_transfer_params``...), so that code written for what vLLM's
-        ``LLM.generate`` returns reads them here too (``metrics`` is this output's own)."""
+        ``num_cached_tokens``, ``kv_transfer_params``...: ``_READ_THROUGH``), so that code written for
+        what vLLM's ``LLM.generate`` returns reads them here too (``metrics`` is this output's own).
+        Its methods are not: ``add`` on the wrapped output would leave this one's fields behind."""
         inner = self.__dict__.get("request_output")
-        if inner is None or name.startswith("_"):
+        if inner is None or name not in _READ_THROUGH:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(inner, name)
 

@@ -52,8 +52,9 @@ class OmniTalkerForTTS(nn.Module):
         constraint on its tokens (allowed tokens, bad words, a logit bias, a grammar), it does not hold back a
         stop token until ``min_tokens``, and it does not stop on repeated patterns (vLLM would end
         the request where the worker cannot see it, after all its frames were computed)."""
-        for name in ("logprobs", "prompt_logprobs", "logprob_token_ids"):  # (the last: logprobs of given tokens)
-            if getattr(params, name, None) not in (None, []):
+        for name in ("logprobs", "prompt_logprobs", "logprob_token_ids", "prompt_logprob_token_ids"):
+            value = getattr(params, name, None)  # (the last two: logprobs of given tokens; an empty list asks none)
+            if value is not None and not (isinstance(value, list) and not value):
                 raise VLLMValidationError("the talker returns no logprobs", parameter=name)
         for name in ("allowed_token_ids", "bad_words", "logit_bias", "structured_outputs"):
             if getattr(params, name, None):
