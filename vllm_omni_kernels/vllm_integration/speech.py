@@ -397,6 +397,7 @@ async def _end_incomplete(stall_s: float) -> None:
             return
         await asyncio.sleep(0.005)
     transport.close()  # (nothing left unsent: the transport drops what is written from here on)
+    await asyncio.sleep(0)  # (the HTTP server learns of the close before the route returns: no error logged)
 
 
 # A streamed response's bytes go to the HTTP server at most this many at a time: the server takes
@@ -551,11 +552,12 @@ def _headers(request: SpeechRequest, request_id: str, ids_by_vllm: bool) -> dict
 
 class _BodyLimitedRoute(APIRoute):
     """FastAPI's route, refusing a request whose body is longer than any the speech route serves
-    (``SpeechLimits.max_body_bytes``) with 413 as it arrives: read no further than that, and never
-    parsed, where a body of hundreds of megabytes, read and parsed on the event loop, would hold up
-    every stream the process serves for seconds. A declared length says so before any of the body
-    is read; a body sent in chunks is counted as it is read (an ``HTTPException``, which FastAPI
-    raises on from its body reading and vLLM's handler answers)."""
+    (``SpeechLimits.max_body_bytes``) with 413 as it arrives: the route takes no more of it than
+    that and parses none of it (the HTTP server discards the rest), where a body of hundreds of
+    megabytes, gathered and parsed on the event loop, would hold up every stream the process serves
+    for seconds. A declared length says so before any of the body is taken; a body sent in chunks
+    is counted as it is taken (an ``HTTPException``, which FastAPI raises on from its body reading
+    and vLLM's handler answers)."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
