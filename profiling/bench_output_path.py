@@ -45,7 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason  # noqa: E402
-from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
 
 from vllm_omni_kernels import ops  # noqa: E402
@@ -111,7 +110,6 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
     for k in range(B):  # staggered: request k has produced k * frames / B frames when timing starts
         start()
         live[-1].produced = live[-1].first = live[-1].frames - 1 - (k * frames) // B
-    freeze_gc_heap()  # what vLLM's API server does once it has started: the heap so far is static
     gen = torch.Generator(device=device).manual_seed(0)
     times = {"worker": [], "worker_host": [], "wire": [], "frontend": [], "frontend_multimodal": []}
     wire_bytes = []

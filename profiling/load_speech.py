@@ -153,7 +153,7 @@ def check(streams: list[Stream], model: Path) -> None:
         if s.status != 200:
             continue
         want = tk.expected_audio(tk.rollout(talker, *plan_request(tokenizer, VOICES[s.voice], s.text))).numpy()
-        got = np.frombuffer(bytes(s.data), "<f4")
+        got = np.frombuffer(bytes(s.data[:len(s.data) // 4 * 4]), "<f4")  # (a cut stream may end mid-sample)
         n = min(want.size, got.size)
         s.altered = int((got[:n].view(np.uint32) != want[:n].view(np.uint32)).sum())
         s.lost = max(0, want.size - got.size)

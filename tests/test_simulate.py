@@ -106,6 +106,8 @@ def test_wav_round_trip_and_streaming_header(tmp_path):
     struct.pack_into("<H", stereo, fmt_at + 10, 2)
     with pytest.raises(ValueError, match="2 channels"):
         read_wav(bytes(stereo) + x.tobytes())
+    with pytest.raises(ValueError, match="16 at least"):  # (a file cut inside its fmt chunk)
+        read_wav(header[:fmt_at + 12])
 
 
 def _chunks(raw: bytes) -> dict[bytes, bytes]:

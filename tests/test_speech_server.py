@@ -1246,8 +1246,9 @@ def test_an_engine_core_that_dies_cuts_every_stream_and_the_server_exits(tmp_pat
 
 def test_the_load_scripts_check_counts_what_is_lost_altered_or_extra_and_every_underrun(tmp_path):
     """``profiling/load_speech.py``'s verdict, which its published figures rest on: a stream with
-    nothing after its 200 loses every sample, one sample more is extra, one bit is altered, and only
-    exact streams count as exact; a player started at the first byte runs dry at each chunk that
+    nothing after its 200 loses every sample, one cut mid-sample the samples after its last whole
+    one (and counts as cut), one sample more is extra, one bit is altered, and only exact streams
+    count as exact; a player started at the first byte runs dry at each chunk that
     comes later than the audio before it lasts, the first gap included."""
     ls = profiling_script("load_speech")
     from transformers import AutoTokenizer
@@ -1255,16 +1256,18 @@ def test_the_load_scripts_check_counts_what_is_lost_altered_or_extra_and_every_u
     model = make_model_dir(tmp_path / "talker")
     text = "Check the checker."
     want = expected({"tokenizer": AutoTokenizer.from_pretrained(str(model))}, text)
-    streams = {name: ls.Stream(text, "alloy") for name in ("exact", "empty", "extra", "altered", "refused")}
+    streams = {name: ls.Stream(text, "alloy") for name in ("exact", "empty", "extra", "altered", "refused", "cut")}
     for name, s in streams.items():
         s.status = 503 if name == "refused" else 200
         got = want.copy()
         if name == "altered":
             got[7] = np.nextafter(got[7], np.float32(2))
         s.data = bytearray(b"" if name == "empty" else got.astype("<f4").tobytes() + (b"\0" * 4 if name == "extra" else b""))
+        if name == "cut":  # (its response ended early, in the middle of a sample)
+            s.data, s.cut = s.data[:4 * 10 + 2], True
     ls.check(list(streams.values()), model)
-    assert ls.checked(list(streams.values())) == {"samples_lost": want.size, "samples_altered": 1, "samples_extra": 1,
-                                                 "streams_exact": 1}
+    assert ls.checked(list(streams.values())) == {"samples_lost": 2 * want.size - 10, "samples_altered": 1,
+                                                 "samples_extra": 1, "streams_cut": 1, "streams_exact": 1}
     chunk = 4 * tk.FRAME_SAMPLES  # 80 ms of float32 audio
     s = streams["exact"]
     s.t_first = 0.0

@@ -54,6 +54,8 @@ def read_wav(path_or_bytes: Path | bytes) -> tuple[np.ndarray, int]:
     while pos + 8 <= len(raw):
         tag, size = raw[pos:pos + 4], struct.unpack_from("<I", raw, pos + 4)[0]
         if tag == b"fmt ":
+            if size < 16 or pos + 24 > len(raw):
+                raise ValueError(f"a fmt chunk of {size} bytes, of which {len(raw) - pos - 8} are there: 16 at least")
             fmt, channels, rate = struct.unpack_from("<HHI", raw, pos + 8)
             bits = struct.unpack_from("<H", raw, pos + 22)[0]
             dtype = {(3, 32): "<f4", (1, 16): "<i2"}.get((fmt, bits))
