@@ -538,6 +538,22 @@ def test_a_whole_file_longer_than_the_audio_memory_ever_holds_is_400_before_the_
     assert "more than one request can hold" in r.json()["error"]["message"]
 
 
+def test_a_whole_file_of_as_many_frames_as_the_audio_memory_holds_is_served(small_audio_memory):
+    """The bound is the last length served: a whole file of exactly ``file_frames`` frames is
+    exact (a speed chosen so that its characters make that many frames)."""
+    server = small_audio_memory
+    most = idle(server)["file_frames"]
+    chars = next(c for c in range(most // 4, 3001)  # (frames: the characters over the speed's decimal value, up)
+                 if math.ceil(Fraction(c) / Fraction(str(round(c / most, 6)))) == most)
+    speed = round(chars / most, 6)
+    text = "e" * chars
+    assert len(expected(server, text, speed=speed)) == most * tk.FRAME_SAMPLES
+    body = {"input": text, "speed": speed, "response_format": "pcm", "sample_format": "f32"}
+    r = httpx.post(f"{server['url']}/v1/audio/speech", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.content == expected(server, text, speed=speed).astype("<f4").tobytes()
+
+
 def test_requests_the_audio_memory_cannot_hold_get_503_and_the_others_their_audio(small_audio_memory):
     """Twelve whole files at once: those the worker cannot hold (three, unless one has finished
     before the last arrives) are answered 503 with Retry-After (a retry succeeds once others
