@@ -162,7 +162,10 @@ def bench(path: str, B: int, frames: int, steps: int, device: torch.device, cade
         for out in result.request_outputs:
             s = by_id[out.request_id]
             delta = s.kind == RequestOutputKind.DELTA
-            s.tokens = s.tokens + list(out.outputs[0].token_ids) if delta else list(out.outputs[0].token_ids)
+            if delta:
+                s.tokens.extend(out.outputs[0].token_ids)
+            else:
+                s.tokens = list(out.outputs[0].token_ids)
             payload = getattr(out.outputs[0], "multimodal_output", None)
             if payload is not None:
                 got_audio, got_codes = (payload.tensors[k].numpy(force=True).copy() for k in ("audio", "codes"))

@@ -293,7 +293,8 @@ def run_path(path: str, args, model: Path, out: Path) -> dict:
           f"target {res['ttfb_p99_target_ms']:.1f}: 2 steps of {step_ms:.2f} ms + 50); "
           f"worst gap {res['worst_gap_ratio']:.2f}x the previous chunk, {res['underruns']} underruns; "
           f"{verdict['samples_lost']} samples lost, {verdict['samples_altered']} altered, {verdict['samples_extra']} "
-          f"extra, {verdict['streams_cut']} streams cut; 503s {res['status_503']}, other errors {res['status_other']}; probe {probe}; pool bytes {before['pool_bytes_used']} -> "
+          f"extra, {verdict['streams_cut']} streams cut; 503s {res['status_503']}, other errors "
+          f"{res['status_other']}; probe {probe}; pool bytes {before['pool_bytes_used']} -> "
           f"{after['pool_bytes_used']}, slots {after['pool_slots_used']}, RSS {before['rss_bytes']} -> "
           f"{[m['rss_bytes'] for m in rounds]} after each round", flush=True)
     if phases.get("count"):  # (the API server process that answered the stats request: one of --api-servers)

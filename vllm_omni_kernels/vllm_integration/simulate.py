@@ -651,9 +651,9 @@ def _take(res: _Result, out) -> None:
             if res.plan.kind == "cumulative" and res.inconsistent is None and not _follows(res, audio, codes):
                 res.inconsistent = f"output {res.payloads} does not start with the output before it"
             if res.inconsistent is None and (codes[:, 0] + tk.TEXT_VOCAB).tolist() != res.tokens:
-                res.inconsistent = (f"output {res.payloads} holds {codes.shape[0]} frames of codes for its "
-                                    f"{len(res.tokens)} tokens" if codes.shape[0] != len(res.tokens) else
-                                    f"output {res.payloads} holds codes other than those of its {len(res.tokens)} tokens")
+                held = f"{codes.shape[0]} frames of codes for" if codes.shape[0] != len(res.tokens) else \
+                    "codes other than those of"
+                res.inconsistent = f"output {res.payloads} holds {held} its {len(res.tokens)} tokens"
             res.audio, res.codes = [audio], [codes]
 
 
