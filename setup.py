@@ -2,7 +2,7 @@
 
 When torch with CUDA and nvcc are both importable/findable at build time (``pip install
 --no-build-isolation -e .``, or ``python setup.py build_ext --inplace``), CMakeLists.txt builds
-``vllm_omni_kernels/_vok_ops*.so`` (a Python module with torch custom ops, from kernels/).
+``vllm_omni_kernels/_vok_ops*.so`` (a Python module with torch custom ops, from vllm_omni_kernels/kernels/).
 Otherwise, including pip's default isolated build where torch is absent, the package installs as
 pure Python and the CUDA ops come from CuPy/NVRTC or Triton at run time.
 ``VLLM_OMNI_KERNELS_BUILD_EXT=0`` skips the build; ``=1`` makes a failed build an error instead of a

@@ -20,7 +20,7 @@ from ptx_checks import waits_before_memory
 from vllm_omni_kernels.ops.layout import cuda_defines
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "kernels"
+KERNELS = ROOT / "vllm_omni_kernels" / "kernels"
 ENTRY_POINTS = [f"vok_ring_{op}_e{s}" for op in ("write", "read") for s in (1, 2, 4, 8)] + \
     [f"vok_row_gather_e{s}_a{a}" for s in (2, 4) for a in (0, 1)]
 

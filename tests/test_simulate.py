@@ -3,6 +3,7 @@ every request's audio is checked sample for sample inside the run, and the run f
 
 import json
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -476,3 +477,13 @@ def test_the_output_path_benchmark_checks_every_stream_and_its_check_can_fail():
     s.codes[0][1, 5] += 1
     with pytest.raises(AssertionError, match="frames arrived"):
         bop._check(s)
+
+
+@pytest.mark.vllm
+def test_without_matplotlib_the_run_draws_no_plot_and_goes_on(tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm_omni_kernels.vllm_integration.simulate import _plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (as when the bench extra is not installed)
+    _plot({"paths": {}}, tmp_path / "simulate.png")
+    assert not (tmp_path / "simulate.png").exists()

@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_signals()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # vLLM's own parser takes the rest
+        why = _without_vllm()
+        if why:
+            print(f"vllm-omni-kernels serve: {why}", file=sys.stderr)
+            return 2
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's platform; the talker picks its device
         from .vllm_integration.server import main as serve
 
@@ -104,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     mk.add_argument("--seed", type=int, default=0)
     sub.add_parser("info", help="versions and which backend each op uses, and why")
     args = parser.parse_args(argv)
+    why = None if args.cmd == "info" else _without_vllm()
+    if why:
+        parser.error(f"{args.cmd} {why}")
 
     if args.cmd == "info":
         import torch
@@ -174,10 +181,24 @@ def main(argv: list[str] | None = None) -> int:
         if ratio is not None:
             print(f"upstream-style / this package, {key}: {ratio:.3g}x")
     wavs = "" if args.no_wavs or "worker" not in summary["paths"] else f", WAVs in {Path(args.out) / 'wav'}"
-    print(f"summary.json and simulate.png in {args.out}{wavs}")
+    if (Path(args.out) / "simulate.png").exists():
+        print(f"summary.json and simulate.png in {args.out}{wavs}")
+    else:
+        print(f"summary.json in {args.out}{wavs} (no simulate.png: matplotlib is not installed; "
+              "pip install 'vllm-omni-kernels[bench]')")
     ok = all(s["finished_exact"] + s["aborted_checked"] + s["failed_as_expected"] == s["requests"]
              and s["slots_held_after"] == 0 for s in summary["paths"].values())
     return 0 if ok else 1
+
+
+def _without_vllm() -> str | None:
+    """Why vLLM, on which ``simulate``, ``serve`` and ``make-model`` run, cannot be imported (the
+    ``vllm`` extra is not installed), or None."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        return f"needs vLLM 0.33 ({exc}): pip install 'vllm-omni-kernels[vllm]'"
+    return None
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -1,10 +1,10 @@
-"""The CuPy backend: ``kernels/vok_kernels.cuh`` compiled at run time with NVRTC, for machines
+"""The CuPy backend: ``kernels/vok_kernels.cuh`` (package data) compiled at run time with NVRTC, for machines
 without a build of the extension. The kernels are the compiled backend's own source, with the same
 definitions (``layout.cuda_defines``), launched with torch tensors' device pointers on torch's
 current stream (an ``ExternalStream`` per torch stream: no copy, no stream mix-up), with the grids
 of ``kernels/vok_torch.cu``.
 
-Sources: ``$VLLM_OMNI_KERNELS_SOURCES`` (a directory), else ``kernels/`` of the source checkout.
+Sources: ``$VLLM_OMNI_KERNELS_SOURCES`` (a directory), else the package's ``kernels/``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _SOURCE = "vok_kernels.cuh"
 
 def _source_dir() -> Path:
     env = os.environ.get("VLLM_OMNI_KERNELS_SOURCES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "kernels"
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "kernels"
 
 
 @functools.cache

@@ -766,7 +766,12 @@ def _bar(cfg: SimConfig, path: str) -> tqdm:
 
 
 def _plot(summary: dict, png: Path) -> None:
-    import matplotlib
+    """Draw the summary's figures into ``png``; nothing without matplotlib (the ``bench`` extra:
+    the figures are in summary.json)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
