@@ -203,6 +203,21 @@ def test_the_talkers_options_out_of_range_are_refused_with_the_config(tmp_path, 
         omni_vllm_config(args, UsageContext.ENGINE_CONTEXT)
 
 
+def test_vllm_own_model_loader_refuses_the_talker_naming_this_packages_entry_points(tmp_path):
+    """``vllm serve DIR``, ``LLM`` or ``AsyncLLM`` on a talker directory build the model with vLLM's
+    loader in vLLM's model runner, which has no audio path for it: refused there, saying what to run
+    (it failed deep in the loader: the model has no ``load_weights``)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    model = str(make_model_dir(tmp_path / "model"))
+    config = EngineArgs(model=model, tokenizer=model, dtype="float32", enforce_eager=True,
+                        max_model_len=512).create_engine_config()
+    with set_current_vllm_config(config), pytest.raises(ValueError, match="python -m vllm_omni_kernels serve DIR"):
+        initialize_model(vllm_config=config)
+
+
 def test_a_talker_on_more_than_one_device_is_refused_with_the_config(tmp_path):
     """``TalkerExecutor`` runs one worker on one device: tensor parallelism is refused when the
     config is made and when an engine is built from vLLM's own config (it ran on one device, the

@@ -63,6 +63,7 @@ from .outputs import OmniRequestOutput, wrap_output
 from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
 from .talker_model import ARCHITECTURE, OmniTalkerForTTS
 from .upstream_style import UpstreamStyleOutputProcessor
+from .plugin import register
 from .worker import TalkerExecutor, WorkerOptions
 
 logger = init_logger("vllm.omni_kernels.llm")  # under "vllm.": vLLM's handler prints it
@@ -207,6 +208,7 @@ def omni_vllm_config(engine_args: EngineArgs, usage_context: UsageContext,
     ``TalkerExecutor`` and its subclasses, async scheduling decided as the module docstring says.
     ``api_process``: (count, rank) of the client processes that share one engine core (rank -1:
     their launcher), as ``vllm serve --api-server-count`` sets them."""
+    register()  # (vLLM loads the plugin only where VLLM_PLUGINS names it)
     if api_process is not None:
         engine_args._api_process_count, engine_args._api_process_rank = api_process
     config = engine_args.create_engine_config(usage_context)

@@ -1,10 +1,14 @@
 """The project's ``vllm.general_plugins`` entry point: vLLM runs ``register`` in every process it
-starts (frontend, engine core, workers), so each of them knows the talker's architecture."""
+starts (frontend, engine core, workers), so each of them knows the talker's architecture. This
+package's engines register it themselves too (``llm.omni_vllm_config``, ``worker.TalkerExecutor``):
+an environment's ``VLLM_PLUGINS`` may leave the plugin out of vLLM's own serving."""
 
 from __future__ import annotations
 
 
 def register() -> None:
+    """Register the talker's architecture with vLLM (once; a class another package registered under
+    its name stays)."""
     from vllm import ModelRegistry
 
     from .talker_model import ARCHITECTURE, OmniTalkerForTTS

@@ -32,7 +32,12 @@ class OmniTalkerForTTS(nn.Module):
     """vLLM's face of the talker (module docstring); the weights come from ``talker_seed`` in the
     model's config."""
 
-    def __init__(self, *, vllm_config, prefix: str = ""):
+    def __init__(self, *, vllm_config, prefix: str = "", talker_worker: bool = False):
+        if not talker_worker:  # vLLM's own model runner, which has no audio path for it
+            raise ValueError(f"{ARCHITECTURE} runs on this package's engine, whose worker runs the talker and keeps "
+                             "its audio: serve the model directory with `python -m vllm_omni_kernels serve DIR`, or "
+                             "run it with OmniLLM / OmniAsyncLLM and talker_engine_args "
+                             "(vllm_omni_kernels.vllm_integration), not with vLLM's own `vllm serve`, LLM or AsyncLLM")
         super().__init__()
         seed = int(getattr(vllm_config.model_config.hf_config, "talker_seed", 0))
         self.talker = tk.ToyTalker(seed)

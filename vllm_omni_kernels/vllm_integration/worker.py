@@ -75,6 +75,7 @@ from ..serving import talker as tk
 from ..serving.worker_accumulator import OutputKey, PackedStep, WorkerAccumulator
 from ..ring.staging import PinnedStaging
 from .outputs import OmniModelRunnerOutput
+from .plugin import register
 from .talker_model import OmniTalkerForTTS
 from .upstream_style import upstream_worker_outputs
 
@@ -202,7 +203,7 @@ class TalkerWorker:
         # rows: twice vLLM's seats to start with (module docstring)
         self.max_requests = self.options.rows or 2 * int(sched.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.model = OmniTalkerForTTS(vllm_config=vllm_config).to(self.device)
+        self.model = OmniTalkerForTTS(vllm_config=vllm_config, talker_worker=True).to(self.device)
         self._size_rows(0, self.max_requests)  # the per-row state (_ROW_ARRAYS and the talker's)
         self._row: dict[str, int] = {}
         self._stop_ids: dict[str, frozenset[int]] = {}  # requests that stop_token_ids of their own can end
@@ -719,6 +720,7 @@ class TalkerExecutor(UniProcExecutor):
     """vLLM's one-process executor, running ``TalkerWorker`` (module docstring)."""
 
     def _init_executor(self) -> None:
+        register()  # (an engine core where VLLM_PLUGINS leaves the plugin out)
         self.driver_worker = TalkerWorker(self.vllm_config)
 
     def discard(self, tags: tuple[str, ...]) -> None:
