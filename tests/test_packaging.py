@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", ".bundle", ".gpu", "out", "build", "dist", "*.egg-info",
-                                      "__pycache__", "*.so", ".pytest_cache", ".hypothesis")
+                                      "__pycache__", "*.so", ".pytest_cache", ".hypothesis", ".mypy_cache",
+                                      ".ruff_cache")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_the_sdist_holds_what_builds_the_extension_and_no_part_of_the_tests(buil
     names = {name.split("/", 1)[1] for name in tarfile.open(sdist).getnames() if "/" in name}
     assert {"CMakeLists.txt", "setup.py", "vllm_omni_kernels/kernels/vok_kernels.cuh",
             "vllm_omni_kernels/kernels/vok_torch.cu"} <= names
-    assert not [name for name in names if name.startswith("tests/")]  # (setuptools picked test_*.py alone)
+    assert not [name for name in names if name.startswith("tests/")]  # (setuptools' default: test_*.py, no helpers)
 
 
 @pytest.mark.parametrize("args", [["simulate", "--no-progress"], ["make-model", "somewhere"], ["serve", "model"]])

@@ -204,9 +204,9 @@ def test_the_talkers_options_out_of_range_are_refused_with_the_config(tmp_path, 
 
 
 def test_vllm_own_model_loader_refuses_the_talker_naming_this_packages_entry_points(tmp_path):
-    """``vllm serve DIR``, ``LLM`` or ``AsyncLLM`` on a talker directory build the model with vLLM's
-    loader in vLLM's model runner, which has no audio path for it: refused there, saying what to run
-    (it failed deep in the loader: the model has no ``load_weights``)."""
+    """``vllm serve DIR``, ``LLM`` or ``AsyncLLM`` on a talker directory, with vLLM's executor, build
+    the model with vLLM's loader for vLLM's model runner, which has no audio path for it: refused
+    there, saying what to run."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model

@@ -60,10 +60,10 @@ from ..serving import talker as tk
 from .client import EngineShutDownError, OmniAsyncMPClient, OmniInprocClient, OmniSyncMPClient
 from .output_processor import MultimodalOutputProcessor
 from .outputs import OmniRequestOutput, wrap_output
+from .plugin import register
 from .scheduler import MultimodalChannel, OmniAsyncScheduler, OmniScheduler
 from .talker_model import ARCHITECTURE, OmniTalkerForTTS
 from .upstream_style import UpstreamStyleOutputProcessor
-from .plugin import register
 from .worker import TalkerExecutor, WorkerOptions
 
 logger = init_logger("vllm.omni_kernels.llm")  # under "vllm.": vLLM's handler prints it

@@ -3,7 +3,9 @@
 ``make_model_dir(path)`` writes what vLLM loads a model from, made in code (no hub): a
 ``config.json`` (architecture, vocabulary, weight seed, voices) and a character-level tokenizer
 (every printable ASCII character a token, ids below the talker's ``TEXT_VOCAB``). The project's
-``vllm.general_plugins`` entry point (``plugin.py``) registers the architecture in every process.
+``vllm.general_plugins`` entry point (``plugin.py``) and this package's engines register the
+architecture. Only ``worker.TalkerWorker`` builds the model: vLLM's own model loader (its model
+runner, which has no audio path for it) is refused it, with the commands that serve it.
 
 ``OmniTalkerForTTS`` has vLLM's model interface, so vLLM's model inspection classifies it as a
 generation model; its ``talker`` (``serving.talker.ToyTalker``) is what ``worker.TalkerWorker`` runs.
@@ -33,11 +35,11 @@ class OmniTalkerForTTS(nn.Module):
     model's config."""
 
     def __init__(self, *, vllm_config, prefix: str = "", talker_worker: bool = False):
-        if not talker_worker:  # vLLM's own model runner, which has no audio path for it
+        if not talker_worker:  # vLLM's own model loader
             raise ValueError(f"{ARCHITECTURE} runs on this package's engine, whose worker runs the talker and keeps "
                              "its audio: serve the model directory with `python -m vllm_omni_kernels serve DIR`, or "
                              "run it with OmniLLM / OmniAsyncLLM and talker_engine_args "
-                             "(vllm_omni_kernels.vllm_integration), not with vLLM's own `vllm serve`, LLM or AsyncLLM")
+                             "(vllm_omni_kernels.vllm_integration): vLLM's own model runner has no audio path for it")
         super().__init__()
         seed = int(getattr(vllm_config.model_config.hf_config, "talker_seed", 0))
         self.talker = tk.ToyTalker(seed)
