@@ -303,6 +303,30 @@ def test_the_tokens_of_a_whole_file_aborted_while_held_count_in_vllms_statistics
     assert 30 + 19 <= log.tokens <= 30 + 22, log.tokens  # the stream's, and the file's made before its abort
 
 
+def test_engines_in_the_callers_process_give_torchs_threads_back(tmp_path):
+    """A talker on the CPU sets torch's intra-op threads for its steps (``cpu_threads``): in the
+    caller's process they are the caller's again once the last such engine has shut down, and an
+    engine that fails to start changes nothing."""
+    model = make_model_dir(tmp_path / "model")
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with pytest.raises(ValueError, match="pool_budget_bytes"):
+            OmniLLM.from_engine_args(talker_engine_args(model, device="cpu", max_num_seqs=4, additional_config={
+                "omni": {"pool_budget_bytes": 1 << 10, "cpu_threads": 1}}), enable_multiprocessing=False)
+        assert torch.get_num_threads() == 3
+        engines = [OmniLLM.from_engine_args(talker_engine_args(model, device="cpu", max_num_seqs=4, disable_log_stats=True,
+                                                               additional_config={"omni": {"cpu_threads": 1}}),
+                                            enable_multiprocessing=False) for _ in range(2)]
+        assert torch.get_num_threads() == 1
+        engines[0].shutdown()
+        assert torch.get_num_threads() == 1  # the other one still steps with its own
+        engines[1].shutdown()
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_generate_takes_an_idle_engine_and_leaves_nothing_behind_a_refused_prompt(tmp_path):
     """``OmniLLM.generate`` takes every output ``step`` returns: with a request of the caller's own
     in flight (id "0", which ``generate`` once used itself) it refuses to run; a prompt vLLM refuses

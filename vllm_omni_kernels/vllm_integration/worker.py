@@ -42,7 +42,8 @@ could ever give it (a slot grows into a new region before it gives up its old on
 budget at most) with ``TensorAccumulationError``, a 500;
 it must hold the first slots of ``max_num_seqs`` streams twice over: ``__init__``);
 ``cpu_threads`` (torch's threads for a CPU talker; None: half the cores unless ``OMP_NUM_THREADS`` is
-set, since idle OpenMP threads spin and would slow the API servers beside the engine); ``rows``
+set, since idle OpenMP threads spin and would slow the API servers beside the engine; an engine in
+the caller's process gives the caller's count back when it shuts down); ``rows``
 (request rows to start with; None: twice ``max_num_seqs``).
 """
 
@@ -192,9 +193,6 @@ class TalkerWorker:
         self.vllm_config = vllm_config
         self.options = WorkerOptions.from_config(vllm_config)
         self.device = self.options.torch_device()
-        threads = talker_cpu_threads(self.options.cpu_threads) if self.device.type == "cpu" else None
-        if threads is not None:
-            torch.set_num_threads(threads)
         sched = vllm_config.scheduler_config
         # What the engine core steps with (its batch queue is set from it next). An engine core in its
         # own process runs vLLM's config checks again once it is built, which on vLLM's CPU platform
@@ -240,6 +238,10 @@ class TalkerWorker:
         self.first_chunk_at: OrderedDict[str, float] = OrderedDict()  # request id (no vLLM suffix) -> monotonic
         # vLLM adds "-" and 8 random characters to the caller's request id unless told not to
         self._ids_as_given = bool(envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
+        threads = talker_cpu_threads(self.options.cpu_threads) if self.device.type == "cpu" else None
+        self._threads_taken = threads is not None  # (last: a worker that failed to start changed nothing)
+        if threads is not None:
+            _take_threads(threads)
 
     # ------------------------------------------------------------------ vLLM's worker RPCs
 
@@ -282,6 +284,9 @@ class TalkerWorker:
 
     def shutdown(self) -> None:
         self.synchronize_device()
+        if self._threads_taken:
+            self._threads_taken = False
+            _give_back_threads()
 
     def sleep(self, level: int = 1) -> None:
         """Refused: levels 1 and 2 free the weights and the KV cache, while the talker keeps its
@@ -696,6 +701,24 @@ def talker_cpu_threads(option: int | None, environ=os.environ, cores: int | None
     if "OMP_NUM_THREADS" in environ:
         return None
     return max(1, (cores or os.cpu_count() or 1) // 2)
+
+
+# torch's intra-op threads as the process had them before its first talker on the CPU took its own,
+# then one entry per talker on the CPU running in this process (an engine in the caller's process)
+_threads_before: list[int] = []
+
+
+def _take_threads(threads: int) -> None:
+    _threads_before.append(torch.get_num_threads())
+    torch.set_num_threads(threads)
+
+
+def _give_back_threads() -> None:
+    """The process's own thread count back once the last talker on the CPU in it shuts down."""
+    before = _threads_before[0]
+    _threads_before.pop()
+    if not _threads_before:
+        torch.set_num_threads(before)
 
 
 def talker_output_keys(cadence: int) -> list[OutputKey]:
