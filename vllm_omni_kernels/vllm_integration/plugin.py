@@ -1,7 +1,8 @@
 """The project's ``vllm.general_plugins`` entry point: vLLM runs ``register`` in every process it
 starts (frontend, engine core, workers), so each of them knows the talker's architecture. This
-package's engines register it themselves too (``llm.omni_vllm_config``, ``worker.TalkerExecutor``):
-an environment's ``VLLM_PLUGINS`` may leave the plugin out of vLLM's own serving."""
+package's engines register it themselves too, where vLLM's config is made (``llm.omni_vllm_config``;
+the engine core and the client processes take that config as it is): an environment's
+``VLLM_PLUGINS`` may leave the plugin out of vLLM's own serving."""
 
 from __future__ import annotations
 

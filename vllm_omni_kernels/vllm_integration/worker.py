@@ -76,7 +76,6 @@ from ..serving import talker as tk
 from ..serving.worker_accumulator import OutputKey, PackedStep, WorkerAccumulator
 from ..ring.staging import PinnedStaging
 from .outputs import OmniModelRunnerOutput
-from .plugin import register
 from .talker_model import OmniTalkerForTTS
 from .upstream_style import upstream_worker_outputs
 
@@ -743,7 +742,6 @@ class TalkerExecutor(UniProcExecutor):
     """vLLM's one-process executor, running ``TalkerWorker`` (module docstring)."""
 
     def _init_executor(self) -> None:
-        register()  # (an engine core where VLLM_PLUGINS leaves the plugin out)
         self.driver_worker = TalkerWorker(self.vllm_config)
 
     def discard(self, tags: tuple[str, ...]) -> None:
