@@ -1,6 +1,6 @@
 """The CUDA C++ sources compile (CPU CI: nvcc and cmake are present, no GPU needed).
 
-A syntax or template error in kernels/ fails here: the kernel header is compiled to PTX for
+A syntax or template error in vllm_omni_kernels/kernels/ fails here: the kernel header is compiled to PTX for
 compute_90 and SASS for sm_90a with the definitions of ``ops/layout.py`` (and refuses to compile
 without them), every entry point is there and waits for the kernel before it, and the CMake project
 configures and builds the torch extension, whose op schemas say what each op writes.

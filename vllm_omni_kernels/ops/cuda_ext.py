@@ -1,7 +1,7 @@
-"""The compiled CUDA C++ backend: ``_vok_ops*.so`` built from ``kernels/`` (CMakeLists.txt).
+"""The compiled CUDA C++ backend: ``_vok_ops*.so`` built from the package's ``kernels/`` (CMakeLists.txt).
 
 Loading the library (``torch.ops.load_library``) registers ``torch.ops.vllm_omni_kernels.{ring_write,
-ring_read, row_gather}`` (``kernels/vok_torch.cu``); this module registers their fake implementations
+ring_read, row_gather}`` (``vllm_omni_kernels/kernels/vok_torch.cu``); this module registers their fake implementations
 (they mutate their arguments and return nothing) so ``torch.compile`` can trace callers, and wraps
 them with the launch functions every backend has.
 

@@ -1,8 +1,8 @@
-"""The CuPy backend: ``kernels/vok_kernels.cuh`` (package data) compiled at run time with NVRTC, for machines
-without a build of the extension. The kernels are the compiled backend's own source, with the same
-definitions (``layout.cuda_defines``), launched with torch tensors' device pointers on torch's
-current stream (an ``ExternalStream`` per torch stream: no copy, no stream mix-up), with the grids
-of ``kernels/vok_torch.cu``.
+"""The CuPy backend: ``vllm_omni_kernels/kernels/vok_kernels.cuh`` (package data) compiled at run time
+with NVRTC, for machines without a build of the extension. The kernels are the compiled backend's
+own source, with the same definitions (``layout.cuda_defines``), launched with torch tensors' device
+pointers on torch's current stream (an ``ExternalStream`` per torch stream: no copy, no stream
+mix-up), with the grids of ``vok_torch.cu`` beside it.
 
 Sources: ``$VLLM_OMNI_KERNELS_SOURCES`` (a directory), else the package's ``kernels/``.
 """

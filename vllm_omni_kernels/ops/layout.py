@@ -3,7 +3,7 @@ gather's row record, and the kernels' block shapes.
 
 The Triton kernels and the host code import these names; the CUDA C++ kernels get them as
 ``-DVOK_...`` definitions (``cuda_defines()``): CMake asks ``python -m vllm_omni_kernels.ops.layout``
-for them, CuPy passes them to NVRTC, and ``kernels/vok_kernels.cuh`` refuses to compile without them.
+for them, CuPy passes them to NVRTC, and ``vllm_omni_kernels/kernels/vok_kernels.cuh`` refuses to compile without them.
 
 Ring metadata: int64 ``[rows, META_COLS]``, one row per request of a launch (element offsets, never
 bytes, so pools larger than 2**31 elements work):
@@ -74,7 +74,7 @@ def gather_row_blocks(width: int, elem_size: int) -> int:
 
 
 def cuda_defines() -> list[str]:
-    """The ``-D`` definitions ``kernels/vok_kernels.cuh`` is compiled with."""
+    """The ``-D`` definitions ``vllm_omni_kernels/kernels/vok_kernels.cuh`` is compiled with."""
     values = {"META_COLS": META_COLS, "SLOT": SLOT, "LIN_OFF": LIN_OFF, "N": N, "BASE": BASE, "CAP": CAP,
               "POS": POS, "LIN_STRIDE": LIN_STRIDE, "HEAD_SHIFT": HEAD_SHIFT, "ROW_WORDS": ROW_WORDS,
               "R_SRC": R_SRC, "R_SRC_STRIDE": R_SRC_STRIDE, "R_SRC_ROW": R_SRC_ROW, "R_DST": R_DST,
